@@ -1,0 +1,40 @@
+# pipeserve developer entry points. Every target creates .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL ?=
+HOST ?= 127.0.0.1
+PORT ?= 50051
+WORKERS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint venv proto clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	# torch first, pinned, so pip takes the CPU build on disk instead of pulling CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+proto: $(STAMP)
+	$(BIN)/python -m services.gateway.proto
+
+serve: $(STAMP)
+	$(BIN)/pipeserve up $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) --tokenizer-workers $(WORKERS)
+
+test: $(STAMP)
+	# docker-compose (Debian package) validates compose.yaml in the tests; best effort when not root.
+	command -v docker-compose >/dev/null 2>&1 || (apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
+	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker-compose >/dev/null 2>&1) || true)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check services tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,64 @@
+"""The `pipeserve` command. Each subcommand lives in its own module, imported only when used, so
+the gateway and tokenizer processes never import torch.
+
+A command module defines `add_arguments(parser)` and `main(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.launcher", "start every process on this host and serve gRPC"),
+    "gateway": ("services.gateway.server", "run the gRPC gateway process"),
+    "tokenizer": ("services.tokenizer.worker", "run one tokenizer worker process"),
+    "engine": ("services.engine.process", "run the engine process"),
+    "detokenizer": ("services.detokenizer.worker", "run the detokenizer process"),
+    "generate": ("services.gateway.client", "stream a completion from a running server"),
+    "roofline": ("services.bench.roofline", "speed-of-light calculator for a model on a GPU"),
+    "simulate": ("services.bench.simulate", "replay a trace through the scheduler with a cost model"),
+    "bench": ("", "benchmarks; `pipeserve bench --help` lists them"),
+}
+
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "offline": ("services.bench.offline", "engine vs HF generate on trace-shaped requests"),
+    "throughput": ("services.bench.throughput", "decode throughput by batch size"),
+    "latency": ("services.bench.latency", "prefill and decode latency tables"),
+    "serve": ("services.bench.serve", "streaming gRPC clients replaying a trace"),
+    "pipeline": ("services.bench.pipeline", "pipeline vs in-process, and gateway capacity"),
+    "quant": ("services.bench.quant", "quantization accuracy, memory and speed"),
+    "reliability": ("services.bench.reliability", "fault, overload and soak figures"),
+}
+
+
+def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
+    lines = [f"usage: {prog} COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in table.items()]
+    return "\n".join(lines)
+
+
+def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(table, prog))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=table[name][1])
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(rest)) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return _run(BENCH_COMMANDS, "pipeserve bench", argv[1:])
+    return _run(COMMANDS, "pipeserve", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Per-request sampling parameters. Torch-free: the gateway and tokenizer import it too."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 means the whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, on prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, on output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per token; None: none
+    skip_special_tokens: bool = True
+
+    def validate(self, max_logprobs: int = 20) -> None:
+        """Raise ValueError naming the offending field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, "must be a finite number")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            bad("top_k", "must be -1 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad("seed", "must be an integer in [0, 2**63)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            bad("min_tokens", "must be in [0, max_tokens]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs):
+            bad("logprobs", f"must be in [0, {max_logprobs}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+        return cls(**data)
