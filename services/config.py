@@ -63,6 +63,7 @@ class Addresses:
     control: str = field(default_factory=lambda: _env("PIPESERVE_CONTROL_ADDR", "ipc:///tmp/pipeserve/control"))
     steps: str = field(default_factory=lambda: _env("PIPESERVE_STEPS_ADDR", "ipc:///tmp/pipeserve/steps"))
     deltas: str = field(default_factory=lambda: _env("PIPESERVE_DELTAS_ADDR", "ipc:///tmp/pipeserve/deltas"))
+    errors: str = field(default_factory=lambda: _env("PIPESERVE_ERRORS_ADDR", "ipc:///tmp/pipeserve/errors"))
 
     @classmethod
     def under(cls, directory: str) -> Addresses:

@@ -135,8 +135,31 @@ class RequestError(Message):
     message: str
 
 
+@dataclass
+class EngineInfo(Message):
+    """engine -> gateway (errors socket), every heartbeat: what ModelInfo serves, and proof of life.
+
+    boot changes when the engine restarts, so the gateway can fail the requests the old one had."""
+
+    TAG: ClassVar[str] = "engine_info"
+    boot: int
+    info: dict[str, Any]  # Engine.model_info() plus max_logprobs
+    stats: dict[str, int] | None = None
+
+
+@dataclass
+class ProcessStatus(Message):
+    """supervisor (`pipeserve up`) -> gateway (errors socket): a process died or was restarted."""
+
+    TAG: ClassVar[str] = "process"
+    process: str  # "engine", "detokenizer", "tokenizer-0", ...
+    up: bool
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TAG: cls for cls in (TokenizeRequest, EngineRequest, Abort, StepOutput, TextDeltas, RequestError)
+    cls.TAG: cls
+    for cls in (TokenizeRequest, EngineRequest, Abort, StepOutput, TextDeltas, RequestError, EngineInfo,
+                ProcessStatus)
 }
 
 
