@@ -1,9 +1,13 @@
-"""All configuration of pipeserve in one place: engine options and process addresses."""
+"""All configuration of pipeserve in one place: engine and gateway options, process addresses, and the
+CLI flags derived from them."""
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
 BACKENDS = ("torch", "triton")
@@ -69,3 +73,60 @@ class Addresses:
     def under(cls, directory: str) -> Addresses:
         """ipc:// endpoints inside one directory (local mode: nothing listens beyond the host)."""
         return cls(**{name: f"ipc://{directory}/{name}" for name in cls.__dataclass_fields__})
+
+    def to_env(self) -> dict[str, str]:
+        """The env vars that make a child process's Addresses() equal these."""
+        return {f"PIPESERVE_{name.upper()}_ADDR": getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass
+class GatewayConfig:
+    """Options of the gRPC gateway (`pipeserve gateway`, and passed through by `pipeserve up`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_inflight: int = 4096  # admission limit: more concurrent streams get RESOURCE_EXHAUSTED
+    max_request_bytes: int = 4 * 1024 * 1024  # larger requests get INVALID_ARGUMENT
+    max_response_bytes: int = 1024 * 1024  # a coalesced response is cut at about this size
+    liveness_timeout: float = 10.0  # no heartbeat for this long: NOT_SERVING, streams end UNAVAILABLE
+    grace: float = 10.0  # on SIGTERM, in-flight streams get this long to finish
+    metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.max_request_bytes < 1024 or self.max_response_bytes < 1024:
+            raise ValueError("max_inflight must be >= 1, max_request_bytes and max_response_bytes >= 1024")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, suffix: str = "") -> None:
+    """One flag per dataclass field (`--page-size`, `--tokenize-addr` with suffix "-addr"). Flags
+    default to None, so from_args() leaves unset fields to the dataclass (and its env defaults)."""
+    group = parser.add_argument_group(cls.__name__)
+    for f, hint in _field_hints(cls):
+        flag = f"--{f.name.replace('_', '-')}{suffix}"
+        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
+                               else {"type": kind, "metavar": kind.__name__.upper()})
+        group.add_argument(flag, default=None, help=f"default {default}", **how)
+
+
+def from_args(cls: type, args: argparse.Namespace, suffix: str = "") -> Any:
+    values = {f.name: getattr(args, f.name + suffix.replace("-", "_")) for f, _ in _field_hints(cls)}
+    return cls(**{name: value for name, value in values.items() if value is not None})
+
+
+def to_argv(obj: Any, suffix: str = "") -> list[str]:
+    """The flags that reproduce obj's non-default fields in a child process."""
+    argv = []
+    for f, _ in _field_hints(type(obj)):
+        value = getattr(obj, f.name)
+        if f.default is not MISSING and value == f.default or value is None:
+            continue
+        flag = f"--{f.name.replace('_', '-')}{suffix}"
+        argv += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return argv
+
+
+def _field_hints(cls: type) -> list[tuple[Any, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in fields(cls)]
