@@ -1,0 +1,107 @@
+"""The paged KV pool: per-layer K/V page tensors, the free-page list, reservations and the
+persistent block table (one row per request slot, updated in place as pages are added)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LayerCache
+
+# Quantized caches keep one fp16 scale per group of channels (PPL.LLM: 8).
+KV_SCALE_GROUP = 8
+_KV_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    elems = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    if kv_cache_dtype == "auto":
+        return elems * dtype.itemsize
+    return elems + elems // _scale_group(cfg.head_dim) * 2  # 1 byte + fp16 scale per group
+
+
+def _scale_group(head_dim: int) -> int:
+    return KV_SCALE_GROUP if head_dim % KV_SCALE_GROUP == 0 else head_dim
+
+
+@dataclass
+class PoolStats:
+    pages_total: int
+    pages_used: int
+    pages_reserved: int  # promised to running requests but not yet allocated
+    pages_free: int
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device, max_num_seqs: int, max_model_len: int, kv_cache_dtype: str = "auto"):
+        if num_pages < 1:
+            raise ValueError("the KV pool needs at least one page; raise kv_cache_gb")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        storage = _KV_STORAGE.get(kv_cache_dtype, dtype)
+        self.kv = torch.zeros(shape, dtype=storage, device=device)
+        self.scales = None
+        if kv_cache_dtype != "auto":
+            group = _scale_group(cfg.head_dim)
+            self.scales = torch.zeros((*shape[:-1], cfg.head_dim // group), dtype=torch.float16, device=device)
+        self.layers = [
+            LayerCache(self.kv[i, 0], self.kv[i, 1],
+                       None if self.scales is None else self.scales[i, 0],
+                       None if self.scales is None else self.scales[i, 1])
+            for i in range(cfg.num_layers)
+        ]
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.block_table = np.zeros((max_num_seqs, self.max_pages_per_seq), dtype=np.int32)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is O(1)
+        self.promised = 0  # sum over running requests of reserved - allocated pages
+
+    # -- accounting -------------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def available(self) -> int:
+        """Pages neither allocated nor promised: what admission and overflow growth may take."""
+        return len(self._free) - self.promised
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.num_pages, self.num_pages - len(self._free), self.promised, len(self._free))
+
+    # -- per request ------------------------------------------------------------------------
+    def reserve(self, seq, num_pages: int) -> None:
+        """Promise `num_pages` in total to a request being admitted (caller checked `available`)."""
+        seq.reserved_pages = max(num_pages, len(seq.pages))
+        self.promised += seq.reserved_pages - len(seq.pages)
+
+    def grow(self, seq, num_tokens: int) -> bool:
+        """Make room for `num_tokens` tokens; False (and nothing taken) if the pool cannot."""
+        need = self.pages_for(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        from_promise = min(need, seq.reserved_pages - len(seq.pages))
+        overflow = need - from_promise
+        if overflow > self.available:
+            return False
+        self.promised -= from_promise
+        seq.reserved_pages += overflow
+        start = len(seq.pages)
+        new = [self._free.pop() for _ in range(need)]
+        seq.pages.extend(new)
+        self.block_table[seq.slot, start : start + need] = new
+        return True
+
+    def release(self, seq) -> None:
+        """Return every page and promise of a request (finish, abort or preemption)."""
+        self.promised -= seq.reserved_pages - len(seq.pages)
+        self._free.extend(reversed(seq.pages))
+        seq.pages = []
+        seq.reserved_pages = 0

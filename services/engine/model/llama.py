@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat token batch and a paged KV cache.
+
+q/k/v and gate/up are fused into one matmul each (the loader fills the slices); every hot op goes
+through an `Ops` table so the torch reference and the Triton kernels share this code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.engine.ops import AttentionMetadata, Ops, rope_cache
+
+from .config import ModelConfig
+
+
+@dataclass
+class LayerCache:
+    """One layer's view of the KV pool (scales only for quantized caches)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def scale_kwargs(self) -> dict[str, torch.Tensor]:
+        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None, ops: Ops) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        self.ops.apply_rope(q, k, positions, cos_sin)
+        scales = cache.scale_kwargs()
+        self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self.ops.decode_attention(q[:nd], cache.k, cache.v, meta.decode_block_tables,
+                                                 meta.decode_seq_lens, self.scale, self.sliding_window,
+                                                 **scales)
+        if t > nd:
+            out[nd:] = self.ops.prefill_attention(q[nd:], cache.k, cache.v, meta.prefill_block_tables,
+                                                  meta.prefill_cu_q_lens, meta.prefill_seq_lens,
+                                                  meta.prefill_max_q_len, meta.prefill_max_seq_len,
+                                                  self.scale, self.sliding_window, **scales)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, cfg.layer_sliding_windows[layer], ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, meta: AttentionMetadata, cache: LayerCache):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, meta, cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)  # set by init_rope
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        cfg = self.config
+        self.cos_sin = rope_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                caches: list[LayerCache]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

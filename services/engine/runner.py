@@ -1,0 +1,156 @@
+"""Turns a scheduled batch into the flat model input, runs the model and samples on the device.
+
+Batch metadata is built with vectorised numpy from the persistent block table and copied into
+persistent device buffers (pinned staging on CUDA, non-blocking). The only intended host-device
+sync per step is fetching the sampled token ids, which the next step needs anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.kv.pool import KVPool
+from services.engine.model.llama import LlamaForCausalLM
+from services.engine.ops import AttentionMetadata
+from services.engine.sampler import Sampler
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    logprobs: np.ndarray | None = None  # [B] float32, sampled token
+    top_ids: np.ndarray | None = None  # [B, K]
+    top_logprobs: np.ndarray | None = None
+
+
+@dataclass
+class FlatBatch:
+    """Host-side (numpy) model input of one step."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    num_decode: int
+    decode_slots: np.ndarray
+    prefill_slots: np.ndarray
+    prefill_cu_q_lens: np.ndarray
+    prefill_seq_lens: np.ndarray
+    sample_rows: np.ndarray
+    sample_slots: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sampler: Sampler, device: torch.device,
+                 max_num_seqs: int, max_num_batched_tokens: int):
+        self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
+        self.page_size = pool.page_size
+        pin = device.type == "cuda"
+        max_tokens = max_num_batched_tokens + max_num_seqs
+
+        def buf(n: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(n, *shape, dtype=dtype, device=device)
+
+        # Persistent device buffers, refilled in place every step.
+        self.buf = {
+            "input_ids": buf(max_tokens, torch.int64),
+            "positions": buf(max_tokens, torch.int64),
+            "slot_mapping": buf(max_tokens, torch.int64),
+            "decode_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
+            "prefill_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
+            "decode_seq_lens": buf(max_num_seqs, torch.int32),
+            "prefill_seq_lens": buf(max_num_seqs, torch.int32),
+            "prefill_cu_q_lens": buf(max_num_seqs + 1, torch.int32),
+            "sample_rows": buf(max_num_seqs, torch.int64),
+            "sample_slots": buf(max_num_seqs, torch.int64),
+        }
+        self.staging = {k: torch.zeros_like(v, device="cpu", pin_memory=pin) for k, v in self.buf.items()}
+
+    def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """Copy a host array into the persistent device buffer `name`; return the filled prefix,
+        contiguous in the array's shape."""
+        n = array.size
+        host = self.staging[name].view(-1)[:n].view(array.shape)
+        host.numpy()[...] = array
+        dev = self.buf[name].view(-1)[:n].view(array.shape)
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+    # -- metadata -------------------------------------------------------------------------------
+    def build(self, batch: ScheduledBatch) -> FlatBatch:
+        table, size = self.pool.block_table, self.page_size
+        nd = len(batch.decode)
+        d_slots = np.fromiter((s.slot for s in batch.decode), np.int64, nd)
+        d_pos = np.fromiter((s.num_computed for s in batch.decode), np.int64, nd)
+        d_ids = np.fromiter((s.token_ids[-1] for s in batch.decode), np.int64, nd)
+
+        p_slots = np.fromiter((s.slot for s in batch.prefill), np.int64, len(batch.prefill))
+        p_lens = np.asarray(batch.prefill_lens, dtype=np.int64)
+        p_start = np.fromiter((s.num_computed for s in batch.prefill), np.int64, len(batch.prefill))
+        cu = np.zeros(len(p_lens) + 1, dtype=np.int64)
+        np.cumsum(p_lens, out=cu[1:])
+        total_p = int(cu[-1])
+        # Positions of every prefill row: start of its request + offset within its chunk.
+        p_rows_req = np.repeat(np.arange(len(p_lens)), p_lens)
+        p_pos = p_start[p_rows_req] + (np.arange(total_p) - cu[:-1][p_rows_req])
+        p_ids = np.fromiter(
+            (t for s, a, n in zip(batch.prefill, p_start, p_lens, strict=True) for t in s.token_ids[a : a + n]),
+            np.int64, total_p,
+        )
+        positions = np.concatenate([d_pos, p_pos])
+        row_slots = np.concatenate([d_slots, p_slots[p_rows_req]])
+        slot_mapping = table[row_slots, positions // size].astype(np.int64) * size + positions % size
+
+        done = p_start + p_lens
+        p_samples = done == np.fromiter((s.num_tokens for s in batch.prefill), np.int64, len(batch.prefill))
+        sample_rows = np.concatenate([np.arange(nd), nd + cu[1:][p_samples] - 1])
+        sample_slots = np.concatenate([d_slots, p_slots[p_samples]])
+        return FlatBatch(np.concatenate([d_ids, p_ids]), positions, slot_mapping, nd, d_slots, p_slots,
+                         cu, done, sample_rows, sample_slots)
+
+    def metadata(self, flat: FlatBatch) -> AttentionMetadata:
+        table = self.pool.block_table
+        d_lens = flat.positions[: flat.num_decode] + 1
+        max_pages = self.pool.pages_for(int(max(d_lens.max(initial=1), flat.prefill_seq_lens.max(initial=1))))
+        p_q = np.diff(flat.prefill_cu_q_lens)
+        return AttentionMetadata(
+            slot_mapping=self._stage("slot_mapping", flat.slot_mapping),
+            num_decode=flat.num_decode,
+            decode_block_tables=self._stage("decode_block_tables", table[flat.decode_slots, :max_pages]),
+            decode_seq_lens=self._stage("decode_seq_lens", d_lens),
+            prefill_block_tables=self._stage("prefill_block_tables", table[flat.prefill_slots, :max_pages]),
+            prefill_cu_q_lens=self._stage("prefill_cu_q_lens", flat.prefill_cu_q_lens),
+            prefill_seq_lens=self._stage("prefill_seq_lens", flat.prefill_seq_lens),
+            prefill_max_q_len=int(p_q.max(initial=0)),
+            prefill_max_seq_len=int(flat.prefill_seq_lens.max(initial=0)),
+        )
+
+    # -- the step -------------------------------------------------------------------------------
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        flat = self.build(batch)
+        meta = self.metadata(flat)
+        input_ids = self._stage("input_ids", flat.input_ids)
+        positions = self._stage("positions", flat.positions)
+        hidden = self.model(input_ids, positions, meta, self.pool.layers)
+        if flat.sample_rows.size == 0:  # only partial prefill chunks this step
+            return StepResult([])
+        rows = self._stage("sample_rows", flat.sample_rows)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        out = self.sampler.sample(logits, flat.sample_slots, self._stage("sample_slots", flat.sample_slots))
+        result = StepResult(out.tokens.tolist())  # the one intended sync of the step
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.cpu().numpy()
+            result.top_ids = out.top_ids.cpu().numpy()
+            result.top_logprobs = out.top_logprobs.cpu().numpy()
+        return result
+
+    # -- per-request state ------------------------------------------------------------------
+    def admit(self, seq: Sequence, stop_ids: list[int]) -> None:
+        self.sampler.set_request(seq.slot, seq.params, seq.token_ids[: seq.prompt_len], seq.output_ids, stop_ids)
+
+    def release(self, seq: Sequence) -> None:
+        self.sampler.free(seq.slot)

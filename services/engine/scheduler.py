@@ -1,0 +1,149 @@
+"""Continuous batching: every step is one merge step of decode rows (one token per running request)
+and prefill chunks (new or partially prefilled requests), under a token budget and a request cap.
+FCFS admission through the admission policy; preemption by recompute when the pool runs dry."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.engine.kv.policy import AdmissionPolicy
+from services.engine.kv.pool import KVPool
+from services.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)  # one row each, first in the flat batch
+    prefill: list[Sequence] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)  # chunk length of each prefill request
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(self.prefill_lens)
+
+    def sampling(self) -> list[Sequence]:
+        """Requests that sample this step, in row order: every decode row and each prefill whose
+        chunk reaches the end of its tokens (a partial chunk only fills the cache)."""
+        done = [s for s, n in zip(self.prefill, self.prefill_lens, strict=True) if s.num_computed + n == s.num_tokens]
+        return self.decode + done
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, policy: AdmissionPolicy, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, on_admit: Callable[[Sequence], None], on_release: Callable[[Sequence], None]):
+        self.pool, self.policy = pool, policy
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.on_admit, self.on_release = on_admit, on_release  # the runner's per-slot state
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        # Running requests in admission order: decode rows, then chunks of unfinished prefills.
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = seq.num_uncomputed
+            chunk = 1 if n == 1 else min(n, budget)
+            while not self.pool.grow(seq, seq.num_computed + chunk):
+                preempted = True
+                later = self.running[self.running.index(seq) + 1 :]
+                victim = self.policy.pick_victim(later) if later else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if n == 1:
+                batch.decode.append(seq)
+            else:
+                batch.prefill.append(seq)
+                batch.prefill_lens.append(chunk)
+            budget -= chunk
+        # New requests, strictly first come first served; none in a step that had to preempt.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = min(self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
+                       self.pool.num_pages)
+            if need > self.pool.available:
+                break
+            self.waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            seq.status = Status.RUNNING
+            self.pool.reserve(seq, need)
+            self.running.append(seq)
+            self.on_admit(seq)
+            chunk = min(seq.num_uncomputed, budget)
+            if not self.pool.grow(seq, seq.num_computed + chunk):  # beyond a capped reservation
+                self.preempt(seq)
+                break
+            batch.prefill.append(seq)
+            batch.prefill_lens.append(chunk)
+            budget -= chunk
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Advance the cache positions, append sampled tokens and finish requests that stop.
+        Returns the requests that finished."""
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, n in zip(batch.prefill, batch.prefill_lens, strict=True):
+            seq.num_computed += n
+        finished = []
+        for seq, token in zip(sampled, tokens, strict=True):
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str:
+        if token in seq.stop_ids and seq.num_output > seq.params.min_tokens:  # sampler masks them before
+            return "stop"
+        if seq.num_output >= seq.params.max_tokens:
+            return "length"
+        # The next token must fit in the context and in the whole pool, or it could never run.
+        if seq.num_tokens >= self.max_model_len or self.pool.pages_for(seq.num_tokens + 1) > self.pool.num_pages:
+            return "length"
+        return ""
+
+    # -- leaving the running set ------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq)
+        self.on_release(seq)
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+        self.running.remove(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the cache, keep the tokens, go back to the head of the queue."""
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self._release(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.policy.on_finish(seq)

@@ -1,0 +1,52 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    token_ids: list[int]  # prompt followed by every generated token
+    prompt_len: int
+    params: SamplingParams
+    arrival: float
+    app: str = ""
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and stop_token_ids
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    pages: list[int] = field(default_factory=list)
+    reserved_pages: int = 0  # pages promised by admission (>= len(pages) while running)
+    slot: int = -1  # row in the block table and the sampler's per-request buffers
+    finish_reason: str = ""
+    announced: bool = False  # the detokenizer has been told about this request
+    num_preemptions: int = 0
+    predicted_len: int | None = None  # the `predicted` policy's reservation of output tokens
+    first_scheduled: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model: 1 when decoding, more while (re)prefilling."""
+        return len(self.token_ids) - self.num_computed
