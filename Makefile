@@ -34,7 +34,6 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check services tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

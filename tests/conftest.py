@@ -1,0 +1,55 @@
+"""Shared test set-up: the Triton interpreter on machines without CUDA, paths into ../shared,
+and tiny random Hugging Face checkpoints built on the fly (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+# Must precede the first `import triton` anywhere in the test process.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not pathlib.Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SHARED = pathlib.Path(os.environ.get("PIPESERVE_SHARED", REPO.parent / "shared"))
+STORIES = SHARED / "models" / "stories260K"
+TRACES = SHARED / "data" / "traces"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep the demo model out of the user's home directory."""
+    os.environ.setdefault("PIPESERVE_CACHE", str(tmp_path_factory.mktemp("pipeserve-cache")))
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> str:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"stories260K not found at {STORIES} (set PIPESERVE_SHARED to the shared/ folder)")
+    return str(STORIES)
+
+
+@pytest.fixture(scope="session")
+def traces_dir() -> pathlib.Path:
+    if not TRACES.is_dir():
+        pytest.skip(f"traces not found at {TRACES} (set PIPESERVE_SHARED to the shared/ folder)")
+    return TRACES
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_model("llama" | "qwen2" | "mistral", **config overrides) -> checkpoint dir."""
+    from tests.models import build_tiny_model
+
+    cache: dict[tuple, str] = {}
+
+    def make(kind: str = "llama", **overrides) -> str:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = build_tiny_model(str(tmp_path_factory.mktemp(kind)), kind, **overrides)
+        return cache[key]
+
+    return make

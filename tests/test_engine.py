@@ -1,0 +1,182 @@
+"""Engine behaviour: aborts free everything, tombstones, validation, seeds, loader errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from services.engine.engine import Engine
+from services.messages import unpack_ids
+from services.sampling_params import SamplingParams
+
+
+def drain(engine: Engine, limit: int = 10_000) -> dict[str, tuple[list[int], str]]:
+    """Step until idle; rid -> (tokens, finish reason)."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for _ in range(limit):
+        if not engine.has_work():
+            return out
+        step = engine.step()
+        for rid, tok, fin in zip(step.rids, unpack_ids(step.tokens).tolist(), step.finish, strict=True):
+            toks, reason = out.get(rid, ([], ""))
+            out[rid] = (toks + ([tok] if tok >= 0 else []), fin or reason)
+    raise AssertionError("engine did not go idle")
+
+
+@pytest.fixture(scope="module")
+def engine(stories_dir) -> Engine:
+    return Engine(model=stories_dir, device="cpu", page_size=4, num_pages=64, max_num_batched_tokens=12)
+
+
+def test_abort_at_random_points_returns_every_page(engine):
+    rng = random.Random(0)
+    for trial in range(30):
+        rids = [f"a{trial}-{i}" for i in range(4)]
+        for rid in rids:
+            engine.add(rid, [1] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))],
+                       SamplingParams(max_tokens=rng.randrange(1, 20), temperature=1.0))
+        victim = rng.choice(rids)
+        for _ in range(rng.randrange(0, 8)):
+            if engine.has_work():
+                engine.step()
+        engine.abort(victim)
+        engine.abort(victim)  # idempotent
+        results = drain(engine)
+        assert results.get(victim, ([], "abort"))[1] in ("abort", "stop", "length")
+    stats = engine.stats()
+    assert stats["pages_used"] == 0 and stats["pages_reserved"] == 0
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["requests"] == 0
+
+
+def test_abort_overtaking_its_add_is_remembered(engine):
+    engine.abort("late")
+    assert engine.stats()["tombstones"] >= 1
+    engine.add("late", [1, 5, 6], SamplingParams(max_tokens=5))
+    out = drain(engine)
+    assert out["late"] == ([], "abort")
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_abort_of_a_finished_request_leaves_no_tombstone(engine):
+    engine.add("done", [1, 5, 6], SamplingParams(max_tokens=2))
+    drain(engine)
+    before = engine.stats()["tombstones"]
+    engine.abort("done")
+    assert engine.stats()["tombstones"] == before
+
+
+@pytest.mark.parametrize("params,prompt,match", [
+    (dict(max_tokens=0), [1, 2], "max_tokens"),
+    (dict(temperature=-1.0), [1, 2], "temperature"),
+    (dict(temperature=float("nan")), [1, 2], "temperature"),
+    (dict(top_p=0.0), [1, 2], "top_p"),
+    (dict(top_p=1.5), [1, 2], "top_p"),
+    (dict(top_k=0), [1, 2], "top_k"),
+    (dict(top_k=-2), [1, 2], "top_k"),
+    (dict(), [], "empty"),
+    (dict(), [1, 10_000], "prompt_token_ids"),
+    (dict(), [1] * 600, "context"),
+])
+def test_bad_requests_raise_and_leave_the_engine_serving(engine, params, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add("bad", prompt, SamplingParams(**params))
+    engine.add("good", [1, 5], SamplingParams(max_tokens=3, temperature=0.0))
+    assert drain(engine)["good"][1] == "length"
+
+
+def test_duplicate_in_flight_id_rejected(engine):
+    engine.add("dup", [1, 5], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add("dup", [1, 5], SamplingParams(max_tokens=3))
+    drain(engine)
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(engine):
+    params = dict(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    engine.add("alone", [1, 403, 407], SamplingParams(**params))
+    alone = drain(engine)["alone"][0]
+    for i in range(5):
+        engine.add(f"noise{i}", [1, 20 + i, 30], SamplingParams(max_tokens=10 + i, temperature=1.0))
+    engine.add("crowd", [1, 403, 407], SamplingParams(**params))
+    assert drain(engine)["crowd"][0] == alone
+
+
+def test_eos_stop_token_ids_min_tokens_ignore_eos(engine):
+    # Greedy "Once upon a time" continues with "," (id found below); use it as a stop token.
+    engine.add("probe", [1, 403, 407, 261, 378], SamplingParams(max_tokens=3, temperature=0.0))
+    first = drain(engine)["probe"][0][0]
+    engine.add("stop", [1, 403, 407, 261, 378], SamplingParams(max_tokens=10, temperature=0.0,
+                                                               stop_token_ids=[first]))
+    assert drain(engine)["stop"] == ([first], "stop")
+    engine.add("min", [1, 403, 407, 261, 378], SamplingParams(max_tokens=10, temperature=0.0,
+                                                              stop_token_ids=[first], min_tokens=3))
+    toks, reason = drain(engine)["min"]
+    assert len(toks) >= 3 and first not in toks[:3]
+    engine.add("long", [1, 403], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    toks, reason = drain(engine)["long"]
+    assert len(toks) == 200 and reason == "length"
+
+
+def test_prompt_filling_the_pool_finishes_by_length(stories_dir):
+    engine = Engine(model=stories_dir, device="cpu", page_size=4, num_pages=4)
+    engine.add("big", [1] + [300] * 13, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    toks, reason = drain(engine)["big"]
+    assert reason == "length" and 14 + len(toks) == 16
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add("huge", [1] * 20, SamplingParams())
+
+
+def test_loader_rejects_unknown_architecture_and_bad_tensors(stories_dir, tmp_path):
+    bad = tmp_path / "arch"
+    shutil.copytree(stories_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        Engine(model=str(bad), device="cpu")
+
+    from safetensors.torch import load_file, save_file
+
+    missing = tmp_path / "missing"
+    shutil.copytree(stories_dir, missing)
+    weights = load_file(str(missing / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if "layers.3.mlp.up_proj" not in k}, str(missing / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks tensors"):
+        Engine(model=str(missing), device="cpu")
+
+    shaped = tmp_path / "shaped"
+    shutil.copytree(stories_dir, shaped)
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, str(shaped / "model.safetensors"))
+    with pytest.raises(ValueError, match="shape"):
+        Engine(model=str(shaped), device="cpu")
+
+
+def test_sharded_checkpoint_loads(stories_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{stories_dir}/model.safetensors")
+    names = sorted(weights)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(f"{stories_dir}/{f}", tmp_path / f)
+    for fname, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(tmp_path / fname))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    sharded = Engine(model=str(tmp_path), device="cpu")
+    single = Engine(model=stories_dir, device="cpu")
+    for eng in (sharded, single):
+        eng.add("x", [1, 403, 407], SamplingParams(max_tokens=8, temperature=0.0))
+    assert drain(sharded)["x"] == drain(single)["x"]
+
+
+def test_demo_model_is_built_and_serves():
+    engine = Engine(device="cpu", num_pages=32)
+    assert engine.model_info()["name"].startswith("pipeserve-demo")
+    engine.add("d", engine.tokenizer("hello").input_ids, SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(drain(engine)["d"][0]) == 4
