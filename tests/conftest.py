@@ -3,6 +3,7 @@ and tiny random Hugging Face checkpoints built on the fly (nothing is downloaded
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -47,7 +48,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, str] = {}
 
     def make(kind: str = "llama", **overrides) -> str:
-        key = (kind, tuple(sorted(overrides.items())))
+        key = (kind, json.dumps(overrides, sort_keys=True))
         if key not in cache:
             cache[key] = build_tiny_model(str(tmp_path_factory.mktemp(kind)), kind, **overrides)
         return cache[key]

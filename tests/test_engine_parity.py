@@ -54,8 +54,8 @@ def test_stories_greedy_matches_hf(story_case, options):
 
 def test_stories_text_is_the_known_continuation(stories_dir):
     llm = LLM(stories_dir, device="cpu")
-    out = llm.generate("Once upon a time", SamplingParams(max_tokens=20, temperature=0.0))[0]
-    assert out.text.startswith(", there was a little girl named Lily. She loved to play outside")
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, temperature=0.0))[0]
+    assert out.text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
     assert out.finish_reason == "length"
 
 

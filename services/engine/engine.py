@@ -193,9 +193,9 @@ class Engine:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from services.tokenizer.load import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def model_info(self) -> dict:

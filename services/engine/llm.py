@@ -10,6 +10,7 @@ import numpy as np
 from tqdm import tqdm
 
 from services.config import EngineConfig
+from services.detokenizer.incremental import IncrementalDetokenizer, make_decoder, skipped_ids
 from services.engine.engine import Engine
 from services.messages import unpack_ids
 from services.sampling_params import SamplingParams
@@ -46,8 +47,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         outputs: dict[str, RequestOutput] = {}
-        from services.detokenizer.incremental import IncrementalDetokenizer
-
+        decode, skip = make_decoder(self.tokenizer), skipped_ids(self.tokenizer)
         detoks: dict[str, IncrementalDetokenizer] = {}
         for prompt, params in zip(prompts, sampling_params, strict=True):
             ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -55,7 +55,8 @@ class LLM:
             # Each request gets its own params object: the engine fills in an unseeded seed.
             self.engine.add(rid, ids, SamplingParams.from_dict(params.to_dict()))
             outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+            detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                                 decode=decode, skip=skip)
         bar = tqdm(total=len(outputs), disable=not use_tqdm, desc="generate")
         while self.engine.has_work():
             step = self.engine.step()
