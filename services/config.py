@@ -97,12 +97,12 @@ class GatewayConfig:
             raise ValueError("max_inflight must be >= 1, max_request_bytes and max_response_bytes >= 1024")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, suffix: str = "") -> None:
-    """One flag per dataclass field (`--page-size`, `--tokenize-addr` with suffix "-addr"). Flags
-    default to None, so from_args() leaves unset fields to the dataclass (and its env defaults)."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per dataclass field (`--page-size`, `--tokenize`). Flags default to None, so
+    from_args() leaves unset fields to the dataclass (and its env defaults)."""
     group = parser.add_argument_group(cls.__name__)
     for f, hint in _field_hints(cls):
-        flag = f"--{f.name.replace('_', '-')}{suffix}"
+        flag = f"--{f.name.replace('_', '-')}"
         default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
@@ -110,19 +110,19 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, suffix: str = "") 
         group.add_argument(flag, default=None, help=f"default {default}", **how)
 
 
-def from_args(cls: type, args: argparse.Namespace, suffix: str = "") -> Any:
-    values = {f.name: getattr(args, f.name + suffix.replace("-", "_")) for f, _ in _field_hints(cls)}
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    values = {f.name: getattr(args, f.name) for f, _ in _field_hints(cls)}
     return cls(**{name: value for name, value in values.items() if value is not None})
 
 
-def to_argv(obj: Any, suffix: str = "") -> list[str]:
+def to_argv(obj: Any) -> list[str]:
     """The flags that reproduce obj's non-default fields in a child process."""
     argv = []
     for f, _ in _field_hints(type(obj)):
         value = getattr(obj, f.name)
         if f.default is not MISSING and value == f.default or value is None:
             continue
-        flag = f"--{f.name.replace('_', '-')}{suffix}"
+        flag = f"--{f.name.replace('_', '-')}"
         argv += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
     return argv
 
