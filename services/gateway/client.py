@@ -1,0 +1,233 @@
+"""The pipeserve client: a Python library (sync `Client`, asyncio `AsyncClient`) and the
+`pipeserve generate "text"` command, which prints tokens as they stream in.
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.stream("Once upon a time", max_tokens=32, temperature=0):
+            print(chunk.text, end="", flush=True)
+        print(client.generate("Hello", max_tokens=8).text)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from services.sampling_params import SamplingParams
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    request_id: str = "",
+    app: str = "",
+    params: SamplingParams | None = None,
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from text, token ids or chat messages, and sampling keyword arguments (the
+    SamplingParams field names; None means the server default). `params` supplies every field."""
+    values = params.to_dict() if params is not None else {}
+    values.update({k: v for k, v in sampling.items() if v is not None})
+    request = pb.GenerateRequest(request_id=request_id, app=app, **values)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+        request.prompt_token_ids.SetInParent()  # an empty list is still this oneof (and then rejected)
+    return request
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    chunks: int = 0  # messages received (fewer than tokens when the server coalesced)
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        self.request_id = response.request_id
+        self.text += response.text
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
+        self.chunks += 1
+        if response.finish_reason:
+            self.finish_reason = response.finish_reason
+            self.prompt_tokens = response.usage.prompt_tokens
+            self.completion_tokens = response.usage.completion_tokens
+
+
+def _health_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+class Client:
+    """Blocking client over one channel; thread-safe (gRPC channels are)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET) -> None:
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The response stream: iterate it for GenerateResponse chunks; .cancel() aborts the request."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Completion:
+        completion = Completion()
+        for response in self.stream(prompt, timeout=timeout, **kwargs):
+            completion.add(response)
+        return completion
+
+    def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+
+    def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """ "SERVING", "NOT_SERVING", ... or "UNREACHABLE"."""
+        try:
+            return _health_name(
+                self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (status := self.health()) != "SERVING":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {timeout} s (last: {status})")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client over one grpc.aio channel; create it inside the running loop."""
+
+    def __init__(self, target: str = DEFAULT_TARGET) -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The call: `async for` it for chunks; .cancel() aborts the request."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Completion:
+        completion = Completion()
+        async for response in self.stream(prompt, timeout=timeout, **kwargs):
+            completion.add(response)
+        return completion
+
+    async def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
+        return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+
+    async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
+        return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+
+    async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        try:
+            response = await self.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+            return _health_name(response.status)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (status := await self.health()) != "SERVING":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {timeout} s (last: {status})")
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# ---- `pipeserve generate` -------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="gateway host:port")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--app", default="")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    hints = typing.get_type_hints(SamplingParams)
+    for f in fields(SamplingParams):
+        flag, hint = f"--{f.name.replace('_', '-')}", hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(hint) is list:
+            parser.add_argument(flag, type=typing.get_args(hint)[0], action="append", default=None)
+        else:
+            kind = next(t for t in (*typing.get_args(hint), hint) if t in (int, float, str))
+            parser.add_argument(flag, type=kind, default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    sampling = {f.name: getattr(args, f.name) for f in fields(SamplingParams)}
+    prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    completion = Completion()
+    start = time.perf_counter()
+    first = None
+    with Client(args.target) as client:
+        try:
+            for chunk in client.stream(
+                prompt, timeout=args.timeout, request_id=args.request_id, app=args.app, **sampling
+            ):
+                first = first or time.perf_counter()
+                completion.add(chunk)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    elapsed = time.perf_counter() - start
+    print()
+    ttft = f"{(first - start) * 1e3:.1f} ms" if first else "-"
+    print(
+        f"[{completion.request_id}] finish={completion.finish_reason} "
+        f"prompt_tokens={completion.prompt_tokens} completion_tokens={completion.completion_tokens} "
+        f"ttft={ttft} total={elapsed:.2f} s",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,574 @@
+"""The gRPC gateway process (`pipeserve gateway`): owns client streams and request state.
+
+grpc.aio on uvloop; ZeroMQ (zmq.asyncio) to the rest of the pipeline. It binds `tokenize` (PUSH
+TokenizeRequest to the tokenizer workers), `deltas` (PULL TextDeltas from the detokenizer) and
+`errors` (PULL RequestError from tokenizers/engine, EngineInfo heartbeats from the engine,
+ProcessStatus from the supervisor), and connects `control` (PUSH Abort to the engine).
+
+It does no CPU-heavy work: validate, assign ids, admit, route each delta to its stream. Deltas
+that arrive while a client is still reading land in its Stream's pending list, so a slow reader
+gets them coalesced into one message instead of an unbounded queue. Any way a call ends without
+its finish (cancel, deadline, Abort RPC, a pipeline failure) sends an Abort to the engine, and
+the id stays reserved until the engine confirms, so a reused id can never meet a stale
+tombstone or stale deltas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import uvloop
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services import config as cfg
+from services.config import Addresses, GatewayConfig
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from services.messages import (
+    Abort,
+    EngineInfo,
+    Message,
+    MessageError,
+    ProcessStatus,
+    RequestError,
+    TextDeltas,
+    TokenizeRequest,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from services.sampling_params import SamplingParams
+
+log = logging.getLogger("pipeserve.gateway")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# proto3 `optional` fields: unset means the SamplingParams default.
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+)
+MAX_REQUEST_ID_LEN = 256
+MAX_MESSAGES = 1024
+ABORTED_TTL = 60.0  # an aborted id stays reserved this long at most, waiting for the engine's finish
+MONITOR_PERIOD = 0.1
+PIPELINE = ("engine", "detokenizer")  # processes whose death breaks every in-flight stream
+Failure = tuple[grpc.StatusCode, str]
+
+
+class Reject(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def invalid(message: str) -> Reject:
+    return Reject(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class Stream:
+    """One Generate call in flight."""
+
+    rid: str
+    boot: int  # the engine incarnation it was admitted under
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: list[tuple[str, np.ndarray, Any]] = field(default_factory=list)  # (text, ids, logprobs)
+    started: bool = False  # some output arrived: the engine has it
+    finish: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Failure | None = None
+    abort_in_engine: bool = True  # when closed without a finish, does the engine need an Abort?
+    done: bool = False  # the final message was written
+
+    def fail(self, code: grpc.StatusCode, message: str, abort_in_engine: bool) -> None:
+        if self.error is None and not self.finish:
+            self.error, self.abort_in_engine = (code, message), abort_in_engine
+            self.wake.set()
+
+    def take(self, max_bytes: int) -> tuple[pb.GenerateResponse, bool]:
+        """Everything pending, coalesced into one response (cut at about max_bytes); and whether it
+        is the last one."""
+        count, size = 0, 0
+        for text, ids, lps in self.pending:
+            count += 1
+            size += len(text) * 4 + len(ids) * 8 + (0 if lps is None else 64 * len(lps))
+            if size >= max_bytes:
+                break
+        rows, self.pending = self.pending[:count], self.pending[count:]
+        response = pb.GenerateResponse(request_id=self.rid, text="".join(r[0] for r in rows))
+        if rows:
+            response.token_ids.extend(np.concatenate([r[1] for r in rows]).tolist())
+        for _, _, lps in rows:
+            if lps:
+                response.logprobs.extend(lps)
+        last = not self.pending and bool(self.finish)
+        if last:
+            response.finish_reason = self.finish
+            response.usage.prompt_tokens = self.prompt_tokens
+            response.usage.completion_tokens = self.completion_tokens
+        return response, last
+
+
+def token_logprobs(entries: list[dict[str, Any]]) -> list[pb.TokenLogprob]:
+    """The detokenizer's per-token {"token_id", "token", "logprob", "top": [{...}, ...]} as protobuf."""
+    return [
+        pb.TokenLogprob(
+            token_id=e["token_id"],
+            token=e["token"],
+            logprob=e["logprob"],
+            top=[pb.TopLogprob(**t) for t in e["top"]],
+        )
+        for e in entries
+    ]
+
+
+class Gateway(pb_grpc.GenerationServicer):
+    def __init__(self, config: GatewayConfig, addrs: Addresses) -> None:
+        self.config, self.addrs = config, addrs
+        self.streams: dict[str, Stream] = {}
+        self.aborted: dict[str, float] = {}  # rid -> monotonic expiry
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.info: dict[str, Any] | None = None
+        self.boot = 0
+        self.engine_stats: dict[str, int] = {}
+        self.engine_seen = self.pipeline_seen = float("-inf")
+        self.fresh_after = float("-inf")  # heartbeats older than this do not count (a restart)
+        self.down: set[str] = set()
+        self.serving = False
+        self.port = 0
+        self.health = health.aio.HealthServicer()
+        self._zmq = zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task] = []
+        self._server: grpc.aio.Server | None = None
+        self._metrics: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> int:
+        def socket(kind: int, addr: str, bind: bool) -> zmq.asyncio.Socket:
+            sock = self._zmq.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(addr) if bind else sock.connect(addr)
+            return sock
+
+        self.tokenize = socket(zmq.PUSH, self.addrs.tokenize, True)
+        self.deltas = socket(zmq.PULL, self.addrs.deltas, True)
+        self.errors = socket(zmq.PULL, self.addrs.errors, True)
+        self.control = socket(zmq.PUSH, self.addrs.control, False)
+        limit = self.config.max_request_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 4 * limit),  # so oversize gets our INVALID_ARGUMENT
+                ("grpc.max_send_message_length", 4 * self.config.max_response_bytes),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ]
+        )
+        pb_grpc.add_GenerationServicer_to_server(self, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self._set_health(False)
+        await server.start()
+        self._server = server
+        self._tasks = [
+            asyncio.create_task(coro) for coro in (self._recv_deltas(), self._recv_errors(), self._monitor())
+        ]
+        if self.config.metrics_port is not None:
+            registry = CollectorRegistry()
+            registry.register(_Collector(self))
+            self._metrics = start_http_server(self.config.metrics_port, self.config.host, registry)
+        return self.port
+
+    async def stop(self, grace: float) -> None:
+        """Stop taking calls, let in-flight streams finish within grace, then cancel the rest."""
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._metrics is not None:
+            self._metrics[0].shutdown()
+        self._zmq.destroy(linger=0)
+
+    # ---- RPCs ------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            message = self._admit(request, rid)
+        except Reject as reject:
+            self.outcomes[reject.code.name] += 1
+            await context.abort(reject.code, reject.message)
+        stream = self.streams[rid] = Stream(rid, self.boot)
+        # Both paths, as grpc.aio may not raise CancelledError into the handler (REFERENCE.md).
+        context.add_done_callback(lambda _: self._close(stream))
+        try:
+            await self.tokenize.send(encode(message))
+            while True:
+                if not stream.pending and not stream.finish and stream.error is None:
+                    stream.wake.clear()
+                    await stream.wake.wait()
+                if stream.error is not None:
+                    self._close(stream)
+                    await context.abort(*stream.error)
+                response, last = stream.take(self.config.max_response_bytes)
+                yield response
+                if last:
+                    stream.done = True
+                    return
+        except asyncio.CancelledError:
+            self._close(stream)
+            raise
+        finally:
+            self._close(stream)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        stream = self.streams.get(request.request_id)
+        if stream is None or stream.finish or stream.error is not None:
+            return pb.AbortResponse(found=False)
+        self._abort_in_engine([stream.rid])
+        stream.finish = "abort"  # the stream ends now; the engine's own finish is awaited in self.aborted
+        stream.wake.set()
+        return pb.AbortResponse(found=True)
+
+    async def ModelInfo(
+        self,
+        request: pb.ModelInfoRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> pb.ModelInfoResponse:
+        if self.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine has not reported yet")
+        fields = pb.ModelInfoResponse.DESCRIPTOR.fields_by_name
+        return pb.ModelInfoResponse(**{k: v for k, v in self.info.items() if k in fields})
+
+    # ---- admission -------------------------------------------------------------------------
+    def _admit(self, request: pb.GenerateRequest, rid: str) -> TokenizeRequest:
+        """Validate and admit, or raise Reject with the status code and a message naming the field."""
+        if len(rid) > MAX_REQUEST_ID_LEN:
+            raise invalid(f"request_id is {len(rid)} characters, at most {MAX_REQUEST_ID_LEN} allowed")
+        which = request.WhichOneof("input")
+        size = request.ByteSize()
+        if size > self.config.max_request_bytes:
+            raise invalid(
+                f"{which or 'request'} is too large: the request is {size} bytes, "
+                f"at most {self.config.max_request_bytes} allowed"
+            )
+        sampling = {name: getattr(request, name) for name in OPTIONAL_SAMPLING if request.HasField(name)}
+        params = SamplingParams(
+            **sampling,
+            stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+        )
+        info = self.info or {}
+        try:
+            params.validate(max_logprobs=info.get("max_logprobs", 20))
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        message = TokenizeRequest(rid=rid, sampling=params.to_dict(), app=request.app, arrival=time.time())
+        if which is None:
+            raise invalid("prompt is missing: set one of prompt, prompt_token_ids or messages")
+        if which == "prompt":
+            if not request.prompt:
+                raise invalid("prompt must not be empty")
+            message.prompt = request.prompt
+        elif which == "prompt_token_ids":
+            ids = np.asarray(request.prompt_token_ids.ids, dtype=np.int64)
+            if not len(ids):
+                raise invalid("prompt_token_ids must not be empty")
+            vocab = info.get("vocab_size") or 2**31
+            if ids.max() >= vocab:
+                raise invalid(f"prompt_token_ids has id {int(ids.max())}, outside the vocabulary of {vocab}")
+            message.prompt_ids = pack_ids(ids)
+        else:
+            chat = request.messages.messages
+            if not chat or len(chat) > MAX_MESSAGES:
+                raise invalid(f"messages must hold 1 to {MAX_MESSAGES} messages, got {len(chat)}")
+            for i, m in enumerate(chat):
+                if not m.role:
+                    raise invalid(f"messages[{i}].role must not be empty")
+            message.messages = [{"role": m.role, "content": m.content} for m in chat]
+        if rid in self.streams or rid in self.aborted:
+            raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
+        if not self.serving:
+            raise Reject(grpc.StatusCode.UNAVAILABLE, self._why_not_serving())
+        if len(self.streams) >= self.config.max_inflight:
+            raise Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.streams)} requests in flight, the limit is {self.config.max_inflight}",
+            )
+        return message
+
+    # ---- request state ---------------------------------------------------------------------
+    def _close(self, stream: Stream) -> None:
+        """Idempotent end of a call, however it ended."""
+        if self.streams.get(stream.rid) is not stream:
+            return
+        del self.streams[stream.rid]
+        if stream.done:
+            self.outcomes[stream.finish] += 1
+        else:
+            self.outcomes[stream.error[0].name if stream.error else "CANCELLED"] += 1
+            if not stream.finish and stream.abort_in_engine:
+                self._abort_in_engine([stream.rid])
+        stream.done = True
+
+    def _abort_in_engine(self, rids: list[str]) -> None:
+        expiry = time.monotonic() + ABORTED_TTL
+        for rid in rids:
+            self.aborted[rid] = expiry
+        future = self.control.send(encode(Abort(rids=rids)))
+        future.add_done_callback(_log_failure)
+
+    def _fail(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        abort_in_engine: bool,
+        which: Callable[[Stream], bool] = lambda s: True,
+    ) -> None:
+        victims = [s for s in self.streams.values() if which(s)]
+        for stream in victims:
+            stream.fail(code, message, abort_in_engine=False)  # one batched Abort below
+        if abort_in_engine and victims:
+            self._abort_in_engine([s.rid for s in victims])
+        if victims:
+            log.warning("%d streams end with %s: %s", len(victims), code.name, message)
+
+    # ---- pipeline input --------------------------------------------------------------------
+    async def _recv_deltas(self) -> None:
+        while True:
+            msg = _decode(await self.deltas.recv(), "deltas")
+            if isinstance(msg, TextDeltas):
+                self._route(msg)
+            elif msg is not None:
+                log.warning("dropped a %s message on the deltas socket", msg.TAG)
+
+    def _route(self, msg: TextDeltas) -> None:
+        n = len(msg.rids)
+        ids = unpack_ids(msg.tokens)
+        if (
+            len(msg.offsets) != n + 1
+            or any(len(c) != n for c in (msg.text, msg.finish, msg.prompt_tokens, msg.completion_tokens))
+            or (msg.logprobs is not None and len(msg.logprobs) != n)
+            or (n and msg.offsets[-1] > len(ids))
+        ):
+            log.warning("dropped a malformed TextDeltas of %d rows", n)
+            return
+        self.pipeline_seen = time.monotonic()
+        if msg.stats is not None:
+            self.engine_stats.update(msg.stats)
+        for i, rid in enumerate(msg.rids):
+            stream = self.streams.get(rid)
+            if stream is None or stream.finish or stream.error is not None:
+                if msg.finish[i]:
+                    self.aborted.pop(rid, None)  # the engine is done with it: the id is free again
+                continue
+            stream.started = True
+            logprobs = None
+            if msg.logprobs is not None and msg.logprobs[i] is not None:
+                try:
+                    logprobs = token_logprobs(msg.logprobs[i])
+                except (KeyError, TypeError, ValueError) as exc:
+                    log.warning("dropped malformed logprobs of %s: %s", rid, exc)
+            stream.pending.append((msg.text[i], ids[msg.offsets[i] : msg.offsets[i + 1]], logprobs))
+            stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
+            stream.finish = msg.finish[i]
+            stream.wake.set()
+
+    async def _recv_errors(self) -> None:
+        while True:
+            msg = _decode(await self.errors.recv(), "errors")
+            if isinstance(msg, RequestError):
+                self._on_request_error(msg)
+            elif isinstance(msg, EngineInfo):
+                self._on_engine_info(msg)
+            elif isinstance(msg, ProcessStatus):
+                self._on_process(msg)
+            elif msg is not None:
+                log.warning("dropped a %s message on the errors socket", msg.TAG)
+
+    def _on_request_error(self, msg: RequestError) -> None:
+        stream = self.streams.get(msg.rid)
+        if stream is None:
+            self.aborted.pop(msg.rid, None)
+            return
+        code = getattr(grpc.StatusCode, msg.code, grpc.StatusCode.INTERNAL)
+        if not isinstance(code, grpc.StatusCode) or code is grpc.StatusCode.OK:
+            code = grpc.StatusCode.INTERNAL
+        stream.fail(code, msg.message, abort_in_engine=False)
+
+    def _on_engine_info(self, msg: EngineInfo) -> None:
+        if msg.boot != self.boot:
+            if self.boot:  # a new engine: the old one's requests are gone
+                self._fail(
+                    grpc.StatusCode.UNAVAILABLE, "the engine restarted", False, lambda s: s.boot != msg.boot
+                )
+            log.info("engine %d up: %s", msg.boot, msg.info)
+            self.boot = msg.boot
+        self.info = msg.info
+        self.engine_seen = time.monotonic()
+        if msg.stats is not None:
+            self.engine_stats.update(msg.stats)
+
+    def _on_process(self, msg: ProcessStatus) -> None:
+        log.info("supervisor: %s is %s", msg.process, "up" if msg.up else "down")
+        if msg.process in PIPELINE:
+            if msg.up:
+                self.down.discard(msg.process)
+                self.fresh_after = time.monotonic()  # SERVING again only after fresh heartbeats
+            else:
+                self.down.add(msg.process)
+                # The detokenizer lost its state but the engine still runs the requests: abort them.
+                self._fail(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the {msg.process} died",
+                    abort_in_engine=msg.process != "engine",
+                )
+        elif msg.process.startswith("tokenizer") and not msg.up:
+            # Requests queued at the dead worker are lost; the gateway cannot tell which ones (PUSH
+            # round-robin), so every request without output yet ends UNAVAILABLE, aborted everywhere.
+            self._fail(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{msg.process} died before this request started",
+                abort_in_engine=True,
+                which=lambda s: not s.started,
+            )
+
+    # ---- health ----------------------------------------------------------------------------
+    def _healthy(self, now: float) -> bool:
+        timeout = self.config.liveness_timeout
+        return (
+            not self.down
+            and self.info is not None
+            and all(
+                self.fresh_after < seen and now - seen < timeout
+                for seen in (self.engine_seen, self.pipeline_seen)
+            )
+        )
+
+    def _why_not_serving(self) -> str:
+        if self.down:
+            return f"not serving: {', '.join(sorted(self.down))} down"
+        if self.info is None:
+            return "not serving: the engine has not reported yet"
+        return "not serving: no heartbeat from the engine and detokenizer"
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE):
+            await self.health.set(service, status)
+
+    async def _monitor(self) -> None:
+        while True:
+            now = time.monotonic()
+            healthy = self._healthy(now)
+            if healthy != self.serving:
+                self.serving = healthy
+                await self._set_health(healthy)
+                log.info("health: %s", "SERVING" if healthy else "NOT_SERVING")
+                if not healthy:
+                    self._fail(grpc.StatusCode.UNAVAILABLE, self._why_not_serving(), abort_in_engine=True)
+            for rid in [rid for rid, expiry in self.aborted.items() if expiry < now]:
+                del self.aborted[rid]
+            await asyncio.sleep(MONITOR_PERIOD)
+
+
+class _Collector:
+    """Prometheus view of the gateway, read at scrape time (nothing on the hot path)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def collect(self) -> Any:
+        gw = self.gateway
+        yield GaugeMetricFamily(
+            "pipeserve_gateway_inflight", "Generate streams in flight", value=len(gw.streams)
+        )
+        yield GaugeMetricFamily(
+            "pipeserve_gateway_aborting", "aborted ids awaiting the engine's finish", value=len(gw.aborted)
+        )
+        yield GaugeMetricFamily(
+            "pipeserve_gateway_serving", "1 when health is SERVING", value=float(gw.serving)
+        )
+        outcomes = CounterMetricFamily(
+            "pipeserve_gateway_requests", "Generate calls by outcome", labels=["outcome"]
+        )
+        for outcome, count in dict(gw.outcomes).items():
+            outcomes.add_metric([outcome], count)
+        yield outcomes
+        engine = GaugeMetricFamily("pipeserve_engine", "engine counters, as last reported", labels=["name"])
+        for name, value in dict(gw.engine_stats).items():
+            engine.add_metric([name], value)
+        yield engine
+
+
+def _decode(data: bytes, where: str) -> Message | None:
+    try:
+        return decode(data)
+    except MessageError as exc:
+        log.warning("dropped a malformed message on %s: %s", where, exc)
+        return None
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("zmq send failed: %s", future.exception())
+
+
+async def serve(config: GatewayConfig, addrs: Addresses) -> int:
+    gateway = Gateway(config, addrs)
+    port = await gateway.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("gateway listening on %s:%d", config.host, port)
+    await stop.wait()
+    log.info("shutting down, %d streams get %.1f s to finish", len(gateway.streams), config.grace)
+    await gateway.stop(config.grace)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfg.add_arguments(parser, GatewayConfig)
+    cfg.add_arguments(parser, Addresses)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return uvloop.run(serve(cfg.from_args(GatewayConfig, args), cfg.from_args(Addresses, args)))

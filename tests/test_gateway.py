@@ -1,0 +1,522 @@
+"""The gRPC gateway against a fake pipeline: the test plays tokenizer, engine and detokenizer on the
+gateway's real ZeroMQ sockets and talks to it with real gRPC clients."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import uvloop
+import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from services.config import Addresses, GatewayConfig
+from services.gateway.client import AsyncClient, Client, build_request
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.server import Gateway
+from services.messages import (
+    Abort,
+    EngineInfo,
+    ProcessStatus,
+    RequestError,
+    TextDeltas,
+    TokenizeRequest,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from services.sampling_params import MAX_STOP_STRINGS
+
+pytestmark = pytest.mark.timeout(60)
+
+INFO = {
+    "name": "fake",
+    "context_length": 512,
+    "vocab_size": 512,
+    "eos_token_ids": [2],
+    "dtype": "float32",
+    "device": "cpu",
+    "max_logprobs": 5,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakePipeline:
+    """A gateway in a background uvloop thread, and the test's side of its sockets."""
+
+    def __init__(self, directory: str, **config: Any) -> None:
+        self.addrs = Addresses.under(directory)
+        self.metrics_port = free_port()
+        config = {"port": 0, "liveness_timeout": 1.0, "metrics_port": self.metrics_port, **config}
+        self.loop = uvloop.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.gateway = Gateway(GatewayConfig(**config), self.addrs)
+        self.port = self.run(self.gateway.start())
+        self.target = f"127.0.0.1:{self.port}"
+        self.client = Client(self.target)
+        self.zmq = zmq.Context()
+        self.tokenize = self._socket(zmq.PULL, self.addrs.tokenize)
+        self.deltas = self._socket(zmq.PUSH, self.addrs.deltas)
+        self.errors = self._socket(zmq.PUSH, self.addrs.errors)
+        self.control = self.zmq.socket(zmq.PULL)
+        self.control.bind(self.addrs.control)
+        self.boot = 1
+        self.stats = {"running": 0, "pages_used": 0}
+        self.beating = threading.Event()
+        self.beating.set()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, daemon=True)
+        self._beat.start()
+        self.client.wait_ready(10)
+
+    def _socket(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self.zmq.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        return sock
+
+    def _heartbeats(self) -> None:
+        """Engine (EngineInfo) and detokenizer (empty TextDeltas with stats) heartbeats, own sockets."""
+        errors, deltas = self._socket(zmq.PUSH, self.addrs.errors), self._socket(zmq.PUSH, self.addrs.deltas)
+        while not self._stop.wait(0.1):
+            if self.beating.is_set():
+                errors.send(encode(EngineInfo(boot=self.boot, info=INFO, stats=dict(self.stats))))
+                deltas.send(
+                    encode(
+                        TextDeltas(
+                            rids=[],
+                            text=[],
+                            tokens=b"",
+                            offsets=[0],
+                            finish=[],
+                            prompt_tokens=[],
+                            completion_tokens=[],
+                            stats=dict(self.stats),
+                        )
+                    )
+                )
+        errors.close()
+        deltas.close()
+
+    def run(self, coro: Any, timeout: float = 10) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def next_request(self, timeout: float = 5) -> TokenizeRequest:
+        assert self.tokenize.poll(int(timeout * 1000)), "no TokenizeRequest arrived"
+        msg = decode(self.tokenize.recv())
+        assert isinstance(msg, TokenizeRequest)
+        return msg
+
+    def next_abort(self, timeout: float = 5) -> Abort:
+        assert self.control.poll(int(timeout * 1000)), "no Abort arrived"
+        msg = decode(self.control.recv())
+        assert isinstance(msg, Abort)
+        return msg
+
+    def send(self, rows: list[tuple[str, str, list[int], str]], logprobs: list[Any] | None = None) -> None:
+        """rows of (rid, text, ids, finish), as one TextDeltas."""
+        offsets = np.cumsum([0] + [len(r[2]) for r in rows]).tolist()
+        self.deltas.send(
+            encode(
+                TextDeltas(
+                    rids=[r[0] for r in rows],
+                    text=[r[1] for r in rows],
+                    tokens=pack_ids([i for r in rows for i in r[2]]),
+                    offsets=offsets,
+                    finish=[r[3] for r in rows],
+                    prompt_tokens=[3] * len(rows),
+                    completion_tokens=[len(r[2]) for r in rows],
+                    logprobs=logprobs,
+                )
+            )
+        )
+
+    def metric(self, name: str) -> float:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        )
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise KeyError(name)
+
+    def wait(self, predicate: Any, timeout: float = 5) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join()
+        self.client.close()
+        self.run(self.gateway.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.zmq.destroy(linger=0)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    pipeline = FakePipeline(str(tmp_path))
+    yield pipeline
+    pipeline.close()
+
+
+def rpc_error(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    return info.value
+
+
+def test_stream_roundtrip_and_request_fields(fake):
+    call = fake.client.stream(
+        "Hello",
+        request_id="r1",
+        max_tokens=7,
+        temperature=0.7,
+        top_k=5,
+        seed=11,
+        stop=["."],
+        logprobs=2,
+        app="chat",
+    )
+    req = fake.next_request()
+    assert (req.rid, req.prompt, req.app) == ("r1", "Hello", "chat")
+    assert (
+        req.sampling["max_tokens"] == 7 and req.sampling["temperature"] == 0.7
+    )  # exact: doubles on the wire
+    assert (req.sampling["top_k"], req.sampling["seed"], req.sampling["stop"], req.sampling["logprobs"]) == (
+        5,
+        11,
+        ["."],
+        2,
+    )
+    assert req.sampling["top_p"] == 1.0  # unset fields take the defaults
+    top = {
+        "token_id": 7,
+        "token": "Hi",
+        "logprob": -0.1,
+        "top": [
+            {"token_id": 7, "token": "Hi", "logprob": -0.1},
+            {"token_id": 8, "token": "Ho", "logprob": -2.5},
+        ],
+    }
+    fake.send([("r1", "Hi", [7], "")], logprobs=[[top]])
+    first = next(call)
+    assert (first.request_id, first.text, list(first.token_ids), first.finish_reason) == ("r1", "Hi", [7], "")
+    assert first.logprobs[0].token_id == 7 and [t.token_id for t in first.logprobs[0].top] == [7, 8]
+    assert (first.logprobs[0].top[1].token, first.logprobs[0].top[1].logprob) == ("Ho", -2.5)
+    fake.send([("r1", " there", [9, 10], "length")])
+    last = next(call)
+    assert (last.text, list(last.token_ids), last.finish_reason) == (" there", [9, 10], "length")
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 2)
+    assert list(call) == []
+    fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
+    assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1
+    assert fake.metric('pipeserve_engine{name="running"}') == 0
+
+
+def test_ids_and_chat_inputs_and_assigned_ids(fake):
+    call = fake.client.stream([5, 6, 7], max_tokens=2)
+    req = fake.next_request()
+    assert unpack_ids(req.prompt_ids).tolist() == [5, 6, 7] and req.prompt is None
+    assert len(req.rid) == 32  # assigned: uuid4 hex
+    fake.send([(req.rid, "x", [1], "stop")])
+    assert [c.request_id for c in call] == [req.rid]
+    call = fake.client.stream([{"role": "user", "content": "hi"}])
+    req = fake.next_request()
+    assert req.messages == [{"role": "user", "content": "hi"}]
+    fake.send([(req.rid, "", [], "stop")])
+    assert [c.finish_reason for c in call] == ["stop"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, 512]}, "prompt_token_ids"),
+        ({"prompt": []}, "prompt_token_ids"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature"),
+        ({"prompt": "x", "top_p": 0.0}, "top_p"),
+        ({"prompt": "x", "top_k": 0}, "top_k"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs"),  # the engine allows 5 (INFO)
+        ({"prompt": "x", "seed": 2**63}, "seed"),
+        ({"prompt": "x", "stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"prompt": "x" * (5 * 1024 * 1024)}, "prompt"),  # over max_request_bytes (4 MiB)
+        ({"prompt": "x", "request_id": "r" * 300}, "request_id"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(fake, kwargs, field):
+    prompt = kwargs.pop("prompt")
+    err = rpc_error(fake.client.stream(prompt, timeout=10, **kwargs))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.details()
+    assert fake.tokenize.poll(50) == 0  # nothing reached the pipeline
+    call = fake.client.stream("still serving")
+    fake.send([(fake.next_request().rid, "ok", [1], "stop")])
+    assert [c.text for c in call] == ["ok"]
+
+
+def test_missing_input_and_empty_messages(fake):
+    for request in (pb.GenerateRequest(), pb.GenerateRequest(messages=pb.ChatMessages())):
+        err = rpc_error(fake.client.stub.Generate(request, timeout=5))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt" in err.details() or "messages" in err.details()
+
+
+def test_admission_limit_and_duplicate_ids(tmp_path):
+    fake = FakePipeline(str(tmp_path), max_inflight=2)
+    try:
+        calls = [fake.client.stream("x", request_id=f"a{i}") for i in range(2)]
+        rids = {fake.next_request().rid for _ in calls}
+        assert rids == {"a0", "a1"}
+        assert (
+            rpc_error(fake.client.stream("x", request_id="a2")).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        fake.send([("a0", "", [], "stop")])
+        list(calls[0])
+        dup = rpc_error(fake.client.stream("x", request_id="a1"))
+        assert dup.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in dup.details()
+        fake.send([("a1", "", [], "stop")])
+        list(calls[1])
+        assert fake.metric('pipeserve_gateway_requests_total{outcome="RESOURCE_EXHAUSTED"}') == 1
+    finally:
+        fake.close()
+
+
+def test_cancel_aborts_in_engine_and_reserves_the_id_until_the_engine_confirms(fake):
+    call = fake.client.stream("x", request_id="c1", max_tokens=100)
+    fake.next_request()
+    fake.send([("c1", "a", [1], "")])
+    assert next(call).text == "a"
+    call.cancel()
+    abort = fake.next_abort()
+    assert abort.rids == ["c1"]
+    fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
+    fake.send([("c1", "late", [2], "")])  # in flight before the engine saw the abort: dropped
+    assert rpc_error(fake.client.stream("x", request_id="c1")).code() == grpc.StatusCode.ALREADY_EXISTS
+    fake.send([("c1", "", [], "abort")])  # the engine's confirmation frees the id
+    fake.wait(lambda: fake.metric("pipeserve_gateway_aborting") == 0)
+    again = fake.client.stream("x", request_id="c1")
+    assert fake.next_request().rid == "c1"
+    fake.send([("c1", "b", [3], "stop")])
+    assert [c.text for c in again] == ["b"]
+
+
+def test_deadline_is_honoured_and_aborted(fake):
+    call = fake.client.stream("x", request_id="d1", timeout=0.5)
+    fake.next_request()
+    assert rpc_error(call).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert fake.next_abort().rids == ["d1"]
+    fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
+
+
+def test_abort_rpc_ends_the_stream(fake):
+    call = fake.client.stream("x", request_id="ab")
+    fake.next_request()
+    assert fake.client.abort("ab") is True
+    assert fake.next_abort().rids == ["ab"]
+    chunks = list(call)
+    assert chunks[-1].finish_reason == "abort"
+    assert fake.client.abort("ab") is False and fake.client.abort("nobody") is False
+
+
+def test_slow_client_gets_coalesced_deltas(fake):
+    call = fake.client.stream("x", request_id="slow")
+    fake.next_request()
+    fake.send([("slow", "0", [0], "")])
+    assert next(call).text == "0"
+    for i in range(1, 200):  # the client reads nothing meanwhile
+        fake.send([("slow", str(i % 10), [i], "")])
+    fake.send([("slow", "", [], "length")])
+    time.sleep(0.3)
+    rest = list(call)
+    assert len(rest) < 20
+    assert "".join(c.text for c in rest) == "".join(str(i % 10) for i in range(1, 200))
+    assert [t for c in rest for t in c.token_ids] == list(range(1, 200))
+    assert rest[-1].finish_reason == "length"
+
+
+def test_large_backlog_is_cut_into_bounded_messages(tmp_path):
+    fake = FakePipeline(str(tmp_path), max_response_bytes=4096)
+    try:
+        call = fake.client.stream("x", request_id="big")
+        fake.next_request()
+        fake.send([("big", "y" * 100, [i], "") for i in range(100)] + [("big", "", [], "stop")])
+        chunks = list(call)
+        assert len(chunks) > 5 and all(c.ByteSize() < 8192 for c in chunks)
+        assert "".join(c.text for c in chunks) == "y" * 10_000
+    finally:
+        fake.close()
+
+
+def test_request_errors_map_to_status_codes(fake):
+    call = fake.client.stream("too long", request_id="e1")
+    fake.next_request()
+    fake.errors.send(encode(RequestError(rid="e1", code="INVALID_ARGUMENT", message="prompt has 900 tokens")))
+    err = rpc_error(call)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.details()
+    call = fake.client.stream("x", request_id="e2")
+    fake.next_request()
+    fake.errors.send(encode(RequestError(rid="e2", code="NO_SUCH_CODE", message="boom")))
+    assert rpc_error(call).code() == grpc.StatusCode.INTERNAL
+    assert fake.control.poll(100) == 0  # rejected before the engine ran them: nothing to abort
+
+
+def test_malformed_messages_are_dropped(fake):
+    call = fake.client.stream("x", request_id="m1")
+    fake.next_request()
+    fake.deltas.send(b"\x00garbage")
+    fake.errors.send(encode(Abort(rids=["m1"])))  # valid message, wrong socket
+    fake.deltas.send(
+        encode(
+            TextDeltas(
+                rids=["m1"],
+                text=["a"],
+                tokens=pack_ids([1]),
+                offsets=[0, 5],
+                finish=[""],
+                prompt_tokens=[1],
+                completion_tokens=[1],
+            )
+        )
+    )
+    fake.send([("m1", "ok", [1], "stop")])
+    assert [c.text for c in call] == ["ok"]
+
+
+def test_health_reflection_and_model_info(fake):
+    health = health_pb2_grpc.HealthStub(fake.client.channel)
+    for service in ("", "pipeserve.v1.Generation"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    db = ProtoReflectionDescriptorDatabase(fake.client.channel)
+    assert "pipeserve.v1.Generation" in db.get_services()
+    assert "grpc.health.v1.Health" in db.get_services()
+    info = fake.client.model_info()
+    assert (info.name, info.context_length, info.vocab_size, list(info.eos_token_ids)) == (
+        "fake",
+        512,
+        512,
+        [2],
+    )
+    assert info.max_logprobs == 5
+
+
+def test_not_serving_until_heartbeats(tmp_path):
+    addrs = Addresses.under(str(tmp_path))
+    loop = uvloop.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    gateway = Gateway(GatewayConfig(port=0, liveness_timeout=1.0), addrs)
+    port = asyncio.run_coroutine_threadsafe(gateway.start(), loop).result(10)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        assert client.health() == "NOT_SERVING"
+        assert rpc_error(client.stream("x")).code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as info:
+            client.model_info()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        client.close()
+        asyncio.run_coroutine_threadsafe(gateway.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_engine_down_fails_streams_until_it_is_back(fake):
+    call = fake.client.stream("x", request_id="k1")
+    fake.next_request()
+    fake.send([("k1", "a", [1], "")])
+    next(call)
+    fake.errors.send(encode(ProcessStatus(process="engine", up=False)))
+    err = rpc_error(call)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "engine" in err.details()
+    fake.wait(lambda: fake.client.health() == "NOT_SERVING")
+    assert rpc_error(fake.client.stream("x")).code() == grpc.StatusCode.UNAVAILABLE
+    assert fake.control.poll(100) == 0  # the engine is gone: nothing to abort there
+    fake.boot = 2
+    fake.errors.send(encode(ProcessStatus(process="engine", up=True)))
+    fake.client.wait_ready(5)
+
+
+def test_detokenizer_down_aborts_streams_in_the_engine(fake):
+    call = fake.client.stream("x", request_id="z1")
+    fake.next_request()
+    fake.errors.send(encode(ProcessStatus(process="detokenizer", up=False)))
+    assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
+    assert fake.next_abort().rids == ["z1"]
+
+
+def test_tokenizer_down_fails_only_requests_without_output(fake):
+    started = fake.client.stream("x", request_id="t1")
+    waiting = fake.client.stream("x", request_id="t2")
+    fake.next_request(), fake.next_request()
+    fake.send([("t1", "a", [1], "")])
+    assert next(started).text == "a"
+    fake.errors.send(encode(ProcessStatus(process="tokenizer-1", up=False)))
+    assert rpc_error(waiting).code() == grpc.StatusCode.UNAVAILABLE
+    assert fake.next_abort().rids == ["t2"]
+    assert fake.client.health() == "SERVING"
+    fake.send([("t1", "b", [2], "stop")])
+    assert [c.text for c in started] == ["b"]
+
+
+def test_engine_restart_seen_through_heartbeats(fake):
+    call = fake.client.stream("x", request_id="b1")
+    fake.next_request()
+    fake.boot = 3  # compose: no supervisor, a new boot id in the heartbeat
+    err = rpc_error(call)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "restarted" in err.details()
+
+
+def test_silent_pipeline_turns_not_serving(fake):
+    call = fake.client.stream("x", request_id="s1")
+    fake.next_request()
+    fake.beating.clear()
+    assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
+    assert fake.client.health() == "NOT_SERVING"
+    assert fake.next_abort().rids == ["s1"]
+    fake.beating.set()
+    fake.client.wait_ready(5)
+
+
+def test_async_client(fake):
+    async def scenario() -> None:
+        async with AsyncClient(fake.target) as client:
+            assert await client.health() == "SERVING"
+            task = asyncio.create_task(client.generate("hi", request_id="as1", max_tokens=3))
+            await asyncio.sleep(0)
+            req = await asyncio.to_thread(fake.next_request)
+            await asyncio.to_thread(fake.send, [(req.rid, "x", [1], ""), (req.rid, "y", [2], "length")])
+            completion = await task
+            assert (completion.text, completion.token_ids, completion.finish_reason) == (
+                "xy",
+                [1, 2],
+                "length",
+            )
+            assert (await client.model_info()).name == "fake"
+            assert await client.abort("none") is False
+
+    asyncio.run(scenario())
+
+
+def test_build_request_shapes():
+    assert build_request("x", max_tokens=None).HasField("max_tokens") is False
+    assert build_request([]).WhichOneof("input") == "prompt_token_ids"
+    assert build_request([{"role": "user", "content": "c"}]).messages.messages[0].content == "c"
