@@ -94,7 +94,9 @@ class StepOutput(Message):
     rids[i] got token tokens[i] (-1: no token this step, e.g. aborted before it produced one);
     finish[i] is "" while running, else "stop" | "length" | "abort".
     logprobs, when any request asked: for row i either None or
-    [sampled_logprob, packed top ids, packed float32 top logprobs]."""
+    [sampled_logprob, packed top ids, packed float32 top logprobs].
+    step counts up within one engine's life; a step with rows numbered below the previous one tells
+    the detokenizer the engine restarted (it drops the old requests' state). Heartbeats have no rows."""
 
     TAG: ClassVar[str] = "step"
     step: int
@@ -111,7 +113,11 @@ class StepOutput(Message):
 class TextDeltas(Message):
     """detokenizer -> gateway: every delta produced by one receive, batched.
 
-    Row i: request rids[i] gets text[i] and the ids tokens[offsets[i]:offsets[i+1]]."""
+    Row i: request rids[i] gets text[i] and the ids tokens[offsets[i]:offsets[i+1]]; one row per
+    request per message. completion_tokens[i] counts the request's ids so far (usage).
+    logprobs, when a row asked: for row i None or one entry per id, {"token_id", "token" (its text),
+    "logprob", "top": [{"token_id", "token", "logprob"}, ...]}. stats: the engine's latest counters
+    plus "detok_requests" (live detokenizer states); sent on every receive, heartbeats included."""
 
     TAG: ClassVar[str] = "deltas"
     rids: list[str]
@@ -161,6 +167,22 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     for cls in (TokenizeRequest, EngineRequest, Abort, StepOutput, TextDeltas, RequestError, EngineInfo,
                 ProcessStatus)
 }
+
+
+def new_request_info(data: dict[str, Any]) -> NewRequestInfo:
+    """Validate one StepOutput.new entry (decode() only checks that it is a map)."""
+    hints = _HINTS.get(NewRequestInfo)
+    if hints is None:
+        hints = _HINTS[NewRequestInfo] = typing.get_type_hints(NewRequestInfo)
+    unknown = set(data) - set(hints)
+    if unknown:
+        raise MessageError(f"new: unknown fields {sorted(unknown)}")
+    for name, value in data.items():
+        _check(value, hints[name], f"new.{name}")
+    try:
+        return NewRequestInfo(**data)
+    except TypeError as exc:  # missing required fields
+        raise MessageError(f"new: {exc}") from exc
 
 
 def encode(msg: Message) -> bytes:

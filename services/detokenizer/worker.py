@@ -1,0 +1,204 @@
+"""The detokenizer process: PULL StepOutput from the engine (binds `steps`), PUSH one TextDeltas per
+receive to the gateway (`deltas`) and Abort to the engine (`control`) when a stop string matches.
+
+Each receive drains what is queued, so a slow moment costs one bigger message, not a backlog.
+Per-request state comes from the NewRequestInfo in the request's first step and is dropped when
+the request finishes; rows of requests without state (already stopped, or from before a restart)
+are dropped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from services.config import Addresses
+from services.detokenizer.incremental import IncrementalDetokenizer, make_decoder, skipped_ids
+from services.detokenizer.logprobs import TokenTexts, format_logprobs
+from services.messages import (
+    Abort,
+    MessageError,
+    StepOutput,
+    TextDeltas,
+    decode,
+    encode,
+    new_request_info,
+    pack_ids,
+    unpack_ids,
+)
+from services.tokenizer.load import load_tokenizer, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+MAX_DRAIN = 256  # step messages folded into one TextDeltas
+
+
+@dataclass
+class RequestState:
+    detok: IncrementalDetokenizer
+    prompt_tokens: int
+    logprobs: bool
+    completion_tokens: int = 0
+
+
+@dataclass
+class Row:
+    """One request's output over one receive (possibly several engine steps)."""
+
+    state: RequestState
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish: str = ""
+
+
+class Detokenizer:
+    """Request state and the StepOutput -> TextDeltas logic, socket-free (tests drive it directly)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._decode = make_decoder(tokenizer)
+        self._skip = skipped_ids(tokenizer)
+        self.texts = TokenTexts(tokenizer)
+        self.requests: dict[str, RequestState] = {}
+        self.last_step = -1
+        self.engine_stats: dict[str, int] = {}
+
+    def process(self, step: StepOutput, rows: dict[str, Row]) -> list[str]:
+        """Fold one step into rows (by rid); returns the rids a stop string ended while running."""
+        tokens = unpack_ids(step.tokens)
+        n = len(step.rids)
+        lp_rows = n if step.logprobs is None else len(step.logprobs)
+        if len(tokens) != n or len(step.finish) != n or lp_rows != n:
+            raise MessageError(f"step {step.step}: {n} rids, {len(tokens)} tokens, {len(step.finish)} finish")
+        if step.stats is not None:
+            self.engine_stats = step.stats
+        if n or step.new:
+            if step.step < self.last_step:
+                log.warning("engine restarted (step %d after %d): dropping %d requests", step.step,
+                            self.last_step, len(self.requests))
+                self.requests.clear()
+            self.last_step = step.step
+        for data in step.new:
+            self._start(data)
+        stopped = []
+        for i, rid in enumerate(step.rids):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            row = rows.get(rid)
+            if row is None or row.state is not state:
+                row = rows[rid] = Row(state)
+            token, finish = int(tokens[i]), step.finish[i]
+            if token >= 0:
+                state.completion_tokens += 1
+                row.tokens.append(token)
+                if state.logprobs and step.logprobs is not None and step.logprobs[i] is not None:
+                    try:
+                        entry = format_logprobs(token, step.logprobs[i], self.texts)
+                        row.logprobs = row.logprobs if row.logprobs is not None else []
+                        row.logprobs.append(entry)
+                    except MessageError as exc:
+                        log.warning("dropping malformed logprobs of %s: %s", rid, exc)
+                delta = state.detok.add(token)
+                row.text.append(delta.text)
+                if delta.stopped:
+                    if not finish:  # the engine is still running it: tell it to stop
+                        stopped.append(rid)
+                    finish = "stop"
+            if finish:
+                row.text.append(state.detok.flush())
+                row.finish = finish
+                del self.requests[rid]
+        return stopped
+
+    def _start(self, data: Any) -> None:
+        try:
+            if not isinstance(data, dict):
+                raise MessageError(f"new: expected a map, got {type(data).__name__}")
+            info = new_request_info(data)
+            tail = unpack_ids(info.prompt_tail)
+        except MessageError as exc:
+            log.warning("dropping malformed NewRequestInfo: %s", exc)
+            return
+        if info.rid in self.requests:
+            return  # announced again (e.g. after preemption): keep the text state
+        detok = IncrementalDetokenizer(self.tokenizer, tail.tolist(), info.stop, info.skip_special_tokens,
+                                       decode=self._decode, skip=self._skip)
+        self.requests[info.rid] = RequestState(detok, info.prompt_len, info.logprobs is not None)
+
+    def deltas(self, rows: dict[str, Row]) -> TextDeltas:
+        offsets, tokens = [0], []
+        for row in rows.values():
+            tokens += row.tokens
+            offsets.append(len(tokens))
+        logprobs = [row.logprobs for row in rows.values()]
+        return TextDeltas(
+            rids=list(rows), text=["".join(row.text) for row in rows.values()], tokens=pack_ids(tokens),
+            offsets=offsets, finish=[row.finish for row in rows.values()],
+            prompt_tokens=[row.state.prompt_tokens for row in rows.values()],
+            completion_tokens=[row.state.completion_tokens for row in rows.values()],
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            stats=self.engine_stats | {"detok_requests": len(self.requests)})
+
+
+def serve(detok: Detokenizer, steps: zmq.Socket, deltas: zmq.Socket, control: zmq.Socket) -> None:
+    """Forever: block for a step, drain the queue, send one TextDeltas (and one Abort if needed)."""
+    while True:
+        frames = [steps.recv()]
+        while len(frames) < MAX_DRAIN:
+            try:
+                frames.append(steps.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        rows: dict[str, Row] = {}
+        stopped: list[str] = []
+        for frame in frames:
+            try:
+                msg = decode(frame)
+                if not isinstance(msg, StepOutput):
+                    raise MessageError(f"expected a step output, got {msg.TAG!r}")
+                stopped += detok.process(msg, rows)
+            except MessageError as exc:
+                log.warning("dropping malformed message: %s", exc)
+            except Exception:  # a bug on one message must not take the pipeline down
+                log.exception("failed to process a step output; dropped")
+        if stopped:
+            control.send(encode(Abort(stopped, reason="stop")))
+        deltas.send(encode(detok.deltas(rows)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    addresses = Addresses()
+    parser.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"),
+                        help="checkpoint dir (default $PIPESERVE_MODEL, else the demo model)")
+    parser.add_argument("--steps", default=addresses.steps, help="bind: step outputs from the engine")
+    parser.add_argument("--deltas", default=addresses.deltas, help="connect: text deltas to the gateway")
+    parser.add_argument("--control", default=addresses.control, help="connect: stop aborts to the engine")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), force=True,
+                        format="%(asctime)s detokenizer %(levelname)s %(message)s")
+    detok = Detokenizer(load_tokenizer(resolve_model_dir(args.model)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    steps, deltas, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    try:
+        steps.bind(args.steps)
+        deltas.connect(args.deltas)
+        control.connect(args.control)
+        log.info("ready: steps %s -> deltas %s, aborts -> %s", args.steps, args.deltas, args.control)
+        serve(detok, steps, deltas, control)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctx.destroy(linger=500)  # let queued messages out on a clean exit
+    return 0

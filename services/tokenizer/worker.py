@@ -1,0 +1,164 @@
+"""A tokenizer worker process: PULL TokenizeRequest from the gateway, PUSH EngineRequest (token ids
+only) to the engine, or RequestError to the gateway. Stateless: run as many as the load needs; they
+connect, the gateway and the engine bind."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from services.config import Addresses
+from services.messages import (
+    EngineRequest,
+    MessageError,
+    RequestError,
+    TokenizeRequest,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from services.sampling_params import SamplingParams
+from services.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A bad request; the message names the offending field as the client spelled it."""
+
+
+class Tokenizer:
+    """TokenizeRequest -> EngineRequest, socket-free (tests drive it directly)."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = min(len(tokenizer), vocab_size or len(tokenizer))
+
+    def handle(self, req: TokenizeRequest) -> EngineRequest | RequestError:
+        try:
+            return self.prepare(req)
+        except InvalidRequest as exc:
+            return RequestError(req.rid, "INVALID_ARGUMENT", str(exc))
+        except Exception as exc:  # a tokenizer bug must fail one request, not the worker
+            log.exception("tokenizing %s failed", req.rid)
+            return RequestError(req.rid, "INTERNAL", f"tokenizer failed: {exc}")
+
+    def prepare(self, req: TokenizeRequest) -> EngineRequest:
+        try:
+            params = SamplingParams.from_dict(req.sampling)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"sampling: {exc}") from exc
+        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
+        given = [name for name, value in (("prompt", req.prompt), ("messages", req.messages),
+                                          ("prompt_token_ids", req.prompt_ids)) if value is not None]
+        if len(given) != 1:
+            raise InvalidRequest(f"exactly one of prompt, messages, prompt_token_ids is required, "
+                                 f"got {given or 'none'}")
+        name = given[0]
+        if req.prompt is not None:
+            ids = self._encode_prompt(req.prompt)
+        elif req.messages is not None:
+            ids = self._encode_messages(req.messages)
+        else:
+            ids = self._check_ids(req.prompt_ids or b"")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
+                                 f"context of {self.max_model_len} tokens")
+        # Clamp to the context instead of rejecting: "as many tokens as fit" is what clients mean.
+        params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        return EngineRequest(req.rid, pack_ids(ids), params.to_dict(), req.app, req.arrival)
+
+    def _encode_prompt(self, prompt: str) -> list[int]:
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty")
+        return self.tokenizer.encode(prompt)
+
+    def _encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not messages:
+            raise InvalidRequest("messages must not be empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+                raise InvalidRequest(f"messages[{i}] must have a string role and a string content")
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("messages: this model has no chat template; send a prompt instead")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors, including the template's own raise_exception()
+            raise InvalidRequest(f"messages: the chat template rejected them: {exc}") from exc
+        # The template writes the special tokens (BOS included) itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_ids(self, packed: bytes) -> list[int]:
+        try:
+            ids = unpack_ids(packed)
+        except MessageError as exc:
+            raise InvalidRequest(f"prompt_token_ids: {exc}") from exc
+        if not len(ids):
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if len(bad):
+            raise InvalidRequest(f"prompt_token_ids: id {int(bad[0])} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return ids.tolist()
+
+
+def serve(worker: Tokenizer, pull: zmq.Socket, requests: zmq.Socket, errors: zmq.Socket) -> None:
+    while True:
+        frame = pull.recv()
+        try:
+            req = decode(frame)
+            if not isinstance(req, TokenizeRequest):
+                raise MessageError(f"expected a tokenize request, got {req.TAG!r}")
+        except MessageError as exc:
+            log.warning("dropping malformed message: %s", exc)
+            continue
+        out = worker.handle(req)
+        log.debug("tokenized %s: %s", req.rid, out.TAG)
+        (requests if isinstance(out, EngineRequest) else errors).send(encode(out))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    addresses = Addresses()
+    parser.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"),
+                        help="checkpoint dir (default $PIPESERVE_MODEL, else the demo model)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length prompts are checked against (default: the model's); "
+                             "give the engine's value when it serves a shorter one")
+    parser.add_argument("--tokenize", default=addresses.tokenize, help="connect: requests from the gateway")
+    parser.add_argument("--requests", default=addresses.requests, help="connect: token ids to the engine")
+    parser.add_argument("--errors", default=addresses.errors, help="connect: rejections to the gateway")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), force=True,
+                        format="%(asctime)s tokenizer %(levelname)s %(message)s")
+    model_dir = resolve_model_dir(args.model)
+    limits = model_limits(model_dir)
+    max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
+    worker = Tokenizer(load_tokenizer(model_dir), max_model_len, limits.vocab_size)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    pull, requests, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    try:
+        pull.connect(args.tokenize)
+        requests.connect(args.requests)
+        errors.connect(args.errors)
+        log.info("ready (pid %d): %s -> %s, context %d", os.getpid(), args.tokenize, args.requests,
+                 max_model_len)
+        serve(worker, pull, requests, errors)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctx.destroy(linger=500)  # let queued messages out on a clean exit
+    return 0

@@ -1,0 +1,442 @@
+"""The incremental detokenizer (property tests against the full decode), the stop-string matcher,
+the detokenizer's step -> deltas logic, and the detokenizer process over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.detokenizer.incremental import (
+    FFFD,
+    HOLD_TOKENS,
+    MAX_CONTEXT,
+    Delta,
+    IncrementalDetokenizer,
+    StopMatcher,
+    skipped_ids,
+)
+from services.detokenizer.worker import Detokenizer, Row
+from services.messages import (
+    Abort,
+    MessageError,
+    NewRequestInfo,
+    StepOutput,
+    TextDeltas,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from services.tokenizer.load import load_tokenizer
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+PROPERTY = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+CHARS = "中文日本語한국어😀🎉👍🏽🙂éüßЖ…"  # 2, 3 and 4 UTF-8 bytes each
+NEVER_VALID = [*range(0x80, 0xC0), *range(0xF8, 0x100)]  # bytes no UTF-8 character starts with
+LEADS = list(range(0xC2, 0xF5))
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir: str):
+    return load_tokenizer(stories_dir)
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE tokenizer (GPT-2 style, lossy UTF-8 decode) trained here on a tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Once upon a time there was a little girl named Lily. 她喜欢在公园里玩。 🙂😀🎉 naïve café",
+              "日本語のテキストと中文文本, emoji 👍🏽 and ümlauts über alles"] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def units(tok, invalid: bool) -> st.SearchStrategy[list[int]]:
+    """stories260K id sequences built from whole pieces: words, multi-byte characters spelled in
+    byte-fallback tokens, special tokens and (optionally) runs of bytes that are not UTF-8, fenced
+    by words (ByteFallback decodes a whole byte run at once, so the fences define the full decode)."""
+    vocab = tok.get_vocab()
+    byte = {b: vocab[f"<0x{b:02X}>"] for b in range(256)}
+    word = st.sampled_from(sorted(i for t, i in vocab.items() if not t.startswith("<"))).map(lambda i: [i])
+    char = st.sampled_from(CHARS).map(lambda c: [byte[b] for b in c.encode()])
+    special = st.sampled_from(sorted(skipped_ids(tok))).map(lambda i: [i])
+    options = [word, word, char, char, special]
+    if invalid:
+        bad = st.tuples(word, st.lists(st.sampled_from(NEVER_VALID), max_size=10),
+                        st.lists(st.sampled_from(LEADS), max_size=1), word)
+        options.append(bad.map(lambda t: t[0] + [byte[b] for b in t[1] + t[2]] + t[3]))
+    return st.lists(st.one_of(options), max_size=14).map(lambda us: [i for u in us for i in u])
+
+
+def reference(tok, prompt: list[int], out: list[int], skip: bool) -> str:
+    """The output's text in the full decode: decode(prompt + out) after decode(prompt)."""
+    before = tok.decode(prompt, skip_special_tokens=skip)
+    full = tok.decode(prompt + out, skip_special_tokens=skip)
+    assert full.startswith(before)
+    return full[len(before):]
+
+
+def stream(tok, prompt: list[int], out: list[int], skip: bool, chunks: list[int],
+           stops: list[str] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+    d = IncrementalDetokenizer(tok, prompt, stops, skip)
+    deltas, i = [], 0
+    for size in chunks + [1] * len(out):
+        if i >= len(out):
+            break
+        delta = d.add(out[i:i + size])
+        deltas.append(delta.text)
+        i += size
+        assert delta.stopped == d.stopped
+        if delta.stopped:
+            break
+        held = d.stop.held  # held back only while it may still become a stop string
+        assert not held or any(s.startswith(held) and s != held for s in stops)
+        assert d.held_tokens < 2 * HOLD_TOKENS  # a U+FFFD is held a bounded number of tokens
+        assert len(d.ids) <= MAX_CONTEXT + 2 * HOLD_TOKENS  # the window stays short
+    deltas.append(d.flush())
+    return deltas, d
+
+
+def check_replacements(deltas: list[str], expected: str) -> None:
+    """No delta holds U+FFFD unless the full decode has one at that spot."""
+    at = 0
+    for delta in deltas:
+        for j, ch in enumerate(delta):
+            if ch == FFFD:
+                assert expected[at + j: at + j + 1] == FFFD, (deltas, expected)
+        at += len(delta)
+
+
+def first_stop(text: str, stops: list[str]) -> str:
+    """text cut before the stop string that completes first (earliest end; ties: the longest)."""
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    return text[: min(hits)[1]] if hits else text
+
+
+CHUNKS = st.lists(st.integers(1, 3), max_size=40)
+
+
+@PROPERTY
+@given(data=st.data(), skip=st.booleans(), chunks=CHUNKS)
+def test_stories_utf8_streams_exactly(stories, data, skip: bool, chunks: list[int]) -> None:
+    prompt, out = data.draw(units(stories, False)), data.draw(units(stories, False))
+    deltas, _ = stream(stories, prompt, out, skip, chunks)
+    expected = reference(stories, prompt, out, skip)
+    assert "".join(deltas) == expected
+    assert not any(FFFD in d for d in deltas)
+
+
+@PROPERTY
+@given(data=st.data(), skip=st.booleans(), chunks=CHUNKS)
+def test_stories_invalid_bytes_stream_exactly(stories, data, skip: bool, chunks: list[int]) -> None:
+    prompt, out = data.draw(units(stories, True)), data.draw(units(stories, True))
+    deltas, _ = stream(stories, prompt, out, skip, chunks)
+    expected = reference(stories, prompt, out, skip)
+    assert "".join(deltas) == expected
+    check_replacements(deltas, expected)
+
+
+PROMPTS = st.sampled_from(["", "Once upon a time", "她喜欢", "🙂 hi", "café 😀"])
+
+
+@PROPERTY
+@given(prompt=PROMPTS, bos=st.booleans(), out=st.lists(st.integers(0, 399), max_size=40), skip=st.booleans(),
+       chunks=CHUNKS)
+def test_byte_level_random_ids_stream_exactly(bpe, prompt: str, bos: bool, out: list[int], skip: bool,
+                                              chunks: list[int]) -> None:
+    """Any ids at all (a lossy UTF-8 decoder makes the full decode local, so it is always reachable)."""
+    out = [i % len(bpe) for i in out]
+    ids = bpe.encode(prompt, add_special_tokens=bos)
+    deltas, _ = stream(bpe, ids, out, skip, chunks)
+    expected = reference(bpe, ids, out, skip)
+    assert "".join(deltas) == expected
+    check_replacements(deltas, expected)
+
+
+@PROPERTY
+@given(data=st.data(), which=st.sampled_from(["stories", "bpe"]), chunks=CHUNKS)
+def test_stop_strings_cut_before_first_match(stories, bpe, data, which: str, chunks: list[int]) -> None:
+    if which == "stories":
+        tok, prompt, out = stories, data.draw(units(stories, True)), data.draw(units(stories, True))
+    else:
+        tok = bpe
+        prompt = bpe.encode(data.draw(PROMPTS))
+        out = data.draw(st.lists(st.integers(0, len(bpe) - 1), max_size=40))
+    text = reference(tok, prompt, out, True)
+    stops = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        if text and data.draw(st.booleans()):  # a piece of the text, so matches do happen
+            at = data.draw(st.integers(0, len(text) - 1))
+            stops.append(text[at: at + data.draw(st.integers(1, 6))])
+        else:
+            stops.append(data.draw(st.sampled_from(["the", "中", "😀", "a b", " Lily.", FFFD])))
+    deltas, d = stream(tok, prompt, out, True, chunks, stops)
+    assert "".join(deltas) == first_stop(text, stops)
+    assert d.stopped == any(s in text for s in stops)
+
+
+def test_emoji_and_cjk_byte_by_byte(stories) -> None:
+    prompt = stories.encode("Lily saw")
+    out = stories.encode("😀 and 中", add_special_tokens=False)  # "▁😀 and 中"
+    assert len(out) >= 9  # spelled in byte-fallback tokens
+    d = IncrementalDetokenizer(stories, prompt)
+    deltas = [d.add(t).text for t in out] + [d.flush()]
+    assert "".join(deltas) == " 😀 and 中"
+    assert "😀" in deltas and "中" in deltas  # each released whole, by the token that completes it
+    assert not any(FFFD in x for x in deltas)
+
+
+def test_replacement_char_hold_is_bounded(stories) -> None:
+    lone = stories.convert_tokens_to_ids("<0x80>")  # a continuation byte: always invalid
+    d = IncrementalDetokenizer(stories, stories.encode("Lily"))
+    deltas = [d.add(lone).text for _ in range(3 * HOLD_TOKENS)]
+    assert "".join(deltas[: HOLD_TOKENS - 1]) == ""  # might still be half a character
+    assert "".join(deltas).count(FFFD) >= 2 * HOLD_TOKENS  # then released, not held to the end
+    assert "".join(deltas) + d.flush() == FFFD * 3 * HOLD_TOKENS
+
+
+def test_prompt_tail_cut_mid_character(stories) -> None:
+    """The engine sends only the prompt's tail; a character it cuts must not garble the output."""
+    prompt = stories.encode("She said 中中中中")  # the last 8 ids start inside a 中
+    assert FFFD in stories.decode(prompt[-MAX_CONTEXT:])
+    out = stories.encode(" to Lily", add_special_tokens=False)[1:]  # "▁to", ...: no lone "▁"
+    d = IncrementalDetokenizer(stories, prompt[-MAX_CONTEXT:])
+    assert "".join(d.add(t).text for t in out) + d.flush() == " to Lily"
+
+
+def test_stop_string_across_token_boundaries(stories) -> None:
+    prompt = stories.encode("Once upon a time")
+    there, was = stories.encode(" there was", add_special_tokens=False)[-2:]
+    d = IncrementalDetokenizer(stories, prompt, ["re wa"])
+    first = d.add(there)
+    assert (first.text, first.stopped, d.stop.held) == (" the", False, "re")  # "re" may start the stop
+    second = d.add(was)
+    assert (second.text, second.stopped) == ("", True)  # nothing of "re wa" leaks
+    assert d.add(there) == Delta("", True) and d.flush() == ""
+
+
+def test_stop_matcher_holds_minimal_suffix() -> None:
+    m = StopMatcher(["hello", "abcd", "bc"])
+    assert m.feed("say hel") == "say " and m.held == "hel"
+    assert m.feed("p me") == "help me" and m.held == ""
+    assert m.feed("xa") == "x" and m.held == "a"  # "a" may become "abcd"
+    assert m.feed("bc") == "a" and m.stopped  # "bc" completes first: generation stops there
+    assert m.feed("more") == "" and m.flush() == ""
+    m = StopMatcher(["The end"])
+    assert m.feed("It was The") == "It was " and m.flush() == "The"  # at the end it is just text
+    assert StopMatcher([]).feed("anything") == "anything"
+
+
+def test_skip_special_tokens_false_keeps_them(stories) -> None:
+    out = stories.encode("Lily", add_special_tokens=False) + [stories.eos_token_id]  # "▁Lily"
+    d = IncrementalDetokenizer(stories, stories.encode("Hi"), skip_special_tokens=False)
+    assert "".join(d.add(t).text for t in out) + d.flush() == " Lily</s>"
+    d = IncrementalDetokenizer(stories, stories.encode("Hi"))
+    assert "".join(d.add(t).text for t in out) + d.flush() == " Lily"
+
+
+def test_tokens_that_decode_to_nothing_cost_constant_time(stories) -> None:
+    """sglang #13275: a window that grows with empty tokens makes each decode longer (quadratic)."""
+    eos, space = stories.eos_token_id, stories.convert_tokens_to_ids("▁")
+    the = stories.convert_tokens_to_ids("▁the")
+    d = IncrementalDetokenizer(stories, stories.encode("Once"))
+    start = time.perf_counter()
+    for _ in range(20000):
+        assert d.add(eos).text == ""
+        assert len(d.ids) <= MAX_CONTEXT
+    assert time.perf_counter() - start < 5  # ~0.1 s: skipped ids never reach the decoder
+    assert d.add(the).text == " the"
+    d = IncrementalDetokenizer(stories, [])  # no context: "▁" decodes to "" only by stripping
+    out = [space] * 2000 + [the]
+    text = "".join(d.add(t).text for t in out) + d.flush()
+    assert text == stories.decode(out) and len(d.ids) <= 2
+
+
+def test_in_process_api(stories) -> None:
+    """What LLM.generate uses: ids one at a time (or several), Delta(text, stopped), flush()."""
+    prompt = stories.encode("Once upon a time")
+    out = stories.encode(", there was a little girl named Lily.", add_special_tokens=False)[1:]
+    d = IncrementalDetokenizer(stories, prompt, ["girl"], True)
+    text = ""
+    for t in out:
+        delta = d.add(t)
+        text += delta.text
+        if delta.stopped:
+            break
+    assert (text, d.stopped) == (", there was a little ", True)
+    d = IncrementalDetokenizer(stories, prompt)
+    assert d.add(out).text + d.flush() == ", there was a little girl named Lily."
+
+
+# -- the detokenizer's step -> deltas logic (no sockets) ----------------------------------------
+
+def new(rid: str, tok, prompt: str, **kw) -> dict:
+    ids = tok.encode(prompt)
+    return NewRequestInfo(rid, len(ids), pack_ids(ids[-8:]), **kw).__dict__
+
+
+def step(n: int, rows: list[tuple[str, int, str]], new_: list[dict] = (), logprobs=None,
+         stats: dict | None = None) -> StepOutput:
+    return StepOutput(n, [r for r, _, _ in rows], pack_ids([t for _, t, _ in rows]), [f for _, _, f in rows],
+                      list(new_), logprobs, stats)
+
+
+def run_steps(det: Detokenizer, *steps: StepOutput) -> tuple[TextDeltas, list[str]]:
+    rows: dict[str, Row] = {}
+    stopped = [rid for s in steps for rid in det.process(s, rows)]
+    return decode(encode(det.deltas(rows))), stopped  # through the wire format
+
+
+def test_deltas_batch_rows_usage_and_state_lifetime(stories) -> None:
+    det = Detokenizer(stories)
+    a = stories.encode(" there was", add_special_tokens=False)[-2:]
+    b = stories.encode(" Lily", add_special_tokens=False)[-1:]
+    msg, stopped = run_steps(det, step(1, [("a", a[0], ""), ("b", b[0], "")],
+                                       [new("a", stories, "Once upon a time"), new("b", stories, "Hi")],
+                                       stats={"running": 2}),
+                             step(2, [("a", a[1], ""), ("b", stories.eos_token_id, "stop")]))
+    assert stopped == [] and msg.rids == ["a", "b"]  # one row per request per message
+    assert msg.text == [" there was", " Lily"] and msg.finish == ["", "stop"]
+    assert [unpack_ids(msg.tokens)[msg.offsets[i]:msg.offsets[i + 1]].tolist() for i in range(2)] == \
+        [a, b + [stories.eos_token_id]]
+    assert msg.prompt_tokens == [len(stories.encode("Once upon a time")), len(stories.encode("Hi"))]
+    assert msg.completion_tokens == [2, 2] and msg.logprobs is None
+    assert msg.stats == {"running": 2, "detok_requests": 1}
+    msg, _ = run_steps(det, step(3, [("a", -1, "abort")]))  # aborted: no token, just the end
+    assert (msg.rids, msg.text, msg.finish, msg.completion_tokens) == (["a"], [""], ["abort"], [2])
+    assert msg.stats["detok_requests"] == 0 and det.requests == {}
+
+
+def test_stop_string_aborts_engine_once(stories) -> None:
+    det = Detokenizer(stories)
+    ids = stories.encode(" there was a girl", add_special_tokens=False)[1:]
+    info = new("s", stories, "Once upon a time", stop=["re wa"])
+    steps = [step(i + 1, [("s", t, "")], [info] if i == 0 else []) for i, t in enumerate(ids)]
+    msg, stopped = run_steps(det, *steps)
+    assert stopped == ["s"] and msg.text == [" the"] and msg.finish == ["stop"]
+    assert msg.completion_tokens == [2]  # the token that completed the stop counts; later ones never arrive
+    msg, stopped = run_steps(det, step(9, [("s", ids[-1], "")]))  # the engine had not seen the abort yet
+    assert stopped == [] and msg.rids == [] and msg.stats["detok_requests"] == 0
+    det = Detokenizer(stories)  # stop string on the request's last token: the engine ended it already
+    msg, stopped = run_steps(det, step(1, [("s", ids[0], "")], [info]), step(2, [("s", ids[1], "length")]))
+    assert stopped == [] and msg.finish == ["stop"]
+
+
+def test_heartbeat_is_forwarded(stories) -> None:
+    det = Detokenizer(stories)
+    msg, _ = run_steps(det, step(0, [], stats={"running": 0, "pages_used": 0}))
+    assert msg.rids == [] and msg.stats == {"running": 0, "pages_used": 0, "detok_requests": 0}
+
+
+def test_logprobs_carry_token_text(stories) -> None:
+    det = Detokenizer(stories)
+    there, lily = stories.convert_tokens_to_ids(["▁there", "▁Lily"])
+    row = [-0.5, pack_ids([there, lily]), np.array([-0.5, -1.5], "<f4").tobytes()]
+    msg, _ = run_steps(det, step(1, [("a", there, ""), ("b", lily, "")],
+                                 [new("a", stories, "Hi", logprobs=2), new("b", stories, "Hi")], [row, None]))
+    assert msg.logprobs == [[{"token_id": there, "token": " there", "logprob": -0.5,
+                              "top": [{"token_id": there, "token": " there", "logprob": -0.5},
+                                      {"token_id": lily, "token": " Lily", "logprob": -1.5}]}], None]
+
+
+def test_malformed_steps_and_restart(stories) -> None:
+    det = Detokenizer(stories)
+    with pytest.raises(MessageError):
+        det.process(StepOutput(1, ["a"], pack_ids([5, 6]), [""]), {})
+    bad_info = {"rid": "a", "prompt_len": "x"}
+    msg, _ = run_steps(det, step(1, [("a", 300, "")], [bad_info, new("b", stories, "Hi")]))
+    assert msg.rids == [] and list(det.requests) == ["b"]  # bad info dropped; rows without state too
+    msg, _ = run_steps(det, step(2, [("b", 300, "")], logprobs=[[1, 2]]))
+    assert msg.text and msg.logprobs is None  # b did not ask for logprobs: the bad row is not read
+    run_steps(det, step(1, [], [new("c", stories, "Hi")]))  # step numbers went back: a new engine
+    assert list(det.requests) == ["c"]
+
+
+# -- the process ------------------------------------------------------------------------------
+
+@pytest.fixture
+def detok_process(stories_dir: str, tmp_path):
+    addr = {name: f"ipc://{tmp_path}/{name}" for name in ("steps", "deltas", "control")}
+    ctx = zmq.Context()
+    deltas, control, steps = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    deltas.bind(addr["deltas"])
+    control.bind(addr["control"])
+    steps.connect(addr["steps"])
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "detokenizer", "--model", stories_dir,
+                             *[f"--{k}={v}" for k, v in addr.items()]], cwd=REPO,
+                            env=os.environ | {"PYTHONPATH": str(REPO)})
+    try:
+        yield proc, steps, deltas, control
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        ctx.destroy(linger=0)
+
+
+def recv(sock: zmq.Socket, timeout_s: float = 10.0):
+    assert sock.poll(int(timeout_s * 1000)), "nothing arrived"
+    return decode(sock.recv())
+
+
+def test_process_streams_batches_and_stops(detok_process, stories) -> None:
+    proc, steps, deltas, control = detok_process
+    deadline = time.monotonic() + 30
+    while not deltas.poll(200):  # heartbeats until the process is up
+        assert proc.poll() is None and time.monotonic() < deadline
+        steps.send(encode(step(0, [], stats={"running": 0})))
+    assert recv(deltas).stats == {"running": 0, "detok_requests": 0}
+    while deltas.poll(200):
+        deltas.recv()
+
+    steps.send(b"\x93garbage")  # malformed: logged and dropped
+    steps.send(msgpack.packb({"v": 1, "t": "step", "step": "x"}))
+    ids = stories.encode(", there was a little girl named Lily.", add_special_tokens=False)[1:]
+    prompt = "Once upon a time"
+    infos = [new("plain", stories, prompt), new("stop", stories, prompt, stop=["girl"])]
+    os.kill(proc.pid, signal.SIGSTOP)  # let the steps queue up: one receive must fold them all
+    try:
+        for i, t in enumerate(ids):
+            steps.send(encode(step(i + 1, [("plain", t, ""), ("stop", t, "")], infos if i == 0 else [])))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    expected = {"plain": ", there was a little girl named Lily.", "stop": ", there was a little "}
+    text: dict[str, str] = {}
+    finish: dict[str, str] = {}
+    msgs = 0
+    while text != expected:
+        m = recv(deltas)
+        msgs += 1
+        for rid, t, f in zip(m.rids, m.text, m.finish, strict=True):
+            text[rid] = text.get(rid, "") + t
+            finish[rid] = f
+    assert msgs < len(ids)  # batched per receive, not one message per step
+    assert finish == {"plain": "", "stop": "stop"}
+    abort = recv(control)
+    assert isinstance(abort, Abort) and abort.rids == ["stop"] and abort.reason == "stop"
+    steps.send(encode(step(100, [("plain", 5, "length")])))
+    assert recv(deltas).finish == ["length"]
+    steps.send(encode(step(100, [])))
+    assert recv(deltas).stats["detok_requests"] == 0  # nothing leaked
+    assert proc.poll() is None

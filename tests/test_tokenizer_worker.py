@@ -1,0 +1,203 @@
+"""The tokenizer worker: prompt / chat / id requests to EngineRequests, the length rules, errors that
+name the field, and two worker processes over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from services.messages import (
+    EngineRequest,
+    RequestError,
+    TokenizeRequest,
+    decode,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from services.sampling_params import SamplingParams
+from services.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
+from services.tokenizer.worker import Tokenizer
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+            "{{ raise_exception('system must come first') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir: str):
+    return load_tokenizer(stories_dir)
+
+
+@pytest.fixture(scope="module")
+def worker(stories) -> Tokenizer:
+    return Tokenizer(stories, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def chat_worker(stories_dir: str) -> Tokenizer:
+    tok = load_tokenizer(stories_dir)
+    tok.chat_template = TEMPLATE
+    return Tokenizer(tok, max_model_len=512)
+
+
+def request(rid: str = "r", sampling: dict | None = None, **fields) -> TokenizeRequest:
+    return TokenizeRequest(rid, SamplingParams(**(sampling or {})).to_dict(), **fields)
+
+
+def error(worker: Tokenizer, req: TokenizeRequest) -> str:
+    out = worker.handle(req)
+    assert isinstance(out, RequestError) and out.rid == req.rid and out.code == "INVALID_ARGUMENT", out
+    return out.message
+
+
+def test_load_helpers(stories_dir: str, stories) -> None:
+    limits = model_limits(stories_dir)
+    assert (limits.context_len, limits.vocab_size) == (512, 512)
+    assert resolve_model_dir(stories_dir) == stories_dir
+    assert type(stories).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert stories.decode(stories.encode("Once upon a time"), skip_special_tokens=True) == "Once upon a time"
+
+
+def test_prompt_becomes_ids(worker: Tokenizer, stories) -> None:
+    out = worker.handle(request(prompt="Once upon a time 中😀", app="chat", arrival=3.5,
+                                sampling={"max_tokens": 8, "stop": ["x"]}))
+    assert isinstance(out, EngineRequest)
+    ids = unpack_ids(out.prompt_ids).tolist()
+    assert ids == stories.encode("Once upon a time 中😀") and ids[0] == stories.bos_token_id
+    assert (out.rid, out.app, out.arrival) == ("r", "chat", 3.5)
+    assert SamplingParams.from_dict(out.sampling) == SamplingParams(max_tokens=8, stop=["x"])
+
+
+def test_chat_messages_use_the_template(chat_worker: Tokenizer, worker: Tokenizer, stories) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 中"}]
+    out = chat_worker.handle(request(messages=messages))
+    assert isinstance(out, EngineRequest)
+    text = stories.decode(unpack_ids(out.prompt_ids).tolist())
+    assert text == "<s> system: Be brief.\nuser: Hi 中\nassistant:"  # one BOS: the template's
+    assert "messages" in error(worker, request(messages=messages))  # no chat template
+    assert "system must come first" in error(chat_worker, request(messages=messages[::-1]))
+    assert "messages[1]" in error(chat_worker, request(messages=[messages[0], {"role": "user"}]))
+    assert "messages" in error(chat_worker, request(messages=[]))
+
+
+def test_prompt_ids_are_checked_against_the_vocab(worker: Tokenizer) -> None:
+    out = worker.handle(request(prompt_ids=pack_ids([1, 403, 407])))
+    assert isinstance(out, EngineRequest) and unpack_ids(out.prompt_ids).tolist() == [1, 403, 407]
+    assert "prompt_token_ids" in error(worker, request(prompt_ids=pack_ids([1, 512])))
+    assert "prompt_token_ids" in error(worker, request(prompt_ids=pack_ids([-3])))
+    assert "prompt_token_ids" in error(worker, request(prompt_ids=b""))
+    assert "prompt_token_ids" in error(worker, request(prompt_ids=b"\x01\x02\x03"))
+
+
+def test_one_input_and_valid_sampling(worker: Tokenizer) -> None:
+    assert "exactly one" in error(worker, request())
+    assert "exactly one" in error(worker, request(prompt="a", prompt_ids=pack_ids([1])))
+    assert "prompt" in error(worker, request(prompt=""))
+    bad = TokenizeRequest("r", {"max_tokens": 4, "bogus": 1}, prompt="a")
+    assert "bogus" in error(worker, bad)
+    assert "max_tokens" in error(worker, TokenizeRequest("r", {"max_tokens": 0}, prompt="a"))
+
+
+def test_length_rules(worker: Tokenizer) -> None:
+    """The context is 64 here: a prompt must leave room for one token; max_tokens is clamped."""
+    ids = [1] + [403] * 62
+    out = worker.handle(request(prompt_ids=pack_ids(ids), sampling={"max_tokens": 100, "min_tokens": 50}))
+    assert isinstance(out, EngineRequest)
+    assert (out.sampling["max_tokens"], out.sampling["min_tokens"]) == (1, 1)
+    msg = error(worker, request(prompt_ids=pack_ids(ids + [407])))
+    assert "prompt_token_ids" in msg and "64" in msg
+    assert "prompt is" in error(worker, request(prompt="Once upon a time " * 20))
+    out = worker.handle(request(prompt="Hi", sampling={"max_tokens": 10}))
+    assert out.sampling["max_tokens"] == 10  # fits: untouched
+
+
+def test_tokenizer_failure_is_one_error_not_a_crash(stories) -> None:
+    class Broken:
+        chat_template = None
+
+        def __len__(self) -> int:
+            return 512
+
+        def encode(self, text: str) -> list[int]:
+            raise RuntimeError("boom")
+
+    out = Tokenizer(Broken(), 64).handle(request(prompt="hi"))
+    assert isinstance(out, RequestError) and out.code == "INTERNAL" and "boom" in out.message
+
+
+# -- the processes ----------------------------------------------------------------------------
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 30) -> None:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sel.select(0.2) and needle in proc.stderr.readline():
+            return
+        assert proc.poll() is None, "worker died"
+    raise AssertionError(f"no {needle!r} from the worker")
+
+
+def test_two_worker_processes(stories_dir: str, stories, tmp_path) -> None:
+    addr = {name: f"ipc://{tmp_path}/{name}" for name in ("tokenize", "requests", "errors")}
+    ctx = zmq.Context()
+    push, requests, errors = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    push.bind(addr["tokenize"])
+    requests.bind(addr["requests"])
+    errors.bind(addr["errors"])
+    cmd = [sys.executable, "-m", "services.cli", "tokenizer", "--model", stories_dir, "--max-model-len", "32",
+           "--log-level", "debug", *[f"--{k}={v}" for k, v in addr.items()]]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            wait_for_line(p, "ready")
+        time.sleep(0.3)  # let both connections finish so round-robin reaches each
+        push.send(b"not msgpack")  # malformed: dropped, the worker keeps serving
+        push.send(encode(EngineRequest("wrong-type", b"", {})))
+        n = 40
+        for i in range(n):
+            req = request(f"r{i}", prompt=f"Lily had {i} red balls.", sampling={"max_tokens": 60})
+            push.send(encode(req))
+        push.send(encode(request("long", prompt="Once upon a time " * 10)))
+        push.send(encode(request("bad", prompt_ids=pack_ids([9999]))))
+        got = {}
+        while len(got) < n:
+            assert requests.poll(10_000), f"only {len(got)} of {n} requests came back"
+            msg = decode(requests.recv())
+            got[msg.rid] = msg
+        ids = stories.encode("Lily had 7 red balls.")
+        assert unpack_ids(got["r7"].prompt_ids).tolist() == ids
+        assert got["r7"].sampling["max_tokens"] == 32 - len(ids)  # clamped to the context
+        failed = {}
+        while len(failed) < 2:
+            assert errors.poll(10_000), f"errors so far: {failed}"
+            msg = decode(errors.recv())
+            failed[msg.rid] = msg
+        assert failed["long"].code == failed["bad"].code == "INVALID_ARGUMENT"
+        assert "prompt" in failed["long"].message and "prompt_token_ids" in failed["bad"].message
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            p.terminate()
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(10))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        ctx.destroy(linger=0)
+    logs = [p.stderr.read() for p in procs]
+    assert codes == [0, 0]  # SIGTERM is a clean exit
+    assert all(log.count("tokenized") > 0 for log in logs), logs  # both workers got work
+    assert sum(log.count("dropping malformed") for log in logs) == 2
