@@ -432,9 +432,9 @@ class Gateway(pb_grpc.GenerationServicer):
 
     def _on_engine_info(self, msg: EngineInfo) -> None:
         if msg.boot != self.boot:
-            if self.boot:  # a new engine: the old one's requests are gone
+            if self.boot:  # a new engine: the old one's requests are gone (aborted: see _on_process)
                 self._fail(
-                    grpc.StatusCode.UNAVAILABLE, "the engine restarted", False, lambda s: s.boot != msg.boot
+                    grpc.StatusCode.UNAVAILABLE, "the engine restarted", True, lambda s: s.boot != msg.boot
                 )
             log.info("engine %d up: %s", msg.boot, msg.info)
             self.boot = msg.boot
@@ -451,12 +451,9 @@ class Gateway(pb_grpc.GenerationServicer):
                 self.fresh_after = time.monotonic()  # SERVING again only after fresh heartbeats
             else:
                 self.down.add(msg.process)
-                # The detokenizer lost its state but the engine still runs the requests: abort them.
-                self._fail(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the {msg.process} died",
-                    abort_in_engine=msg.process != "engine",
-                )
+                # Abort them in the engine too: a dead detokenizer leaves them running there, and a
+                # dead engine's successor may still get adds queued on the way (tombstones drop them).
+                self._fail(grpc.StatusCode.UNAVAILABLE, f"the {msg.process} died", abort_in_engine=True)
         elif msg.process.startswith("tokenizer") and not msg.up:
             # Requests queued at the dead worker are lost; the gateway cannot tell which ones (PUSH
             # round-robin), so every request without output yet ends UNAVAILABLE, aborted everywhere.

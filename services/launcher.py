@@ -1,0 +1,210 @@
+"""`pipeserve up`: every process on this host over ipc:// sockets, supervised.
+
+Starts the engine, the detokenizer, N tokenizer workers and the gateway as subprocesses wired
+through ipc:// sockets in a private temp dir, waits until the gateway's health says SERVING,
+then supervises: a process that dies is restarted (engine included), and the gateway is told at
+once (ProcessStatus on its `errors` socket) so that it ends the streams the death broke with
+UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. SIGINT/SIGTERM shut down
+in order: the gateway first (in-flight streams get --grace seconds to finish while the rest still
+runs), then the others. Children run in their own sessions (a terminal's Ctrl-C reaches only this
+process, which orders the shutdown) and die with it if it is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+
+import zmq
+
+from services import config as cfg
+from services.config import Addresses, EngineConfig, GatewayConfig
+from services.messages import ProcessStatus, encode
+
+log = logging.getLogger("pipeserve.up")
+
+# Runs a child: parent-death signal first (a fresh interpreter has no threads yet, unlike this
+# process, whose ZeroMQ context makes preexec_fn unsafe), then the ordinary CLI.
+CHILD = "import sys; from services.launcher import child_main; sys.exit(child_main(sys.argv[1:]))"
+PR_SET_PDEATHSIG = 1
+MAX_RESTARTS = 5  # per child within RESTART_WINDOW, then give up and shut down
+RESTART_WINDOW = 60.0
+STOP_TIMEOUT = 10.0
+
+
+def child_main(argv: list[str]) -> int:
+    parent = int(os.environ["PIPESERVE_PARENT_PID"])
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            return 1
+    from services.cli import main
+
+    return main(argv)
+
+
+@dataclass
+class Child:
+    name: str  # "engine", "detokenizer", "tokenizer-0", ..., "gateway"
+    argv: list[str]  # pipeserve subcommand and flags
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], addrs: Addresses, env: dict[str, str]) -> None:
+        self.children = children
+        self.env = env
+        self._zmq = zmq.Context()
+        self._status = self._zmq.socket(zmq.PUSH)
+        self._status.setsockopt(zmq.LINGER, 0)
+        self._status.setsockopt(zmq.SNDHWM, 64)
+        self._status.connect(addrs.errors)
+
+    def spawn(self, child: Child) -> None:
+        child.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, *child.argv], env=self.env, start_new_session=True
+        )
+        log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    def dead(self) -> list[tuple[Child, int]]:
+        return [
+            (c, c.proc.returncode) for c in self.children if c.proc is not None and c.proc.poll() is not None
+        ]
+
+    def restart(self, child: Child, code: int) -> bool:
+        """Restart a child that died; False when it keeps dying."""
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW] + [now]
+        log.warning("%s (pid %d) exited with %d", child.name, child.proc.pid if child.proc else -1, code)
+        self._notify(child.name, up=False)
+        if len(child.restarts) > MAX_RESTARTS:
+            log.error(
+                "%s died %d times within %.0f s: giving up", child.name, len(child.restarts), RESTART_WINDOW
+            )
+            return False
+        self.spawn(child)
+        self._notify(child.name, up=True)
+        return True
+
+    def _notify(self, name: str, up: bool) -> None:
+        try:
+            self._status.send(encode(ProcessStatus(process=name, up=up)), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("gateway not reachable: %s %s not reported", name, "up" if up else "down")
+
+    def stop(self, grace: float) -> None:
+        """The gateway first (it drains its streams within grace), then everything else."""
+        gateway = [c for c in self.children if c.name == "gateway"]
+        for group, timeout in (
+            (gateway, grace + STOP_TIMEOUT),
+            ([c for c in self.children if c.name != "gateway"], STOP_TIMEOUT),
+        ):
+            procs = [c.proc for c in group if c.proc is not None and c.proc.poll() is None]
+            for proc in procs:
+                proc.terminate()
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d did not stop within %.0f s: killing it", proc.pid, timeout)
+                    proc.kill()
+                    proc.wait()
+        self._zmq.destroy(linger=0)
+
+
+def demo_model_dir() -> str:
+    """Build (once, cached) the demo model in a subprocess, so this process never imports torch."""
+    code = "from services.engine.model.demo import ensure_demo_model; print(ensure_demo_model())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Child]:
+    model = ["--model", str(engine.model)]
+    tokenizer = model + (["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else [])
+    return [
+        Child("engine", ["engine", *cfg.to_argv(engine)]),
+        Child("detokenizer", ["detokenizer", *model]),
+        *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer]) for i in range(workers)],
+        Child("gateway", ["gateway", *cfg.to_argv(gateway)]),
+    ]
+
+
+def wait_serving(target: str, supervisor: Supervisor, timeout: float, stopping: list[int]) -> bool:
+    from services.gateway.client import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(target) as client:
+        while not stopping:
+            if client.health(timeout=1.0) == "SERVING":
+                return True
+            for child, code in supervisor.dead():
+                log.error("%s exited with %d during start-up", child.name, code)
+                return False
+            if time.monotonic() > deadline:
+                log.error("not SERVING after %.0f s", timeout)
+                return False
+            time.sleep(0.1)
+    return False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer-workers", type=int, default=2, help="tokenizer processes")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    cfg.add_arguments(parser, EngineConfig)
+    cfg.add_arguments(parser, GatewayConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.tokenizer_workers < 1:
+        raise SystemExit("--tokenizer-workers must be >= 1")
+    engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
+    engine = replace(engine, model=os.path.abspath(engine.model) if engine.model else demo_model_dir())
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    run_dir = tempfile.mkdtemp(prefix="pipeserve-")
+    addrs = Addresses.under(run_dir)
+    env = {
+        **os.environ,
+        **addrs.to_env(),
+        "PIPESERVE_MODEL": engine.model,
+        "PIPESERVE_PARENT_PID": str(os.getpid()),
+    }
+    supervisor = Supervisor(plan(engine, gateway, args.tokenizer_workers), addrs, env)
+    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
+    target = f"{host}:{gateway.port}"
+    code = 1
+    try:
+        for child in supervisor.children:
+            supervisor.spawn(child)
+        if wait_serving(target, supervisor, args.startup_timeout, stopping):
+            log.info(
+                "serving %s on %s:%d (ipc sockets in %s)", engine.model, gateway.host, gateway.port, run_dir
+            )
+            code = 0
+            while not stopping:
+                for child, status in supervisor.dead():
+                    if not supervisor.restart(child, status):
+                        stopping.append(0)
+                        code = 1
+                time.sleep(0.1)
+        if stopping and stopping[0]:  # a signal, not a give-up
+            log.info("%s: shutting down", signal.Signals(stopping[0]).name)
+            code = 0
+    finally:
+        supervisor.stop(gateway.grace)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
