@@ -118,3 +118,38 @@ def ensure_demo_model(cache_dir: str | None = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def save_random_checkpoint(target: str, config: dict, seed: int = 0,
+                           dtype: torch.dtype = torch.bfloat16) -> str:
+    """A random-weight checkpoint (config.json, generation_config.json, model.safetensors; no
+    tokenizer) for a Llama/Mistral/Qwen2 config dict, built once and atomically like the demo model.
+    Benchmarks use it for model shapes nobody should download. Qwen2's q/k/v biases are zero."""
+    if os.path.isfile(os.path.join(target, "model.safetensors")):
+        return target
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".random-", dir=os.path.dirname(target) or ".")
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}, f)
+        raw = random_llama_weights(config, seed)
+        weights = {name: raw.pop(name).to(dtype) for name in list(raw)}  # frees float32 as it goes
+        if config.get("model_type") == "qwen2":
+            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            kv = config["num_key_value_heads"] * head_dim
+            sizes = {"q": config["num_attention_heads"] * head_dim, "k": kv, "v": kv}
+            for i in range(config["num_hidden_layers"]):
+                weights |= {f"model.layers.{i}.self_attn.{p}_proj.bias": torch.zeros(n, dtype=dtype)
+                            for p, n in sizes.items()}
+        save_file(weights, os.path.join(tmp, "model.safetensors"))
+        del weights
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

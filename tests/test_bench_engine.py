@@ -1,0 +1,134 @@
+"""The in-process engine benchmarks: this machine's roofline, random checkpoints of preset shapes, and
+`bench throughput` / `bench latency` end to end on stories260K with tiny grids."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.bench import latency, throughput
+from services.bench.harness import preset_config, resolve_model
+from services.bench.machine import MachineRates, floor_cost, measure
+from services.bench.roofline import PRESETS, ModelShape, cost_model
+
+pytestmark = pytest.mark.timeout(120)
+
+RATES = MachineRates("test", "float32", copy_bandwidth=10e9, matmul_flops=100e9, memory=2**34,
+                     copy_bytes=0, matmul_n=0, threads=1)  # fmt: skip
+
+
+def test_measure_gives_plausible_rates() -> None:
+    rates = measure("cpu", torch.float32, copy_bytes=2**24, matmul_n=256, repeats=2)
+    assert rates.device == "cpu" and rates.dtype == "float32"
+    assert 1e8 < rates.copy_bandwidth < 1e13  # 0.1 GB/s .. 10 TB/s
+    assert 1e7 < rates.matmul_flops < 1e14
+    assert rates.memory > 2**28
+    gpu = rates.as_gpu()
+    assert (gpu.bandwidth, gpu.bf16_flops, gpu.gemm_rate("int8")) == (
+        rates.copy_bandwidth, rates.matmul_flops, rates.matmul_flops)
+
+
+def test_floor_on_stories_shape_by_hand(stories_dir: str) -> None:
+    shape = ModelShape.from_path(stories_dir)
+    cost = floor_cost(shape, RATES, torch.float32)
+    # Per layer q,k,v,o: 64 x 8 x 2 x (8 + 4) = 12,288; gate, up, down: 3 x 64 x 172 = 33,024.
+    # 5 layers: 226,560; lm_head (tied) 512 x 64 = 32,768; norms 5 x 128 + 64 = 704. float32: x 4 bytes.
+    assert cost.weight_bytes_read == 260_032 * 4
+    assert cost.kv_bytes_per_token == 2 * 5 * 4 * 8 * 4  # K and V, 5 layers, 4 KV heads of 8, float32
+    step = cost.decode(batch=1, context=100)  # reads 100 cached tokens' K/V and writes one
+    assert step.bytes == 1_040_128 + 101 * 1280
+    assert step.t_mem == pytest.approx(1_169_408 / 10e9)
+    # bfloat16 moves exactly half of every byte, at the same measured rates.
+    half = floor_cost(shape, RATES, torch.bfloat16).decode(batch=8, context=64)
+    assert half.bytes * 2 == cost.decode(batch=8, context=64).bytes
+    assert half.flops == cost.decode(batch=8, context=64).flops
+
+
+def test_floor_equals_roofline_for_bf16() -> None:
+    shape = ModelShape.preset("llama-2-7b")
+    ours = floor_cost(shape, RATES, torch.bfloat16)
+    assert ours == cost_model(shape, RATES.as_gpu(), "bf16", "bf16")
+    assert ours.decode(1, 1024).t == pytest.approx(ours.weight_bytes_read / 10e9, rel=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_config_round_trips(name: str) -> None:
+    shape = PRESETS[name]
+    assert replace(ModelShape.from_hf_config(preset_config(shape)), name=name) == shape
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ModelShape("tiny-llama", 64, 128, 2, 4, 2, 16, 300, 256),
+        ModelShape("tiny-qwen2", 64, 128, 2, 4, 2, 16, 300, 256, layer_bias_params=16 * 8),
+        ModelShape("tiny-mistral", 64, 128, 2, 4, 2, 16, 300, 256, sliding_window=32),
+    ],
+    ids=lambda s: s.name,
+)
+def test_random_checkpoint_of_a_shape_loads(shape: ModelShape, tmp_path) -> None:
+    from services.engine import LLM, SamplingParams
+    from services.engine.model.demo import save_random_checkpoint
+
+    path = save_random_checkpoint(str(tmp_path / shape.name), preset_config(shape))
+    assert replace(ModelShape.from_path(path), name=shape.name) == shape
+    llm = LLM(path, num_pages=32, max_num_seqs=2)
+    llm.engine.add("r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    while llm.engine.has_work():
+        llm.engine.step()
+    params = sum(p.numel() for p in llm.engine.model.parameters())
+    assert params == shape.params
+    assert resolve_model(path) == path and resolve_model(None) is None
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_throughput(stories_dir: str, tmp_path) -> None:
+    out = tmp_path / "out"
+    args = _args(throughput, ["--model", stories_dir, "--batch", "1", "4", "--input-len", "16",
+                              "--output-len", "6", "--json", str(tmp_path / "t.json"),
+                              "--out", str(out)])  # fmt: skip
+    assert throughput.main(args) == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["bench"] == "throughput" and result["model"]["name"] == "stories260K"
+    assert result["rates"]["copy_bandwidth"] > 0 and result["machine"]["load_average"]["end"]
+    assert [p["batch"] for p in result["points"]] == [1, 4]
+    for p in result["points"]:
+        assert p["prefill_steps"] == 1 and p["decode_steps"] == 5  # the first token comes from the prefill
+        assert p["generated_tokens"] == p["batch"] * 6
+        assert p["decode_tokens_per_s"] == pytest.approx(p["batch"] * 5 / p["decode_s"])
+        assert p["floor_tokens_per_s"] > p["decode_tokens_per_s"]  # nothing beats the speed of light
+        assert 0 < p["roofline_pct"] < 100
+        assert p["roofline_pct"] == pytest.approx(100 * p["floor_ms_per_step"] / p["ms_per_step"])
+    assert (out / "throughput.png").stat().st_size > 10_000
+
+
+def test_bench_latency(stories_dir: str, tmp_path) -> None:
+    out = tmp_path / "out"
+    args = _args(latency, ["--model", stories_dir, "--input-len", "8", "64", "600", "--batch", "1", "4",
+                           "--max-batched-tokens", "128", "--repeats", "1", "--decode-batch", "1", "3",
+                           "--decode-context", "32", "--decode-steps", "3",
+                           "--json", str(tmp_path / "l.json"), "--out", str(out)])  # fmt: skip
+    assert latency.main(args) == 0
+    result = json.loads((tmp_path / "l.json").read_text())
+    # 600 >= the 512-token context is dropped; 64 x 4 is over the 128-token budget and skipped.
+    assert result["config"]["input_lens"] == [8, 64]
+    assert [(c["input_len"], c["batch"]) for c in result["prefill"]] == [(8, 1), (8, 4), (64, 1)]
+    assert result["skipped"] == [{"input_len": 64, "batch": 4}]
+    for c in result["prefill"]:
+        assert c["steps"] == 1 and c["bound"] in ("memory", "compute")
+        assert 0 < c["floor_ms"] < c["ms"] and 0 < c["roofline_pct"] < 100
+    assert [(c["batch"], c["steps"]) for c in result["decode"]] == [(1, 3), (3, 3)]
+    for c in result["decode"]:
+        assert c["context"] == 32 and 0 < c["floor_ms"] < c["ms_per_step"] <= c["ms_max"]
+    assert (out / "latency.png").stat().st_size > 10_000
+    assert os.path.getsize(tmp_path / "l.json") > 0
