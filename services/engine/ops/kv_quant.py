@@ -21,6 +21,19 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
+def safe_inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale in fp32, 0 where scale == 0 (an all-zero group quantizes to zeros)."""
+    scale = scale.float()
+    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+
+
+def to_codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values already divided by their scale -> int8 (round half away, saturate) or fp8 codes."""
+    if dtype == torch.int8:
+        return round_half_away(y).clamp_(-127, 127).to(torch.int8)
+    return y.clamp(-448.0, 448.0).to(dtype)
+
+
 def quantize_kv(
     x: torch.Tensor, dtype: torch.dtype, group: int = DEFAULT_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,13 +43,7 @@ def quantize_kv(
         raise ValueError(f"head_dim {d} is not a multiple of the KV quantization group {group}")
     xg = x.float().unflatten(-1, (d // group, group))
     scale = (xg.abs().amax(-1) / QMAX[dtype]).to(torch.float16)
-    inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
-    y = xg * inv[..., None]
-    if dtype == torch.int8:
-        q = round_half_away(y).clamp_(-127, 127).to(torch.int8)
-    else:
-        q = y.clamp_(-448.0, 448.0).to(dtype)
-    return q.flatten(-2), scale
+    return to_codes(xg * safe_inverse(scale)[..., None], dtype).flatten(-2), scale
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""What every kernel launcher needs: interpreter detection, dtype mapping, tile sizes and an autotune
+wrapper that falls back to one fixed config under TRITON_INTERPRET=1 (autotune needs a GPU driver)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.int8: tl.int8,
+    torch.float8_e4m3fn: tl.float8e4nv,
+}
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    return _TL_DTYPES[dtype]
+
+
+def compute_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand dtype for tl.dot: the activations' half type on a GPU; fp32 under the interpreter,
+    whose bf16 arithmetic and bf16 dots are wrong."""
+    if interpreting() or dtype == torch.float32:
+        return tl.float32
+    return tl_dtype(dtype)
+
+
+def dot_precision(compute: tl.dtype) -> str:
+    """fp32 dots default to tf32 on a GPU; keep them exact (they only run for fp32 models)."""
+    return "ieee" if compute == tl.float32 else "tf32"
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+@cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small stand-in on the CPU (interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class Fixed:
+    """Launches a jit kernel with one config: the interpreter's stand-in for triton.autotune.
+    `config` is a plain attribute so tests can pin another config (e.g. split-K)."""
+
+    def __init__(self, fn: Any, config: triton.Config) -> None:
+        self.fn = fn
+        self.config = config
+
+    def __getitem__(self, grid: Callable[[dict[str, Any]], tuple[int, ...]] | tuple[int, ...]) -> Callable:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            meta = {**dict(zip(self.fn.arg_names, args, strict=False)), **kwargs, **self.config.kwargs}
+            resolved = grid(meta) if callable(grid) else grid
+            return self.fn[resolved](*args, **kwargs, **self.config.kwargs)
+
+        return launch
+
+
+def autotune(
+    configs: list[triton.Config], key: list[str], interpret_config: triton.Config, **kwargs: Any
+) -> Callable[[Any], Any]:
+    """triton.autotune on a GPU, Fixed(interpret_config) under the interpreter."""
+
+    def wrap(fn: Any) -> Any:
+        if interpreting():
+            return Fixed(fn, interpret_config)
+        return triton.autotune(configs=configs, key=key, **kwargs)(fn)
+
+    return wrap
+
+
+@triton.jit
+def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order for GEMMs: GROUP_M row tiles sweep the columns together, so the weight
+    tiles they share stay in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = pid // width * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for the token count: powers of two, so a new batch size does not retune."""
+    return min(pow2(m, 16), 8192)
+
+
+def split_k_for(m: int, n: int, k: int, device: torch.device, min_k_per_split: int = 512) -> int:
+    """Decode-sized GEMMs have too few output tiles to fill the GPU: split K across programs
+    (partial sums added atomically in fp32) until there are about two tiles per SM."""
+    if m > 64 or interpreting():
+        return 1
+    tiles = triton.cdiv(n, 64)
+    return max(1, min(8, triton.cdiv(2 * sm_count(device), tiles), k // min_k_per_split))
+
+
+def gemm_grid(meta: dict[str, Any]) -> tuple[int, int]:
+    return (
+        triton.cdiv(meta["M"], meta["BLOCK_M"]) * triton.cdiv(meta["N"], meta["BLOCK_N"]),
+        meta["SPLIT_K"],
+    )
+
+
+def prune_by_m(
+    configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
+) -> list[triton.Config]:
+    """Tune only tile heights that suit the token count (a 16-token GEMM never wants 128-row tiles)."""
+    m = named_args.get("M", kwargs.get("M", 1))
+    lo, hi = (16, 32) if m <= 32 else (32, 128) if m <= 256 else (64, 256)
+    return [c for c in configs if lo <= c.kwargs["BLOCK_M"] <= hi] or configs

@@ -1,0 +1,96 @@
+"""Dynamic per-token activation quantization (int8 / fp8 e4m3, one fp32 scale per row, no
+calibration) and per-output-channel weight quantization, with their torch references. The jit
+helpers here are the one place the kernels turn fp32 into int8 / fp8 codes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.ops.kv_quant import QMAX, safe_inverse
+from services.engine.ops.kv_quant import to_codes as to_codes_ref
+
+from .common import pow2
+
+FP8 = torch.float8_e4m3fn
+QuantOut = tuple[torch.Tensor, torch.Tensor]
+
+
+@triton.jit
+def fp8e4m3_round(y):
+    """Round fp32 to the nearest e4m3 value (ties to even) in fp32, so the cast that follows is exact:
+    the interpreter's fp8 cast drops the carry when rounding up into the next binade. Subnormals
+    (|y| < 2**-6) are left to the cast."""
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
+    rounded = bits.to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) >= 0.015625, rounded, y)
+
+
+@triton.jit
+def to_codes(y, IS_INT8: tl.constexpr):
+    """fp32 values already divided by their scale -> int8 (round half away, saturate) or fp8 codes."""
+    if IS_INT8:
+        y = tl.where(y >= 0, y + 0.5, y - 0.5)  # float -> int casts truncate and wrap: round, clamp
+        return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    y = fp8e4m3_round(tl.minimum(tl.maximum(y, -448.0), 448.0))  # fp8 casts do not saturate everywhere
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def inverse(s):
+    """1 / s, 0 where s == 0 (an all-zero group quantizes to zeros)."""
+    return tl.where(s > 0, 1.0 / tl.where(s > 0, s, 1.0), 0.0)
+
+
+@triton.jit
+def _per_token_quant_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, N, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < N, other=0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.max(amax, axis=0) / QMAX
+    inv = inverse(scale)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < N, other=0).to(tl.float32)
+        tl.store(q_ptr + row * stride_q + offs, to_codes(x * inv, IS_INT8), mask=offs < N)
+    tl.store(s_ptr + row, scale)
+
+
+def per_token_quant(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
+    """x [T, N] -> (codes [T, N] int8 / fp8, scale fp32 [T, 1]) with scale = max|row| / qmax."""
+    t, n = x.shape
+    assert x.stride(-1) == 1
+    q = torch.empty(t, n, dtype=dtype, device=x.device)
+    scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    if t:
+        _per_token_quant_kernel[(t,)](
+            x,
+            q,
+            scale,
+            x.stride(0),
+            q.stride(0),
+            n,
+            QMAX=QMAX[dtype],
+            IS_INT8=dtype == torch.int8,
+            BLOCK=min(pow2(n), 4096),
+            num_warps=4,
+        )
+    return q, scale
+
+
+def per_token_quant_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
+    scale = x.float().abs().amax(-1, keepdim=True) / QMAX[dtype]
+    return to_codes_ref(x.float() * safe_inverse(scale), dtype), scale
+
+
+def quantize_weight_per_channel(w: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
+    """Linear weight [N, K] -> (codes [N, K], fp32 scale [N]): one symmetric scale per output channel."""
+    q, scale = per_token_quant_ref(w, dtype)
+    return q, scale[:, 0]
