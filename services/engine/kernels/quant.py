@@ -20,12 +20,18 @@ QuantOut = tuple[torch.Tensor, torch.Tensor]
 @triton.jit
 def fp8e4m3_round(y):
     """Round fp32 to the nearest e4m3 value (ties to even) in fp32, so the cast that follows is exact:
-    the interpreter's fp8 cast drops the carry when rounding up into the next binade. Subnormals
-    (|y| < 2**-6) are left to the cast."""
+    the interpreter's fp8 cast drops the carry into the next binade and truncates subnormals."""
     bits = y.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
-    rounded = bits.to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(y) >= 0.015625, rounded, y)
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormals (|y| < 2**-6) are multiples of 2**-9: round |y| * 512 to an integer, ties to even.
+    a = tl.abs(y) * 512.0
+    whole = a.to(tl.int32)
+    frac = a - whole.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    sub = (whole + up.to(tl.int32)).to(tl.float32) * (1.0 / 512.0)
+    sub = tl.where(y < 0, -sub, sub)
+    return tl.where(tl.abs(y) >= 0.015625, normal, sub)
 
 
 @triton.jit
