@@ -154,7 +154,8 @@ def test_decode_default_split_count_and_max_seq_len_hint():
         )
         assert_close(got, want)
     assert dk.num_splits_for(64, 8, 4096, torch.device("cpu")) == 1  # a full GPU batch needs no split
-    assert dk.num_splits_for(1, 8, 32768, torch.device("cpu")) == 2  # 4 "SMs" x 4 / 8 programs
+    assert dk.num_splits_for(1, 1, 32768, torch.device("cpu")) == 4  # 1 "SM" x 4 programs
+    assert dk.num_splits_for(1, 8, 32768, torch.device("cpu")) == 1
     assert dk.num_splits_for(1, 1, 100, torch.device("cpu")) == 1  # short contexts never split
 
 

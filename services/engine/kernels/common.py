@@ -53,9 +53,10 @@ def num_sms(device_index: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small stand-in on the CPU (interpreter)."""
+    """Streaming multiprocessors of a CUDA device; 1 on the CPU, where the interpreter runs programs
+    one after another and extra ones only cost time."""
     if device.type != "cuda":
-        return 4
+        return 1
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
