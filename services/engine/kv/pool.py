@@ -36,29 +36,41 @@ class PoolStats:
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig | None, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, max_num_seqs: int, max_model_len: int, kv_cache_dtype: str = "auto"):
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page; raise kv_cache_gb")
         self.num_pages, self.page_size = num_pages, page_size
         self.kv_cache_dtype = kv_cache_dtype
-        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        storage = _KV_STORAGE.get(kv_cache_dtype, dtype)
+        self.kv = self.scales = None
+        self.layers: list[LayerCache] = []
+        if cfg is not None:  # None: accounting only (see accounting_only)
+            self._allocate(cfg, dtype, device)
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.block_table = np.zeros((max_num_seqs, self.max_pages_per_seq), dtype=np.int32)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is O(1)
+        self.promised = 0  # sum over running requests of reserved - allocated pages
+
+    @classmethod
+    def accounting_only(cls, num_pages: int, page_size: int, max_num_seqs: int, max_model_len: int) -> KVPool:
+        """Pages, promises and block tables without K/V tensors: the serving simulator drives the real
+        allocator for an 8B model's pool without holding its gigabytes."""
+        cpu = torch.device("cpu")
+        return cls(None, num_pages, page_size, torch.float32, cpu, max_num_seqs, max_model_len)
+
+    def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (cfg.num_layers, 2, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        storage = _KV_STORAGE.get(self.kv_cache_dtype, dtype)
         self.kv = torch.zeros(shape, dtype=storage, device=device)
-        self.scales = None
-        if kv_cache_dtype != "auto":
-            group = _scale_group(cfg.head_dim)
-            self.scales = torch.zeros((*shape[:-1], cfg.head_dim // group), dtype=torch.float16, device=device)
+        if self.kv_cache_dtype != "auto":
+            scale_shape = (*shape[:-1], cfg.head_dim // _scale_group(cfg.head_dim))
+            self.scales = torch.zeros(scale_shape, dtype=torch.float16, device=device)
         self.layers = [
             LayerCache(self.kv[i, 0], self.kv[i, 1],
                        None if self.scales is None else self.scales[i, 0],
                        None if self.scales is None else self.scales[i, 1])
             for i in range(cfg.num_layers)
         ]
-        self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.block_table = np.zeros((max_num_seqs, self.max_pages_per_seq), dtype=np.int32)
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is O(1)
-        self.promised = 0  # sum over running requests of reserved - allocated pages
 
     # -- accounting -------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
