@@ -164,6 +164,7 @@ class Gateway(pb_grpc.GenerationServicer):
         self.serving = False
         self.port = 0
         self.health = health.aio.HealthServicer()
+        self._health_lock = asyncio.Lock()
         self._zmq = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task] = []
         self._server: grpc.aio.Server | None = None
@@ -359,7 +360,7 @@ class Gateway(pb_grpc.GenerationServicer):
         abort_in_engine: bool,
         which: Callable[[Stream], bool] = lambda s: True,
     ) -> None:
-        victims = [s for s in self.streams.values() if which(s)]
+        victims = [s for s in self.streams.values() if s.error is None and not s.finish and which(s)]
         for stream in victims:
             stream.fail(code, message, abort_in_engine=False)  # one batched Abort below
         if abort_in_engine and victims:
@@ -417,6 +418,7 @@ class Gateway(pb_grpc.GenerationServicer):
                 self._on_engine_info(msg)
             elif isinstance(msg, ProcessStatus):
                 self._on_process(msg)
+                await self._update_health()  # now, not at the next monitor tick
             elif msg is not None:
                 log.warning("dropped a %s message on the errors socket", msg.TAG)
 
@@ -490,16 +492,21 @@ class Gateway(pb_grpc.GenerationServicer):
         for service in ("", SERVICE):
             await self.health.set(service, status)
 
-    async def _monitor(self) -> None:
-        while True:
-            now = time.monotonic()
-            healthy = self._healthy(now)
+    async def _update_health(self) -> None:
+        async with self._health_lock:  # the monitor and the errors receiver both call this
+            healthy = self._healthy(time.monotonic())
             if healthy != self.serving:
-                self.serving = healthy
-                await self._set_health(healthy)
+                self.serving = healthy  # admission follows at once, the health service right after
                 log.info("health: %s", "SERVING" if healthy else "NOT_SERVING")
                 if not healthy:
                     self._fail(grpc.StatusCode.UNAVAILABLE, self._why_not_serving(), abort_in_engine=True)
+                await self._set_health(healthy)
+
+    async def _monitor(self) -> None:
+        """Liveness is a matter of time: re-check it, and expire aborted ids, every tick."""
+        while True:
+            await self._update_health()
+            now = time.monotonic()
             for rid in [rid for rid, expiry in self.aborted.items() if expiry < now]:
                 del self.aborted[rid]
             await asyncio.sleep(MONITOR_PERIOD)

@@ -1,0 +1,445 @@
+"""End to end: `pipeserve up` on stories260K (real processes, ipc sockets), real gRPC clients.
+
+One server for the module; the tests that kill processes run last, the shutdown test at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from services.gateway.client import AsyncClient, Client, Completion
+from services.gateway.pb import generation_pb2 as pb
+from services.sampling_params import MAX_STOP_STRINGS
+from tests.test_gateway import free_port, scrape
+
+SHARED = Path(os.environ.get("PIPESERVE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+MODEL = SHARED / "models" / "stories260K"
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason=f"stories260K not found at {MODEL}"),
+]
+
+BASES = [
+    "Once upon a time",
+    "Lily and Ben went to the park",
+    "The little dog",
+    "One day, a cat",
+    "Tom had a red ball",
+    "The sun was hot",
+    "Mom said",
+    "There was a big tree",
+]
+SUFFIXES = ["", " and", ", 🐉", " 猫", ".", " with a 🌈", " happy", "!"]
+
+
+class Server:
+    def __init__(self, log_path: Path) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--model",
+                str(MODEL),
+                "--port",
+                str(self.port),
+                "--tokenizer-workers",
+                "3",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--grace",
+                "20",
+                "--device",
+                "cpu",
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = Client(self.target)
+        self.health_seen: list[str] = []  # every status observed during start-up, in order
+        deadline = time.monotonic() + 90
+        while not self.health_seen or self.health_seen[-1] != "SERVING":
+            assert self.proc.poll() is None, f"pipeserve up exited:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"not SERVING after 90 s:\n{self.tail()}"
+            status = self.client.health(timeout=1)
+            if not self.health_seen or status != self.health_seen[-1]:
+                self.health_seen.append(status)
+            time.sleep(0.05)
+        self.children_at_serving = self.children()
+
+    def tail(self) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text().splitlines()[-40:])
+
+    def children(self) -> dict[int, str]:
+        """pid -> subcommand of the launcher's live children."""
+        pid = self.proc.pid
+        out = {}
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+                if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+                    out[int(child)] = argv[3]  # python -c CHILD <subcommand> ...
+            except (FileNotFoundError, IndexError):
+                continue
+        return out
+
+    def pids(self, name: str) -> list[int]:
+        return sorted(pid for pid, sub in self.children().items() if sub == name)
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.metrics_port)
+
+    def engine(self, name: str) -> float:
+        return self.metrics()[f'pipeserve_engine{{name="{name}"}}']
+
+    def wait(self, predicate, timeout: float = 20, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"{what} not reached in {timeout} s:\n{self.tail()}"
+            time.sleep(0.05)
+
+    def wait_idle(self) -> None:
+        def idle() -> bool:
+            m = self.metrics()
+            return (
+                m["pipeserve_gateway_inflight"] == 0
+                and m['pipeserve_engine{name="running"}'] == 0
+                and m['pipeserve_engine{name="waiting"}'] == 0
+                and m['pipeserve_engine{name="pages_used"}'] == 0
+            )
+
+        self.wait(idle, what="idle engine with every page free")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("pipeserve") / "up.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from services.engine import LLM
+
+    return LLM(str(MODEL), device="cpu")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def stream_all(target: str, requests: list[dict]) -> list[Completion | grpc.RpcError]:
+    """Concurrent streams; each result is its Completion, its deltas in .deltas, or its RpcError."""
+    async with AsyncClient(target) as client:
+
+        async def one(kwargs: dict) -> Completion | grpc.RpcError:
+            completion, deltas = Completion(), []
+            try:
+                async for chunk in client.stream(**kwargs):
+                    completion.add(chunk)
+                    deltas.append(chunk.text)
+            except grpc.RpcError as exc:
+                return exc
+            completion.deltas = deltas  # type: ignore[attr-defined]
+            return completion
+
+        return await asyncio.gather(*(one(kwargs) for kwargs in requests))
+
+
+def test_health_serving_only_after_startup(server):
+    seen = server.health_seen
+    assert seen[-1] == "SERVING" and "NOT_SERVING" in seen[:-1]  # the gateway was up before the engine
+    assert (
+        sorted(server.children_at_serving.values())
+        == ["detokenizer", "engine", "gateway"] + ["tokenizer"] * 3
+    )
+    assert server.metrics()['pipeserve_engine{name="pages_total"}'] > 0  # the model was loaded
+
+
+def test_model_info_and_reflection(server):
+    info = server.client.model_info()
+    assert (info.name, info.context_length, info.vocab_size, list(info.eos_token_ids)) == (
+        "stories260K",
+        512,
+        512,
+        [2],
+    )
+    assert (info.dtype, info.device, info.max_logprobs) == ("float32", "cpu", 20)
+    services = ProtoReflectionDescriptorDatabase(server.client.channel).get_services()
+    assert "pipeserve.v1.Generation" in services and "grpc.health.v1.Health" in services
+
+
+def test_64_concurrent_streams_equal_in_process_generate(server, llm):
+    from services.engine import SamplingParams
+
+    prompts = [BASES[i % 8] + SUFFIXES[i // 8] for i in range(64)]
+    max_tokens = [4 + (i * 5) % 24 for i in range(64)]
+    expected = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens])
+    results = run(
+        stream_all(
+            server.target,
+            [
+                {"prompt": p, "max_tokens": m, "temperature": 0, "request_id": f"par-{i}"}
+                for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+            ],
+        )
+    )
+    for i, (got, want) in enumerate(zip(results, expected, strict=True)):
+        assert isinstance(got, Completion), f"stream {i}: {got}"
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+        ), i
+        assert got.prompt_tokens == len(want.prompt_token_ids) and got.completion_tokens == len(
+            want.token_ids
+        )
+    assert sum(len(r.deltas) for r in results) > 64  # streamed, not one message per request
+    server.wait_idle()
+
+
+def test_cancel_mid_stream_frees_the_engine(server):
+    call = server.client.stream("Once upon a time", max_tokens=400, ignore_eos=True, request_id="cancel-me")
+    chunks = [next(call) for _ in range(3)]
+    assert all(c.request_id == "cancel-me" for c in chunks)
+    assert server.engine("running") == 1
+    call.cancel()
+    server.wait_idle()
+    steps = server.engine("steps")
+    time.sleep(1.0)
+    assert server.engine("steps") == steps  # nothing more generated for it
+    assert server.metrics()['pipeserve_gateway_requests_total{outcome="CANCELLED"}'] >= 1
+
+
+def test_abort_rpc_and_deadline(server):
+    call = server.client.stream("Once upon a time", max_tokens=400, ignore_eos=True, request_id="abort-me")
+    next(call)
+    assert server.client.abort("abort-me") is True
+    rest = list(call)
+    assert rest[-1].finish_reason == "abort"
+    server.wait_idle()
+    with pytest.raises(grpc.RpcError) as info:
+        server.client.generate("Once upon a time", max_tokens=400, ignore_eos=True, timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    server.wait_idle()
+
+
+def test_stop_strings_across_token_boundaries(server, llm):
+    prompt, stops = "Once upon a time", ["tle gi", "rl named Li", "park."]
+    full = server.client.generate(prompt, max_tokens=30, temperature=0).text
+    ids = llm.tokenizer.encode(prompt + full, add_special_tokens=False)
+    assert not any(stop in llm.tokenizer.decode([t]) for t in ids for stop in stops)  # each spans tokens
+    results = run(
+        stream_all(
+            server.target,
+            [{"prompt": prompt, "max_tokens": 30, "temperature": 0, "stop": [stop]} for stop in stops],
+        )
+    )
+    for stop, got in zip(stops, results, strict=True):
+        head = full[: full.index(stop)]
+        # Deltas are never retracted, so equal concatenation means no delta ever leaked the stop.
+        assert (got.text, "".join(got.deltas), got.finish_reason) == (head, head, "stop")
+    server.wait_idle()
+
+
+def test_utf8_emoji_and_cjk_never_stream_replacement_chars(server, llm):
+    prompt = "Lily saw a 🐉 and a 猫 in the 公园."
+    requests = [{"prompt": prompt, "max_tokens": 24, "temperature": 3.0, "seed": s} for s in range(32)]
+    results = run(stream_all(server.target, requests))
+    tok = llm.tokenizer
+    prompt_ids = tok.encode(prompt)
+    clean_non_ascii = 0
+    for got in results:
+        assert isinstance(got, Completion), got
+        full = tok.decode(prompt_ids + got.token_ids, skip_special_tokens=True)
+        head = tok.decode(prompt_ids, skip_special_tokens=True)
+        assert full.startswith(head)
+        expected = full[len(head) :]
+        assert "".join(got.deltas) == expected  # nothing retracted, duplicated or lost
+        if "\ufffd" not in expected:
+            assert not any("\ufffd" in d for d in got.deltas)
+            clean_non_ascii += any(ord(c) > 127 for c in expected)
+    assert clean_non_ascii >= 1, "no sample produced multi-byte text: the test proved nothing"
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, field",
+    [
+        ({"prompt": ""}, "INVALID_ARGUMENT", "prompt"),
+        ({"prompt": "Once upon a time " * 200}, "INVALID_ARGUMENT", "prompt"),  # ~1000 tokens > context 512
+        ({"prompt": [1, 600]}, "INVALID_ARGUMENT", "prompt_token_ids"),
+        ({"prompt": [{"role": "user", "content": "hi"}]}, "INVALID_ARGUMENT", "messages"),  # no chat template
+        ({"prompt": "x", "temperature": -0.5}, "INVALID_ARGUMENT", "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "INVALID_ARGUMENT", "top_p"),
+        ({"prompt": "x", "logprobs": 21}, "INVALID_ARGUMENT", "logprobs"),
+        ({"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "INVALID_ARGUMENT", "stop"),
+        ({"prompt": "x" * (5 * 1024 * 1024)}, "INVALID_ARGUMENT", "prompt"),
+    ],
+)
+def test_bad_inputs_get_status_codes_and_the_server_keeps_serving(server, kwargs, code, field):
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as info:
+        server.client.generate(prompt, timeout=30, **kwargs)
+    assert info.value.code().name == code and field in info.value.details()
+    assert server.client.generate("Once upon a time", max_tokens=3, temperature=0).completion_tokens == 3
+
+
+def test_missing_prompt_is_invalid(server):
+    with pytest.raises(grpc.RpcError) as info:
+        list(server.client.stub.Generate(pb.GenerateRequest(max_tokens=3), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
+
+
+def test_logprobs_stream_with_token_text(server):
+    got = server.client.generate("Once upon a time", max_tokens=5, temperature=0, logprobs=3)
+    assert len(got.logprobs) == 5
+    for lp, token_id in zip(got.logprobs, got.token_ids, strict=True):
+        assert lp.token_id == token_id and len(lp.top) == 3 and lp.top[0].token_id == token_id  # greedy
+        assert lp.logprob <= 0 and lp.top[0].token
+    assert "".join(lp.token for lp in got.logprobs) == got.text
+
+
+# ---- faults: these change the processes, so they run last -----------------------------------
+def test_every_tokenizer_worker_gets_work(server):
+    workers = server.pids("tokenizer")
+    assert len(workers) == 3
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+
+    async def scenario() -> list[int]:
+        async with AsyncClient(server.target) as client:
+            tasks = [
+                asyncio.create_task(client.generate("Once upon a time", max_tokens=4, temperature=0))
+                for _ in range(9)
+            ]
+            await asyncio.sleep(1.0)
+            assert not any(t.done() for t in tasks)  # every worker is stopped: nothing can start
+            done = [0]
+            for pid in workers:  # resume one at a time: only its share of the requests can finish
+                os.kill(pid, signal.SIGCONT)
+                deadline = time.monotonic() + 30
+                while sum(t.done() for t in tasks) == done[-1] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                last, still = sum(t.done() for t in tasks), 0.0
+                while still < 1.0:  # then until its share is through
+                    await asyncio.sleep(0.1)
+                    now = sum(t.done() for t in tasks)
+                    still, last = (0.0 if now != last else still + 0.1), now
+                done.append(last)
+            await asyncio.gather(*tasks)
+            return done
+
+    try:
+        done = run(scenario())
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    assert done[-1] == 9 and all(b > a for a, b in zip(done, done[1:], strict=False)), done
+
+
+def test_sigkill_a_tokenizer_under_load_loses_nothing_for_good(server):
+    victim = server.pids("tokenizer")[0]
+    os.kill(victim, signal.SIGSTOP)  # its queue fills deterministically, then it dies with it
+
+    async def scenario() -> tuple[list, list]:
+        long = asyncio.create_task(
+            stream_all(
+                server.target,
+                [{"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0} for _ in range(3)],
+            )
+        )
+        await asyncio.sleep(1.5)  # these are running in the engine (the victim's share waits)
+        short = asyncio.create_task(
+            stream_all(
+                server.target,
+                [{"prompt": BASES[i % 8], "max_tokens": 6, "temperature": 0} for i in range(12)],
+            )
+        )
+        await asyncio.sleep(2.0)
+        os.kill(victim, signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(long, short), timeout=60)
+
+    start = time.monotonic()
+    long, short = run(scenario())
+    everything = long + short
+    failed = [r for r in everything if isinstance(r, grpc.RpcError)]
+    assert all(r.code() == grpc.StatusCode.UNAVAILABLE for r in failed), failed
+    assert failed, "the killed worker's requests should have ended UNAVAILABLE"
+    assert all(r.finish_reason in ("length", "stop") for r in everything if isinstance(r, Completion))
+    assert time.monotonic() - start < 45
+    server.wait(
+        lambda: len(server.pids("tokenizer")) == 3 and victim not in server.pids("tokenizer"),
+        what="tokenizer restarted",
+    )
+    results = run(stream_all(server.target, [{"prompt": "Tom had", "max_tokens": 4} for _ in range(6)]))
+    assert all(isinstance(r, Completion) and r.completion_tokens == 4 for r in results)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("name", ["detokenizer", "engine"])
+def test_pipeline_process_death_ends_streams_unavailable_and_recovers(server, name):
+    (pid,) = server.pids(name)
+    calls = [server.client.stream("Once upon a time", max_tokens=400, ignore_eos=True) for _ in range(3)]
+    for call in calls:
+        next(call)
+    os.kill(pid, signal.SIGKILL)
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and f"the {name} died" in info.value.details()
+    assert server.client.health() == "NOT_SERVING"
+    with pytest.raises(grpc.RpcError) as info:
+        server.client.generate("Once upon a time", max_tokens=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    server.wait(lambda: server.client.health() == "SERVING", timeout=90, what=f"{name} back")
+    assert server.pids(name) not in ([], [pid])
+    assert server.client.generate("Once upon a time", max_tokens=5, temperature=0).completion_tokens == 5
+    server.wait_idle()
+
+
+def test_sigterm_lets_in_flight_streams_finish(server):
+    children = list(server.children())
+    call = server.client.stream("Once upon a time", max_tokens=40, temperature=0, ignore_eos=True)
+    first = next(call)
+    server.proc.send_signal(signal.SIGTERM)
+    rest = list(call)
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 40
+    assert server.proc.wait(60) == 0
+    for pid in children:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+        )
