@@ -68,15 +68,20 @@ class ModelRunner:
             "sample_rows": buf(max_num_seqs, torch.int64),
             "sample_slots": buf(max_num_seqs, torch.int64),
         }
-        self.staging = {k: torch.zeros_like(v, device="cpu", pin_memory=pin) for k, v in self.buf.items()}
+        # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
+        self.staging = None if device.type == "cpu" else {
+            k: torch.zeros_like(v, device="cpu", pin_memory=pin) for k, v in self.buf.items()}
 
     def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """Copy a host array into the persistent device buffer `name`; return the filled prefix,
         contiguous in the array's shape."""
         n = array.size
+        dev = self.buf[name].view(-1)[:n].view(array.shape)
+        if self.staging is None:  # host memory already: write in place
+            dev.numpy()[...] = array
+            return dev
         host = self.staging[name].view(-1)[:n].view(array.shape)
         host.numpy()[...] = array
-        dev = self.buf[name].view(-1)[:n].view(array.shape)
         dev.copy_(host, non_blocking=True)
         return dev
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .kv_quant import dequantize_kv, quantize_kv
 
@@ -65,21 +66,16 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """q [B, Lq, Hq, D] at absolute positions q_pos [B, Lq]; k/v [B, Lk, Hkv, D]. Returns [B, Lq, Hq, D]."""
-    b, lq, hq, d = q.shape
-    hkv = k.shape[2]
-    group = hq // hkv
-    qf = q.float().view(b, lq, hkv, group, d)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
-    key_pos = torch.arange(k.shape[1], device=q.device)
-    key_pos = key_pos[None, None, :]
+    """q [B, Lq, Hq, D] at absolute positions q_pos [B, Lq]; k/v [B, Lk, Hkv, D]. Returns [B, Lq, Hq, D]
+    in fp32. Rows past a request's queries are padding: the callers drop them."""
+    key_pos = torch.arange(k.shape[1], device=q.device)[None, None, :]
     allowed = (key_pos <= q_pos[:, :, None]) & (key_pos < seq_lens[:, None, None])
     if sliding_window is not None:
         allowed &= key_pos > q_pos[:, :, None] - sliding_window
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padded query rows see no key
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
-    return out.reshape(b, lq, hq, d)
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
+                                         v.float().transpose(1, 2), attn_mask=allowed[:, None],
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
