@@ -1,0 +1,187 @@
+"""The `predicted` admission policy on the real Scheduler and KV pool: it never over-commits the pool,
+grows past its reservation, preempts the request with the most predicted work left, falls back to
+`max` without history, learns and persists; on the real engine its greedy tokens equal `max`'s and
+`optimistic`'s under forced preemption."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.engine.kv.policy import make_policy
+from services.engine.kv.pool import KVPool
+from services.engine.kv.predicted import PredictedPolicy
+from services.engine.kv.predictor import Features, OutputLengthPredictor
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence, Status
+from services.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+EOS = 2
+MAX_LEN = 1024
+
+
+def make_seq(rid: str, prompt: int, app: str = "", max_tokens: int = 256, **params) -> Sequence:
+    return Sequence(rid, [5] * prompt, prompt, SamplingParams(max_tokens=max_tokens, **params), 0.0, app,
+                    stop_ids=frozenset({EOS}))
+
+
+def trained(ranges: dict[str, range], prompt: int = 4, per_app: int = 200) -> OutputLengthPredictor:
+    """A predictor that has seen `per_app` outputs spread evenly over each app's range."""
+    pred = OutputLengthPredictor()
+    for app, lengths in ranges.items():
+        f = Features.of(make_seq("h", prompt, app))
+        for i in range(per_app):
+            pred.update(f, lengths[i % len(lengths)])
+    return pred
+
+
+def check_pool(pool: KVPool, sched: Scheduler) -> None:
+    """The pool's promises are kept: nothing over-committed, every page owned once."""
+    assert pool.num_free >= 0 and pool.promised >= 0 and pool.available >= 0
+    allocated = pool.num_pages - pool.num_free
+    assert sum(s.reserved_pages for s in sched.running) == allocated + pool.promised <= pool.num_pages
+    pages = [p for s in sched.running for p in s.pages]
+    assert len(pages) == len(set(pages)) == allocated
+    for s in sched.running:
+        assert len(s.pages) <= s.reserved_pages
+        assert len(s.pages) * pool.page_size >= s.num_computed
+    assert all(not s.pages and not s.reserved_pages for s in sched.waiting)
+
+
+def drive(policy, seqs: list[Sequence], outputs: list[int], num_pages: int, page_size: int = 4,
+          max_num_seqs: int = 8, budget: int = 64, on_step=None) -> Scheduler:
+    """Run the requests to completion on an accounting-only pool; the fake model emits EOS at the
+    given output length. Checks the pool after every schedule and postprocess."""
+    pool = KVPool.accounting_only(num_pages, page_size, max_num_seqs, MAX_LEN)
+    sched = Scheduler(pool, policy, max_num_seqs, budget, MAX_LEN, lambda s: None, lambda s: None)
+    target = {s: n for s, n in zip(seqs, outputs, strict=True)}
+    for s in seqs:
+        sched.add(s)
+    for _ in range(10_000):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        check_pool(pool, sched)
+        if on_step:
+            on_step(sched)
+        sampled = batch.sampling()
+        sched.postprocess(batch, sampled, [EOS if s.num_output + 1 >= target[s] else 3 for s in sampled])
+        check_pool(pool, sched)
+    assert not sched.has_work()
+    assert pool.num_free == num_pages and pool.promised == 0
+    return sched
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60), st.integers(1, 80)), min_size=1,
+                         max_size=12),
+       history=st.lists(st.integers(1, 60), max_size=60), num_pages=st.integers(26, 60),
+       quantile=st.sampled_from([0.1, 0.5, 0.9]))
+def test_never_over_commits_and_every_request_completes(requests, history, num_pages, quantile):
+    pred = OutputLengthPredictor(min_count=4)
+    for n in history:
+        pred.update(Features(0, "", 1, 1, "greedy"), n)  # reaches every request through the coarse keys
+    seqs = [make_seq(str(i), p, max_tokens=m) for i, (p, _, m) in enumerate(requests)]
+    policy = PredictedPolicy(predictor=pred, quantile=quantile)
+    drive(policy, seqs, [o for _, o, _ in requests], num_pages)
+    for s, (_, out, max_tokens) in zip(seqs, requests, strict=True):
+        assert s.status is Status.FINISHED
+        assert s.num_output == min(out, max_tokens)
+        assert s.finish_reason == ("stop" if out <= max_tokens else "length")
+
+
+def test_no_history_behaves_as_max():
+    policy = PredictedPolicy()
+    seq = make_seq("a", 10, max_tokens=100)
+    assert policy.reservation_tokens(seq, MAX_LEN) == 110
+    assert make_policy("max").reservation_tokens(seq, MAX_LEN) == 110
+    assert policy.reservation_tokens(make_seq("b", 1000, max_tokens=100), MAX_LEN) == MAX_LEN
+    assert seq.predicted_len is None
+
+
+def test_reserves_the_quantile_capped_and_conditioned_on_progress():
+    policy = PredictedPolicy(predictor=trained({"chat": range(1, 101)}), quantile=0.9)
+    seq = make_seq("a", 4, "chat", max_tokens=256)
+    reserved = policy.reservation_tokens(seq, MAX_LEN)
+    assert 85 <= seq.predicted_len <= 100 and reserved == 4 + seq.predicted_len
+    assert policy.reservation_tokens(make_seq("b", 4, "chat", max_tokens=20), MAX_LEN) == 24  # capped
+    assert policy.reservation_tokens(make_seq("c", 4, "chat", ignore_eos=True), MAX_LEN) == 4 + 256
+    # Preempted after 60 tokens: reserve the p90 of what is left, never less than what it holds.
+    seq.token_ids += [3] * 60
+    assert 64 + 1 <= policy.reservation_tokens(seq, MAX_LEN) <= 4 + 100
+    # Beyond everything ever seen: no prediction, so `max` again.
+    seq.token_ids += [3] * 60
+    assert policy.reservation_tokens(seq, MAX_LEN) == 4 + 256
+
+
+def test_grows_past_its_reservation_without_preempting_when_the_pool_has_room():
+    policy = PredictedPolicy(predictor=trained({"chat": range(1, 9)}), quantile=0.9)  # predicts <= 8 tokens
+    seq = make_seq("a", 4, "chat")
+    most = []
+    sched = drive(policy, [seq], [40], num_pages=64, on_step=lambda s: most.append(len(seq.pages)))
+    assert seq.num_output == 40 and sched.num_preemptions == 0
+    assert seq.predicted_len == 8 and max(most) == 11  # 44 tokens of 4-token pages, 3 reserved
+
+
+def test_exhaustion_preempts_the_request_with_the_most_predicted_work_left():
+    apps = {"short": range(1, 9), "mid": range(5, 21), "long": range(30, 41)}
+    policy = PredictedPolicy(predictor=trained(apps))
+    a, b, c = make_seq("a", 4, "short"), make_seq("b", 4, "long"), make_seq("c", 4, "mid")
+    first_victims = []
+
+    def watch(sched: Scheduler) -> None:
+        if sched.num_preemptions and not first_victims:
+            first_victims.extend(s.rid for s in sched.waiting)
+
+    # 3 + 11 + 6 pages reserved fill the pool of 20; `a` outgrows its 8 predicted tokens first.
+    sched = drive(policy, [a, b, c], [30, 35, 15], num_pages=20, on_step=watch)
+    assert first_victims == ["b"]  # not `c`, the newest: `b` has ~26 predicted tokens to go, `c` ~6
+    assert c.num_preemptions == 0 and sched.num_preemptions >= 1
+    assert [s.num_output for s in (a, b, c)] == [30, 35, 15]
+
+
+def test_learns_from_natural_ends_only_and_persists(tmp_path):
+    path = tmp_path / "predictor.json"
+    policy = make_policy("predicted", path=str(path), quantile=0.5)
+    assert isinstance(policy, PredictedPolicy)
+    policy.save_every = 20
+    for i in range(30):
+        seq = make_seq(str(i), 8, "chat")
+        seq.token_ids += [3] * 12
+        seq.finish_reason = ("stop", "length", "abort")[i % 3]
+        policy.on_finish(seq)
+    assert policy.predictor.num_updates == 20  # the 10 aborts taught nothing
+    assert path.is_file()  # saved after 20 updates
+    restarted = PredictedPolicy(path=str(path), quantile=0.5)
+    assert restarted.predict_output(make_seq("x", 8, "chat"), 0.5) == 12
+    with pytest.raises(ValueError):
+        PredictedPolicy(quantile=1.0)
+
+
+def test_engine_tokens_identical_to_max_and_optimistic_under_forced_preemption(stories_dir, tmp_path):
+    from services.engine import LLM
+
+    path = tmp_path / "predictor.json"
+    pred = OutputLengthPredictor()
+    for _ in range(64):  # history says every request stops after 2 tokens: reservations far too small
+        pred.update(Features(0, "", 1, 1, "greedy"), 2)
+    pred.save(path)
+    prompts = ["Once upon a time", "The cat sat on the mat and",
+               "Lily and Tom went to the park to play with a ball", "One day", "Tim had a red car. He"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    tokens, stats = {}, {}
+    for policy in ("max", "optimistic", "predicted"):
+        # 14 pages of 4 tokens cannot hold five ~35-token requests at once.
+        llm = LLM(stories_dir, device="cpu", dtype="float32", page_size=4, num_pages=14, admission=policy,
+                  predictor_path=str(path))
+        tokens[policy] = [o.token_ids for o in llm.generate(prompts, params)]
+        stats[policy] = llm.engine.stats()
+        if policy == "predicted":
+            assert llm.engine.policy.predictor.num_updates == 64 + len(prompts)  # learned online
+    assert tokens["predicted"] == tokens["max"] == tokens["optimistic"]
+    assert all(len(t) == 24 for t in tokens["predicted"])
+    assert stats["predicted"]["preemptions"] > 0
+    assert stats["predicted"]["pages_used"] == stats["predicted"]["pages_reserved"] == 0
