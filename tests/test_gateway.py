@@ -524,3 +524,13 @@ def test_build_request_shapes():
     assert build_request("x", max_tokens=None).HasField("max_tokens") is False
     assert build_request([]).WhichOneof("input") == "prompt_token_ids"
     assert build_request([{"role": "user", "content": "c"}]).messages.messages[0].content == "c"
+
+
+def test_healthcheck_probe(fake):
+    from services.gateway import healthcheck
+
+    assert healthcheck.main(["grpc", fake.target]) == 0
+    assert healthcheck.main(["tcp", fake.target]) == 0
+    assert healthcheck.main(["tcp", f"127.0.0.1:{free_port()}"]) == 1
+    assert healthcheck.main(["grpc", f"127.0.0.1:{free_port()}"]) == 1
+    assert healthcheck.main(["http", fake.target]) == 2

@@ -26,8 +26,16 @@ def generate() -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory() as tmp:
         for proto in PROTOS:
-            rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                              f"--grpc_python_out={tmp}", str(PROTO_ROOT / proto)])
+            rc = protoc.main(
+                [
+                    "grpc_tools.protoc",
+                    f"-I{PROTO_ROOT}",
+                    f"--python_out={tmp}",
+                    f"--pyi_out={tmp}",
+                    f"--grpc_python_out={tmp}",
+                    str(PROTO_ROOT / proto),
+                ]
+            )
             if rc != 0:
                 raise RuntimeError(f"protoc failed on {proto} (exit {rc})")
         package = PROTOS[0].rsplit("/", 1)[0].replace("/", ".")
