@@ -29,6 +29,7 @@ import zmq
 from services import config as cfg
 from services.config import Addresses, EngineConfig
 from services.messages import (
+    MAX_MESSAGE_BYTES,
     Abort,
     EngineInfo,
     EngineRequest,
@@ -160,6 +161,8 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(config)
     ctx = zmq.Context()
     requests, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    for sock in (requests, control):
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
     steps, errors = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
     try:
         requests.bind(addrs.requests)

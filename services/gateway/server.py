@@ -41,6 +41,7 @@ from services.config import Addresses, GatewayConfig
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.messages import (
+    MAX_MESSAGE_BYTES,
     Abort,
     EngineInfo,
     Message,
@@ -175,6 +176,7 @@ class Gateway(pb_grpc.GenerationServicer):
         def socket(kind: int, addr: str, bind: bool) -> zmq.asyncio.Socket:
             sock = self._zmq.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
             sock.bind(addr) if bind else sock.connect(addr)
             return sock
 
