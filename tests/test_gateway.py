@@ -534,3 +534,19 @@ def test_healthcheck_probe(fake):
     assert healthcheck.main(["tcp", f"127.0.0.1:{free_port()}"]) == 1
     assert healthcheck.main(["grpc", f"127.0.0.1:{free_port()}"]) == 1
     assert healthcheck.main(["http", fake.target]) == 2
+
+
+def test_committed_pb_modules_match_the_proto(tmp_path):
+    """A fresh clone needs no codegen step, so the committed modules must be current (`make proto`)."""
+    from google.protobuf import descriptor_pb2
+    from grpc_tools import protoc
+
+    from services.gateway.proto import PROTO_ROOT, PROTOS
+
+    out = tmp_path / "set.pb"
+    assert protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--descriptor_set_out={out}", *PROTOS]) == 0
+    (fresh,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    for message in fresh.message_type:  # the python plugin leaves json_name out of what it embeds
+        for f in message.field:
+            f.ClearField("json_name")
+    assert descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb) == fresh

@@ -331,6 +331,23 @@ def test_logprobs_stream_with_token_text(server):
     assert "".join(lp.token for lp in got.logprobs) == got.text
 
 
+def test_pipeserve_generate_cli(server):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "generate", *args, "--target", server.target],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    ok = cli("Once upon a time", "--max-tokens", "8", "--temperature", "0", "--stop", "Lily")
+    assert ok.returncode == 0 and ok.stdout.startswith(", there was a little girl"), ok.stderr
+    assert "finish=length" in ok.stderr and "completion_tokens=8" in ok.stderr
+    bad = cli("Once upon a time", "--top-k", "0")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "top_k" in bad.stderr
+
+
 # ---- faults: these change the processes, so they run last -----------------------------------
 def test_every_tokenizer_worker_gets_work(server):
     workers = server.pids("tokenizer")
