@@ -31,6 +31,7 @@ import numpy as np
 import uvloop
 import zmq
 import zmq.asyncio
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
@@ -76,6 +77,7 @@ OPTIONAL_SAMPLING = (
 )
 MAX_REQUEST_ID_LEN = 256
 MAX_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 ABORTED_TTL = 60.0  # an aborted id stays reserved this long at most, waiting for the engine's finish
 MONITOR_PERIOD = 0.1
 PIPELINE = ("engine", "detokenizer")  # processes whose death breaks every in-flight stream
@@ -195,7 +197,21 @@ class Gateway(pb_grpc.GenerationServicer):
                 ("grpc.keepalive_permit_without_calls", 1),
             ]
         )
-        pb_grpc.add_GenerationServicer_to_server(self, server)
+        handlers = {
+            # Parsed by us, so that bytes that are no GenerateRequest (bad UTF-8 in a string field,
+            # corrupt wire data) get INVALID_ARGUMENT rather than grpc's UNKNOWN.
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate, parse_request, pb.GenerateResponse.SerializeToString
+            ),
+            "Abort": grpc.unary_unary_rpc_method_handler(
+                self.Abort, pb.AbortRequest.FromString, pb.AbortResponse.SerializeToString
+            ),
+            "ModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.ModelInfo, pb.ModelInfoRequest.FromString, pb.ModelInfoResponse.SerializeToString
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
@@ -226,7 +242,14 @@ class Gateway(pb_grpc.GenerationServicer):
         self._zmq.destroy(linger=0)
 
     # ---- RPCs ------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest | DecodeError, context: grpc.aio.ServicerContext):
+        if isinstance(request, DecodeError):
+            self.outcomes[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid GenerateRequest ({request}); string fields such as prompt, "
+                "stop and messages must be valid UTF-8",
+            )
         rid = request.request_id or uuid.uuid4().hex
         try:
             message = self._admit(request, rid)
@@ -304,8 +327,8 @@ class Gateway(pb_grpc.GenerationServicer):
         if which is None:
             raise invalid("prompt is missing: set one of prompt, prompt_token_ids or messages")
         if which == "prompt":
-            if not request.prompt:
-                raise invalid("prompt must not be empty")
+            if not request.prompt.strip():
+                raise invalid("prompt must not be empty or only whitespace")
             message.prompt = request.prompt
         elif which == "prompt_token_ids":
             ids = np.asarray(request.prompt_token_ids.ids, dtype=np.int64)
@@ -320,8 +343,8 @@ class Gateway(pb_grpc.GenerationServicer):
             if not chat or len(chat) > MAX_MESSAGES:
                 raise invalid(f"messages must hold 1 to {MAX_MESSAGES} messages, got {len(chat)}")
             for i, m in enumerate(chat):
-                if not m.role:
-                    raise invalid(f"messages[{i}].role must not be empty")
+                if m.role not in CHAT_ROLES:
+                    raise invalid(f"messages[{i}].role is {m.role!r}, not one of {', '.join(CHAT_ROLES)}")
             message.messages = [{"role": m.role, "content": m.content} for m in chat]
         if rid in self.streams or rid in self.aborted:
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
@@ -541,6 +564,14 @@ class _Collector:
         for name, value in dict(gw.engine_stats).items():
             engine.add_metric([name], value)
         yield engine
+
+
+def parse_request(data: bytes) -> pb.GenerateRequest | DecodeError:
+    """GenerateRequest.FromString that returns the error instead of raising it (see start())."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return exc
 
 
 def _decode(data: bytes, where: str) -> Message | None:
