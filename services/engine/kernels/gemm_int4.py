@@ -87,14 +87,16 @@ def _w4a16_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
     rm_safe = (rm % M).to(tl.int64)
     rn_safe = rn % N
-    shift = (rk % 8) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         a = tl.load(a_ptr + rm_safe[:, None] * stride_am + (k0 + rk)[None, :])
-        words = tl.load(qw_ptr + ((k0 + rk) // 8)[:, None] * stride_qw + rn_safe[None, :])
-        codes = (words >> shift[:, None]) & 0xF
+        # Packed words [BLOCK_K / 8, BLOCK_N] loaded once, unpacked in registers (word r, nibble i: k=8r+i).
+        words = tl.load(qw_ptr + (k0 // 8 + rw)[:, None] * stride_qw + rn_safe[None, :])
+        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         g = k0 // QGROUP
         scale = tl.load(scale_ptr + g * stride_s + rn_safe).to(tl.float32)
         if NF4:

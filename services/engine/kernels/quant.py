@@ -37,11 +37,12 @@ def fp8e4m3_round(y):
 @triton.jit
 def to_codes(y, IS_INT8: tl.constexpr):
     """fp32 values already divided by their scale -> int8 (round half away, saturate) or fp8 codes."""
-    if IS_INT8:
-        y = tl.where(y >= 0, y + 0.5, y - 0.5)  # float -> int casts truncate and wrap: round, clamp
-        return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
-    y = fp8e4m3_round(tl.minimum(tl.maximum(y, -448.0), 448.0))  # fp8 casts do not saturate everywhere
-    return y.to(tl.float8e4nv)
+    if IS_INT8:  # float -> int casts truncate and wrap: round, clamp, then cast
+        y = tl.where(y >= 0, y + 0.5, y - 0.5)
+        codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    else:  # fp8 casts do not saturate everywhere
+        codes = fp8e4m3_round(tl.minimum(tl.maximum(y, -448.0), 448.0)).to(tl.float8e4nv)
+    return codes  # one return: the compiler checks every return's type, taken branch or not
 
 
 @triton.jit
