@@ -13,10 +13,16 @@ from services.engine.kernels import kv_store
 from services.engine.kernels import prefill_attention as pk
 from services.engine.ops import attention as ref
 from services.engine.ops.kv_quant import dequantize_kv, quantize_kv
-from tests.kernel_utils import INT8_POISON, assert_close, paged_kv, poison_, poisoned_alloc, seeded
+from tests.kernel_utils import (
+    INT8_POISON,
+    assert_close,
+    paged_kv,
+    poison_,
+    poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)
+    seeded,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
-_ = poisoned_alloc  # the fixture, used through the mark above
 
 F32, F16, BF16, I8, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn
 

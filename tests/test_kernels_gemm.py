@@ -10,10 +10,13 @@ import triton
 
 from services.engine.kernels import gemm_fp8, gemm_int4, gemm_int8, quant
 from services.engine.kernels.common import Fixed, interpreting
-from tests.kernel_utils import assert_close, poisoned_alloc, seeded
+from tests.kernel_utils import (
+    assert_close,
+    poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)
+    seeded,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
-_ = poisoned_alloc
 
 F32, F16, BF16, I8, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn
 

@@ -12,10 +12,15 @@ from services.engine.ops import activation as ref_act
 from services.engine.ops import norm as ref_norm
 from services.engine.ops import rope as ref_rope
 from services.engine.ops.kv_quant import QMAX
-from tests.kernel_utils import INT8_POISON, REL_TOL, assert_close, poisoned_alloc, seeded
+from tests.kernel_utils import (
+    INT8_POISON,
+    REL_TOL,
+    assert_close,
+    poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)
+    seeded,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
-_ = poisoned_alloc
 
 F32, F16, BF16, I8, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn
 DTYPES = [F32, F16, BF16]
