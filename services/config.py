@@ -91,10 +91,15 @@ class GatewayConfig:
     liveness_timeout: float = 10.0  # no heartbeat for this long: NOT_SERVING, streams end UNAVAILABLE
     grace: float = 10.0  # on SIGTERM, in-flight streams get this long to finish
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
+    api_key: str | None = None  # when set, calls need "authorization: Bearer <key>" (health is exempt)
+    tls_cert: str | None = None  # PEM files: serve gRPC over TLS instead of plaintext
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_request_bytes < 1024 or self.max_response_bytes < 1024:
             raise ValueError("max_inflight must be >= 1, max_request_bytes and max_response_bytes >= 1024")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:

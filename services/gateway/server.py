@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hmac
 import logging
 import signal
 import time
@@ -188,6 +189,7 @@ class Gateway(pb_grpc.GenerationServicer):
         self.control = socket(zmq.PUSH, self.addrs.control, False)
         limit = self.config.max_request_bytes
         server = grpc.aio.server(
+            interceptors=[BearerToken(self.config.api_key)] if self.config.api_key else [],
             options=[
                 ("grpc.max_receive_message_length", 4 * limit),  # so oversize gets our INVALID_ARGUMENT
                 ("grpc.max_send_message_length", 4 * self.config.max_response_bytes),
@@ -214,7 +216,13 @@ class Gateway(pb_grpc.GenerationServicer):
         server.add_registered_method_handlers(SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert and self.config.tls_key:
+            with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self._set_health(False)
@@ -535,6 +543,29 @@ class Gateway(pb_grpc.GenerationServicer):
             for rid in [rid for rid, expiry in self.aborted.items() if expiry < now]:
                 del self.aborted[rid]
             await asyncio.sleep(MONITOR_PERIOD)
+
+
+class BearerToken(grpc.aio.ServerInterceptor):
+    """--api-key: every call but the health checks (probes carry no secrets) must send
+    "authorization: Bearer <key>", else UNAUTHENTICATED before the handler runs."""
+
+    def __init__(self, key: str) -> None:
+        self.expected = f"Bearer {key}".encode()
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return await continuation(details)
+        given = str(dict(details.invocation_metadata or ()).get("authorization", ""))
+        handler = await continuation(details)
+        if handler is None or hmac.compare_digest(given.encode(), self.expected):
+            return handler
+        streaming = handler.response_streaming
+        deny = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        return deny(_unauthenticated, handler.request_deserializer, handler.response_serializer)
+
+
+async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (--api-key)")
 
 
 class _Collector:
