@@ -16,6 +16,7 @@ from services.engine.kv.pool import KVPool, kv_bytes_per_token
 from services.engine.model.demo import ensure_demo_model
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.ops import get_ops
+from services.engine.quant import quantize_model
 from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -60,12 +61,15 @@ class Engine:
         self.model, self.model_config = load_model(self.model_dir, get_ops(backend), self.device, self.dtype,
                                                    self.max_model_len)
         self.backend = backend
+        quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
         per_page = kv_bytes_per_token(model_cfg, self.dtype, config.kv_cache_dtype) * config.page_size
         num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page
         self.pool = KVPool(model_cfg, num_pages, config.page_size, self.dtype, self.device, config.max_num_seqs,
                            self.max_model_len, config.kv_cache_dtype)
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB, %s)", num_pages, config.page_size,
-                 num_pages * per_page / 2**20, config.kv_cache_dtype)
+        unquantized = num_pages * per_page // kv_bytes_per_token(model_cfg, self.dtype)
+        log.info("KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
+                 num_pages, config.page_size, num_pages * config.page_size, num_pages * per_page / 2**20,
+                 config.kv_cache_dtype, self.dtype, unquantized)
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.device, config.max_num_seqs,
                                   config.max_num_batched_tokens)
@@ -202,5 +206,6 @@ class Engine:
         cfg = self.model_config
         return {"name": cfg.name, "context_length": self.max_model_len, "vocab_size": cfg.vocab_size,
                 "eos_token_ids": list(cfg.eos_token_ids), "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device), "backend": self.backend, "kv_cache_dtype": self.config.kv_cache_dtype,
+                "device": str(self.device), "backend": self.backend, "quantization": self.config.quantization,
+                "kv_cache_dtype": self.config.kv_cache_dtype,
                 "page_size": self.pool.page_size, "num_pages": self.pool.num_pages}
