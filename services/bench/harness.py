@@ -37,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", help="torch or triton; auto: triton on CUDA")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size (default: engine's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for the engine and the measurement (default: torch's); "
+                        "1 is steadier on a machine other work is loading")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--out", metavar="DIR", help="write the PNG plots into DIR")
@@ -140,6 +143,8 @@ def open_bench(args: argparse.Namespace, max_num_seqs: int, max_num_batched_toke
     from services.engine.model.config import ModelConfig
 
     dtype: torch.dtype = resolve_dtype(args.dtype, device, ModelConfig.from_dir(model_dir))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rates = measure(device, dtype)
     llm = LLM(model_dir, **options)
     shape = ModelShape.from_path(model_dir)
