@@ -334,3 +334,49 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(text)
     return 0
+
+
+# ---- overload -------------------------------------------------------------------------------
+@dataclass
+class OverloadResult:
+    offered: int
+    admitted: int
+    refused: int
+    refusal_ms_p50: float
+    refusal_ms_max: float
+    tpot_ms_unloaded: float
+    tpot_ms_loaded: float
+    other: dict[str, int]
+
+
+async def _tpot(client: AsyncClient, i: int, max_tokens: int) -> tuple[str, float]:
+    """One greedy ignore_eos stream: its outcome and time per output token after the first (ms)."""
+    start, first, n = time.perf_counter(), None, 0
+    try:
+        async for chunk in client.stream(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, ignore_eos=True,
+                                         temperature=0.0, timeout=120):
+            first = first or time.perf_counter()
+            n += len(chunk.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, (time.perf_counter() - start) * 1e3
+    assert first is not None
+    return "OK", (time.perf_counter() - first) * 1e3 / max(1, n - 1)
+
+
+async def overload(target: str, max_inflight: int, factor: int = 10, max_tokens: int = 32) -> OverloadResult:
+    """max_inflight streams alone (TPOT unloaded), then factor x as many at once."""
+    async with AsyncClient(target) as client:
+        alone = await asyncio.gather(*(_tpot(client, i, max_tokens) for i in range(max_inflight)))
+        crowd = await asyncio.gather(*(_tpot(client, i, max_tokens) for i in range(factor * max_inflight)))
+    refusals = sorted(ms for code, ms in crowd if code == "RESOURCE_EXHAUSTED")
+    admitted = [ms for code, ms in crowd if code == "OK"]
+    other: dict[str, int] = {}
+    for code, _ in crowd:
+        if code not in ("OK", "RESOURCE_EXHAUSTED"):
+            other[code] = other.get(code, 0) + 1
+    return OverloadResult(
+        offered=len(crowd), admitted=len(admitted), refused=len(refusals),
+        refusal_ms_p50=refusals[len(refusals) // 2] if refusals else math.nan,
+        refusal_ms_max=refusals[-1] if refusals else math.nan,
+        tpot_ms_unloaded=sum(ms for _, ms in alone) / len(alone),
+        tpot_ms_loaded=sum(admitted) / len(admitted) if admitted else math.nan, other=other)
