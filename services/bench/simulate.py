@@ -22,7 +22,8 @@ tag (the trace file) is what tells the two applications apart.
 JSON (`--json PATH`): machine, config (model, gpu, dtypes, kv_tokens, num_pages, page_size, context,
 slo, step model), trace (files, history/window sizes, dropped, rate), predictor (held-out accuracy,
 us per call), runs[] (one per policy at --rate: policy, rate, the metrics summary, preemptions,
-preempted_requests, recomputed_tokens, queue_s stats, kv {reserved, allocated, used, waste},
+preempted_requests, recomputed_tokens, queue_s stats, kv {reserved, allocated, used (fractions of the
+pool, time-weighted), waste (1 - used / reserved), time_over_90 (share of time >= 90% reserved)},
 steps, sim_wall_s), capacity {policy: {rate, points[] (rate, slo_attainment, goodput)}}.
 """
 
@@ -183,7 +184,8 @@ def simulate(requests: Sequence[TraceRequest], policy: AdmissionPolicy, step_tim
     index: dict[Seq, int] = {}
     queue_s: list[float] = []
     rows = steps = 0
-    kv = np.zeros(4)  # time-weighted: reserved, allocated, cached tokens; total time
+    kv = np.zeros(5)  # time-weighted: reserved, allocated, cached tokens; time >= 90% reserved; total time
+    full = 0.9 * spec.num_pages * spec.page_size
     preempted: set[Seq] = set()
     idle_steps = 0
     while pending or sched.has_work():
@@ -221,10 +223,10 @@ def simulate(requests: Sequence[TraceRequest], policy: AdmissionPolicy, step_tim
         cached = sum(s.num_computed for s in sched.running)
         reserved = (pool.num_pages - pool.available) * pool.page_size
         allocated = (pool.num_pages - pool.num_free) * pool.page_size
-        kv += dt * np.array([reserved, allocated, cached, 1.0])
+        kv += dt * np.array([reserved, allocated, cached, reserved >= full, 1.0])
     duration = max(r.chunk_times[-1] for r in records) - min(r.send_time for r in records)
     out = summarize(records, duration, spec.slo)
-    total = kv[3] * spec.num_pages * spec.page_size
+    total = kv[4] * spec.num_pages * spec.page_size
     out.update(
         preemptions=sched.num_preemptions,
         preempted_requests=len(preempted),
@@ -232,7 +234,7 @@ def simulate(requests: Sequence[TraceRequest], policy: AdmissionPolicy, step_tim
         recomputed_tokens=rows - sum(r.prompt_tokens + r.output_tokens - 1 for r in records),
         queue_s=stats(queue_s),
         kv={"reserved": kv[0] / total, "allocated": kv[1] / total, "used": kv[2] / total,
-            "waste": 1.0 - kv[2] / kv[0] if kv[0] else 0.0},
+            "waste": 1.0 - kv[2] / kv[0] if kv[0] else 0.0, "time_over_90": kv[3] / kv[4]},
         steps=steps,
         sim_wall_s=time.perf_counter() - started,
     )
@@ -348,6 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-slo", type=float, default=SLO.tpot)
     parser.add_argument("--capacity", action="store_true", help="search each policy's best rate within SLOs")
     parser.add_argument("--attainment", type=float, default=0.9, help="SLO attainment the capacity must keep")
+    parser.add_argument("--tolerance", type=float, default=0.03, help="relative precision of the capacity")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--out", metavar="DIR", help="write simulate.png (and capacity.png) here")
 
@@ -430,7 +433,8 @@ def main(args: argparse.Namespace) -> int:
     if args.capacity:
         result["capacity"] = {}
         for label in makers:
-            best, points = find_capacity(lambda r, label=label: run(label, r), rate, args.attainment)
+            best, points = find_capacity(lambda r, label=label: run(label, r), rate, args.attainment,
+                                         args.tolerance, max_runs=30)
             result["capacity"][label] = {"rate": best, "points": points}
         print_capacity(result["capacity"], args.attainment, spec.slo)
     if args.json:
@@ -471,6 +475,7 @@ def print_runs(runs: list[dict[str, Any]], title: str) -> None:
         ("KV reserved (of pool)", lambda r: r["kv"]["reserved"]),
         ("KV holding tokens (of pool)", lambda r: r["kv"]["used"]),
         ("KV waste (reserved, unused)", lambda r: r["kv"]["waste"]),
+        ("time with KV >= 90% reserved", lambda r: r["kv"]["time_over_90"]),
     ]
     print_table(f"policies side by side, {title}", columns, [[label, *map(f, runs)] for label, f in rows])
 
