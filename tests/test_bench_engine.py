@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -86,21 +87,30 @@ def test_random_checkpoint_of_a_shape_loads(shape: ModelShape, tmp_path) -> None
     assert resolve_model(path) == path and resolve_model(None) is None
 
 
+@pytest.fixture
+def one_thread() -> Iterator[list[str]]:
+    """`--threads 1` (steady on a loaded machine); torch's thread count is restored afterwards."""
+    threads = torch.get_num_threads()
+    yield ["--threads", "1"]
+    torch.set_num_threads(threads)
+
+
 def _args(module, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     return parser.parse_args(argv)
 
 
-def test_bench_throughput(stories_dir: str, tmp_path) -> None:
+def test_bench_throughput(stories_dir: str, tmp_path, one_thread: list[str]) -> None:
     out = tmp_path / "out"
-    args = _args(throughput, ["--model", stories_dir, "--batch", "1", "4", "--input-len", "16",
+    args = _args(throughput, [*one_thread, "--model", stories_dir, "--batch", "1", "4", "--input-len", "16",
                               "--output-len", "6", "--json", str(tmp_path / "t.json"),
                               "--out", str(out)])  # fmt: skip
     assert throughput.main(args) == 0
     result = json.loads((tmp_path / "t.json").read_text())
     assert result["bench"] == "throughput" and result["model"]["name"] == "stories260K"
-    assert result["rates"]["copy_bandwidth"] > 0 and result["machine"]["load_average"]["end"]
+    assert result["rates"]["copy_bandwidth"] > 0 and result["rates"]["threads"] == 1
+    assert len(result["machine"]["load_average"]["end"]) == 3
     assert [p["batch"] for p in result["points"]] == [1, 4]
     for p in result["points"]:
         assert p["prefill_steps"] == 1 and p["decode_steps"] == 5  # the first token comes from the prefill
@@ -112,9 +122,10 @@ def test_bench_throughput(stories_dir: str, tmp_path) -> None:
     assert (out / "throughput.png").stat().st_size > 10_000
 
 
-def test_bench_latency(stories_dir: str, tmp_path) -> None:
+def test_bench_latency(stories_dir: str, tmp_path, one_thread: list[str]) -> None:
     out = tmp_path / "out"
-    args = _args(latency, ["--model", stories_dir, "--input-len", "8", "64", "600", "--batch", "1", "4",
+    args = _args(latency, [*one_thread, "--model", stories_dir, "--input-len", "8", "64", "600",
+                           "--batch", "1", "4",
                            "--max-batched-tokens", "128", "--repeats", "1", "--decode-batch", "1", "3",
                            "--decode-context", "32", "--decode-steps", "3",
                            "--json", str(tmp_path / "l.json"), "--out", str(out)])  # fmt: skip

@@ -96,6 +96,8 @@ def measure(
 
     t_copy = _copy_time(device, copy_bytes, sync, repeats)
     t_mm = _matmul_time(device, dtype, matmul_n, sync, repeats)
+    if cuda:  # hand the buffers back: the engine sizes its KV pool from free memory
+        torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return MachineRates(
         device=name,
