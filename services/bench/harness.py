@@ -73,11 +73,15 @@ def preset_config(shape: ModelShape) -> dict[str, Any]:
     return config
 
 
-def resolve_model(spec: str | None) -> str | None:
-    """A checkpoint dir as given; a preset name becomes a random-weight checkpoint in the cache dir."""
-    if spec is None or spec.lower() not in PRESETS:
+def resolve_model(spec: str | None) -> str:
+    """A checkpoint dir as given; a preset name becomes a random-weight checkpoint in the cache dir;
+    None is the demo model."""
+    from services.engine.model.demo import default_cache_dir, ensure_demo_model, save_random_checkpoint
+
+    if spec is None:
+        return ensure_demo_model()
+    if spec.lower() not in PRESETS:
         return spec
-    from services.engine.model.demo import default_cache_dir, save_random_checkpoint
 
     target = os.path.join(os.path.dirname(default_cache_dir()), f"random-{spec.lower()}")
     return save_random_checkpoint(target, preset_config(PRESETS[spec.lower()]))
@@ -127,6 +131,7 @@ def open_bench(args: argparse.Namespace, max_num_seqs: int, max_num_batched_toke
 
     from services.engine import LLM
     from services.engine.engine import resolve_device
+    from services.engine.model.config import ModelConfig
     from services.engine.model.loader import resolve_dtype
 
     model_dir = resolve_model(args.model)
@@ -136,12 +141,6 @@ def open_bench(args: argparse.Namespace, max_num_seqs: int, max_num_batched_toke
     if args.kv_cache_gb is not None:
         options["kv_cache_gb"] = args.kv_cache_gb
     device = resolve_device(args.device)
-    if model_dir is None:  # the demo model: build it now, so its config is there to read
-        from services.engine.model.demo import ensure_demo_model
-
-        model_dir = ensure_demo_model()
-    from services.engine.model.config import ModelConfig
-
     dtype: torch.dtype = resolve_dtype(args.dtype, device, ModelConfig.from_dir(model_dir))
     if args.threads:
         torch.set_num_threads(args.threads)
