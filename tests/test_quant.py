@@ -28,6 +28,15 @@ TORCH = quant_kernels("torch")
 FP8 = torch.float8_e4m3fn
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models are latency-bound: on a shared 2-core machine a second intra-op thread only waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def linear(k: int, n: int, bias: bool = False, seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     layer = nn.Linear(k, n, bias=bias)

@@ -78,7 +78,7 @@ PROMPTS = ["Once upon a time", "Lily and Tom went to the park", "The little dog 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: stories260K in ../shared)")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    parser.add_argument("--stories", type=int, default=80, help="stories in the held-out text (~75 tokens)")
+    parser.add_argument("--stories", type=int, default=40, help="stories in the held-out text (~150 tokens)")
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced sequence")
     parser.add_argument("--greedy-tokens", type=int, default=48)
     parser.add_argument("--kv-budget-gb", type=float, default=1.0)

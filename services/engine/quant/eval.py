@@ -45,7 +45,7 @@ SENTENCES = [
 
 
 def story_text(num_stories: int = 40, seed: int = 0) -> str:
-    """Simple children's stories, one paragraph each (~70 tokens for stories260K's tokenizer)."""
+    """Simple children's stories, one paragraph each (~150 tokens for stories260K's tokenizer)."""
     rng = random.Random(seed)
     stories = []
     for _ in range(num_stories):
