@@ -326,6 +326,7 @@ class Suite:
         self, fmt: str, x: Any, packed: tuple[Any, ...], n: int, bf16_ms: float | None, r: Result
     ) -> None:
         from services.engine.kernels import gemm_fp8, gemm_int4, gemm_int8, quant
+        from services.engine.quant.kernels import quant_kernels
 
         torch = self.torch
         m, k = x.shape
@@ -336,19 +337,16 @@ class Suite:
             fn = lambda: gemm(a, sa, qw, sw, None, torch.bfloat16)
             self.check(r, fn(), gemm_int8.scaled_mm_ref(a, sa, qw, sw, None, torch.float32))
             weight_bytes = n * k
-            if fmt == "fp8":
-                scaled_mm = lambda: torch._scaled_mm(
-                    a, qw.T, scale_a=sa, scale_b=sw.view(1, -1), out_dtype=torch.bfloat16
-                )
-                self.baseline(r, "torch._scaled_mm rowwise", scaled_mm)
-            else:
-                self.baseline(r, "torch._int_mm (no scaling)", lambda: torch._int_mm(a, qw.T))
+            # The torch backend's quantized GEMM: torch._int_mm / torch._scaled_mm plus the scaling.
+            torch_gemm = getattr(quant_kernels("torch"), f"{fmt}_gemm")
+            self.baseline(r, f"torch {fmt} (services.engine.quant)", lambda: torch_gemm(a, sa, qw, sw))
         else:
             qw, scales, *zeros = packed
             z = zeros[0] if zeros else None
             fn = lambda: gemm_int4.w4a16_gemm(x, qw, scales, z)
             self.check(r, fn(), gemm_int4.w4a16_gemm_ref(x.float(), qw, scales, z))
             weight_bytes = n * k / 2 + scales.numel() * 2 + (0 if z is None else z.numel())
+            self.baseline(r, "torch dequantize + matmul", lambda: gemm_int4.w4a16_gemm_ref(x, qw, scales, z))
         r.ms = self.time(fn)
         self.rate(r, weight_bytes + m * (k + n) * 2, flops=2 * m * n * k)
         self._gemm_targets(r, m, weight_bytes, bf16_ms, {"int8": 1.3, "fp8": 1.5}.get(fmt))
