@@ -227,3 +227,22 @@ def test_bench_quant_writes_json_and_markdown(stories_dir, tmp_path):
     assert rows["w4a16"]["weight_mib"] < rows["none"]["weight_mib"]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
     assert "| w4a16 |" in (tmp_path / "quant.md").read_text()
+
+
+def test_bench_quant_gpu_section_dry_run_on_the_cpu(stories_dir):
+    """The GPU table's code path (engine step times, roofline floors, ratios to bf16) on a CPU."""
+    import argparse
+
+    from services.bench import quant
+
+    parser = argparse.ArgumentParser()
+    quant.add_arguments(parser)
+    args = parser.parse_args(["--gpu-model", stories_dir, "--gpu-setups", "none", "w8a8-int8",
+                              "--gpu-batch", "1", "2", "--gpu-input-len", "8", "--gpu-output-len", "3"])
+    result = quant.gpu_section(args, device="cpu", backend="torch")
+    rows = result["rows"]
+    assert [(r["setup"], r["batch"]) for r in rows] == [("none", 1), ("none", 2), ("w8a8-int8", 1),
+                                                        ("w8a8-int8", 2)]
+    assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and 0 < r["roofline_pct"] for r in rows)
+    assert rows[0]["vs_bf16"] == 1.0
+    assert rows[2]["floor_ms"] < rows[0]["floor_ms"]  # int8 weights: half the bytes

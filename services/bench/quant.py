@@ -11,9 +11,9 @@ CPU section (always; stories260K from ../shared by default, torch backend), per 
   kv_bytes_per_token, kv_tokens_in_budget: K and V of one token over all layers (scales included),
       and how many tokens fit in --kv-budget-gb;
   decode_tokens_per_s: one batch of --decode-batch requests decoding --decode-tokens tokens in the
-      engine (greedy, ignore_eos): batch x decode steps / decode time.
+      engine (greedy, ignore_eos): batch / median decode step time.
 GPU section (when CUDA is available; --gpu-model, Llama-2-7B shape with random weights by default,
-triton backend): per configuration and batch size (--gpu-batch), the engine's mean decode step time
+triton backend): per configuration and batch size (--gpu-batch), the engine's median decode step time
 over --gpu-output-len steps of prompts of --gpu-input-len tokens, its ratio to bf16 at the same batch,
 and the roofline floor of that weight/KV format (services/bench/roofline.py, lm_head kept in bf16,
 bandwidth measured in the same run) as a % of the measured time (100 = at the floor).
@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-gb", type=float, default=1.0)
     parser.add_argument("--decode-batch", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads for the CPU section: "
+                        "a 260K-parameter model is latency-bound; extra threads on a shared CPU only wait")
     parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto",
                         help="the GPU section: auto runs it when CUDA is available")
     parser.add_argument("--gpu-model", default="llama-2-7b", help="roofline preset or checkpoint dir")
@@ -114,20 +116,24 @@ def open_llm(model: str, setup: Setup, **options: Any):
 
 
 def decode_tokens_per_s(llm: Any, batch: int, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """(decode tokens/s, mean decode step seconds) of one batch of identical requests, after a warm-up."""
+    """(decode tokens/s, median decode step seconds) of one batch of identical requests, after a
+    warm-up. The median: other work on a shared machine stalls single steps."""
     from services.bench.harness import run_batch
 
     run_batch(llm.engine, [prompt] * batch, 2)
-    steps = run_batch(llm.engine, [prompt] * batch, tokens).decode_step_s
-    return batch * len(steps) / sum(steps), statistics.fmean(steps)
+    step = statistics.median(run_batch(llm.engine, [prompt] * batch, tokens).decode_step_s)
+    return batch / step, step
 
 
 def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from services.engine import SamplingParams
     from services.engine.kv.pool import kv_bytes_per_token
     from services.engine.quant import eval as qeval
     from services.engine.quant import weight_bytes
 
+    torch.set_num_threads(args.cpu_threads)
     model = args.model or default_model()
     rows: list[dict[str, Any]] = []
     ref: dict[str, Any] = {}
@@ -173,7 +179,8 @@ def gpu_roofline(rates: Any) -> Any:
     return max(known, key=lambda g: len(g.name)).with_overrides(bandwidth=rates.copy_bandwidth)
 
 
-def gpu_section(args: argparse.Namespace) -> dict[str, Any]:
+def gpu_section(args: argparse.Namespace, device: str = "cuda", backend: str = "triton") -> dict[str, Any]:
+    """The step-time table (device and backend are parameters so a CPU dry run can check it)."""
     import numpy as np
     import torch
 
@@ -181,7 +188,7 @@ def gpu_section(args: argparse.Namespace) -> dict[str, Any]:
     from services.bench.machine import measure
     from services.bench.roofline import ModelShape, cost_model
 
-    rates = measure("cuda", torch.bfloat16)
+    rates = measure(device, torch.bfloat16)
     gpu = gpu_roofline(rates)
     model_dir = resolve_model(args.gpu_model)
     shape = ModelShape.from_path(model_dir)
@@ -190,7 +197,7 @@ def gpu_section(args: argparse.Namespace) -> dict[str, Any]:
     base: dict[int, float] = {}
     for name in ["none"] + [s for s in args.gpu_setups if s != "none"]:
         setup = SETUPS[name]
-        llm = open_llm(model_dir, setup, device="cuda", backend="triton", max_num_seqs=max(args.gpu_batch),
+        llm = open_llm(model_dir, setup, device=device, backend=backend, max_num_seqs=max(args.gpu_batch),
                        max_num_batched_tokens=max(8192, args.gpu_input_len))
         cost = cost_model(shape, gpu, *setup.formats, quantize_lm_head=False)
         for batch in args.gpu_batch:
@@ -203,7 +210,8 @@ def gpu_section(args: argparse.Namespace) -> dict[str, Any]:
                          "roofline_pct": 100 * floor_s / step_s})  # fmt: skip
             print(f"{name} batch {batch}: {step_s * 1e3:.3f} ms/step", flush=True)
         del llm
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return {"model": args.gpu_model, "gpu": gpu.name, "rates": rates.to_json(), "rows": rows}
 
 
