@@ -111,7 +111,10 @@ class Pipeline:
             last.update(self.state())
             return not any(last.values())
 
-        self.wait(clean, timeout, "no request state left")
+        try:
+            self.wait(clean, timeout, "no request state left")
+        except TimeoutError as exc:
+            raise TimeoutError(f"request state left: {last}") from exc
         return last
 
     def stop(self) -> int:
