@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -98,33 +99,19 @@ def save_byte_tokenizer(directory: str, max_length: int) -> None:
 def ensure_demo_model(cache_dir: str | None = None) -> str:
     """Build the demo checkpoint once (atomically: concurrent starters are safe) and return its dir."""
     target = cache_dir or default_cache_dir()
-    if os.path.isfile(os.path.join(target, "model.safetensors")):
-        return target
-    log.warning("no --model given: building the DEMO model (RANDOM weights, gibberish output) in %s", target)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".demo-", dir=os.path.dirname(target))
-    try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(DEMO_CONFIG, f, indent=2)
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
-        save_file(random_llama_weights(DEMO_CONFIG, seed=0), os.path.join(tmp, "model.safetensors"))
-        save_byte_tokenizer(tmp, DEMO_CONFIG["max_position_embeddings"])
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    if not os.path.isfile(os.path.join(target, "model.safetensors")):
+        log.warning("no --model given: building the DEMO model (RANDOM weights, gibberish output) in %s",
+                    target)
+    context = DEMO_CONFIG["max_position_embeddings"]
+    return save_random_checkpoint(target, DEMO_CONFIG, seed=0, dtype=torch.float32,
+                                  tokenizer=lambda d: save_byte_tokenizer(d, context))
 
 
-def save_random_checkpoint(target: str, config: dict, seed: int = 0,
-                           dtype: torch.dtype = torch.bfloat16) -> str:
-    """A random-weight checkpoint (config.json, generation_config.json, model.safetensors; no
-    tokenizer) for a Llama/Mistral/Qwen2 config dict, built once and atomically like the demo model.
-    Benchmarks use it for model shapes nobody should download. Qwen2's q/k/v biases are zero."""
+def save_random_checkpoint(target: str, config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                           tokenizer: Callable[[str], None] | None = None) -> str:
+    """A random-weight checkpoint (config.json, generation_config.json, model.safetensors, and a
+    tokenizer when `tokenizer` writes one) for a Llama/Mistral/Qwen2 config dict, built once and
+    atomically. Benchmarks use it for model shapes nobody should download. Qwen2's biases are zero."""
     if os.path.isfile(os.path.join(target, "model.safetensors")):
         return target
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
@@ -145,6 +132,8 @@ def save_random_checkpoint(target: str, config: dict, seed: int = 0,
                             for p, n in sizes.items()}
         save_file(weights, os.path.join(tmp, "model.safetensors"))
         del weights
+        if tokenizer is not None:
+            tokenizer(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
