@@ -196,7 +196,7 @@ def pipeline(engine: EngineConfig, workers: int, synthetic: bool, timeout: float
     """Start the launcher's processes (the engine or the synthetic one); yield the gRPC target."""
     from services.launcher import Supervisor, plan, wait_serving
 
-    gateway = GatewayConfig(port=free_port())
+    gateway = GatewayConfig(port=free_port(), grace=1.0)
     run_dir = tempfile.mkdtemp(prefix="pipeserve-bench-")
     addrs = Addresses.under(run_dir)
     env = {
@@ -271,13 +271,6 @@ def run_in_process(
     return list(records.values()), end - start
 
 
-def ttft_in_process(engine: Any, prompts: list[list[int]], output_len: int) -> list[RequestRecord]:
-    out = []
-    for i, prompt in enumerate(prompts):
-        out += run_in_process(engine, [prompt], output_len, f"ttft-{i}")[0]
-    return out
-
-
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
     return LLAMA_20M_BYTES | {"num_hidden_layers": args.num_layers}
 
@@ -289,7 +282,23 @@ def parameters(model_dir: str) -> int:
         return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
 
 
+async def ttft_interleaved(
+    engine: Any, target: str, prompts: list[list[int]], output_len: int
+) -> tuple[list[RequestRecord], list[RequestRecord]]:
+    """One request at a time, alternately in-process and through the pipeline (the same load for both)."""
+    from services.gateway.client import AsyncClient
+
+    local, remote = [], []
+    async with AsyncClient(target) as client:
+        await client.wait_ready(60.0)
+        for i, prompt in enumerate(prompts):
+            local += run_in_process(engine, [prompt], output_len, f"ttft-{i}")[0]
+            remote.append(await send(client, Planned(0.0, len(prompt), output_len, "ttft"), prompt, 120.0))
+    return local, checked(remote, "pipeline TTFT run")
+
+
 def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dict[str, Any]:
+    """--rounds of (in-process run, pipeline run), alternated so that both see the same machine load."""
     from services.engine.engine import Engine
 
     config = EngineConfig(model=model_dir, device="cpu", dtype="float32", max_num_seqs=args.concurrency)
@@ -297,18 +306,26 @@ def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
     prompts = [rng.integers(3, 259, args.input_len).tolist() for _ in range(args.requests)]
     ttft_prompts = [rng.integers(3, 259, args.input_len).tolist() for _ in range(args.ttft_requests)]
     engine = Engine(config)
-    run_in_process(engine, prompts[:2], 4, "warmup")
-    load["in_process"] = os.getloadavg()
-    local, local_s = run_in_process(engine, prompts, args.output_len, "run")
-    local_ttft = ttft_in_process(engine, ttft_prompts, args.ttft_output_len)
     info = engine.model_info()
-    del engine
+    local: list[RequestRecord] = []
+    remote: list[RequestRecord] = []
+    rounds, local_s, remote_s = [], 0.0, 0.0
     with pipeline(config, args.tokenizer_workers, synthetic=False) as target:
-        asyncio.run(streams(target, prompts[:2], 4))  # warm-up
-        load["pipeline"] = os.getloadavg()
-        remote_out, remote_s = asyncio.run(streams(target, prompts, args.output_len))
-        ttft_out, _ = asyncio.run(streams(target, ttft_prompts, args.ttft_output_len, sequential=True))
-    remote, remote_ttft = checked(remote_out, "pipeline run"), checked(ttft_out, "pipeline TTFT run")
+        run_in_process(engine, prompts[:2], 4, "warmup")
+        asyncio.run(streams(target, prompts[:2], 4))
+        for i in range(args.rounds):
+            load[f"round_{i}"] = os.getloadavg()
+            records, seconds = run_in_process(engine, prompts, args.output_len, f"run-{i}")
+            outcomes, duration = asyncio.run(streams(target, prompts, args.output_len))
+            local, local_s = local + records, local_s + seconds
+            remote, remote_s = remote + checked(outcomes, "pipeline run"), remote_s + duration
+            a = sum(r.output_tokens for r in records) / seconds
+            b = sum(r.output_tokens for r in remote[-len(prompts) :]) / duration
+            rounds.append({"in_process_tokens_per_s": a, "pipeline_tokens_per_s": b, "ratio": b / a})
+        load["ttft"] = os.getloadavg()
+        local_ttft, remote_ttft = asyncio.run(
+            ttft_interleaved(engine, target, ttft_prompts, args.ttft_output_len)
+        )
     s_local, s_remote = summarize(local, local_s), summarize(remote, remote_s)
     t_local = [r.ttft for r in local_ttft]
     t_remote = [r.ttft for r in remote_ttft]
@@ -321,11 +338,13 @@ def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
             "concurrency": args.concurrency,
             "input_len": args.input_len,
             "output_len": args.output_len,
+            "rounds": args.rounds,
             "ttft_requests": args.ttft_requests,
             "ttft_output_len": args.ttft_output_len,
         },
-        "in_process": s_local,
+        "in_process": s_local,  # every round together: total tokens / total time
         "pipeline": s_remote,
+        "rounds": rounds,
         "throughput_ratio": ratio,
         "ttft_low_load": {
             "in_process_s": t_local,
@@ -402,6 +421,14 @@ def print_result(result: dict[str, Any]) -> None:
             f"{p1['model']['parameters'] or '?'} params",
             ["run", "completed", "output tokens", "duration s", "tokens/s", "TTFT p50 ms", "TPOT p50 ms"],
             rows,
+        )
+        print_table(
+            "part 1: rounds (in-process and pipeline alternated)",
+            ["round", "in-process tokens/s", "pipeline tokens/s", "ratio"],
+            [
+                [i, r["in_process_tokens_per_s"], r["pipeline_tokens_per_s"], r["ratio"]]
+                for i, r in enumerate(p1["rounds"])
+            ],
         )
         t = p1["ttft_low_load"]
         print_table(
@@ -484,11 +511,12 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=128, help="part 1: requests, all sent at once")
-    parser.add_argument("--concurrency", type=int, default=64, help="part 1: max_num_seqs of the engine")
+    parser.add_argument("--requests", type=int, default=32, help="part 1: requests, all sent at once")
+    parser.add_argument("--concurrency", type=int, default=32, help="part 1: max_num_seqs of the engine")
     parser.add_argument("--input-len", type=int, default=32, help="part 1: prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="part 1: output tokens per request")
-    parser.add_argument("--ttft-requests", type=int, default=30, help="part 1: sequential requests for TTFT")
+    parser.add_argument("--output-len", type=int, default=64, help="part 1: output tokens per request")
+    parser.add_argument("--rounds", type=int, default=2, help="part 1: alternated in-process/pipeline runs")
+    parser.add_argument("--ttft-requests", type=int, default=20, help="part 1: sequential requests for TTFT")
     parser.add_argument("--ttft-output-len", type=int, default=4, help="part 1: their output tokens")
     parser.add_argument(
         "--capacity-streams",
@@ -497,7 +525,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 16, 64, 256],
         help="part 2: concurrent streams, one run each",
     )
-    parser.add_argument("--capacity-output-len", type=int, default=400, help="part 2: tokens per stream")
+    parser.add_argument("--capacity-output-len", type=int, default=900, help="part 2: tokens per stream")
     parser.add_argument(
         "--num-layers",
         type=int,
@@ -524,7 +552,10 @@ def main(args: argparse.Namespace) -> int:
     load: dict[str, Any] = {"start": os.getloadavg()}
     result: dict[str, Any] = {"bench": "pipeline"}
     with tempfile.TemporaryDirectory(prefix="pipeserve-llama20m-") as model_dir:
-        random_checkpoint(model_config(args), model_dir, args.seed)
+        if args.skip_part1:  # part 2 reads only the config and the tokenizer
+            write_json(os.path.join(model_dir, "config.json"), model_config(args))
+        else:
+            random_checkpoint(model_config(args), model_dir, args.seed)
         save_byte_tokenizer(model_dir, LLAMA_20M_BYTES["max_position_embeddings"])
         if not args.skip_part1:
             result["part1"] = part1(args, model_dir, load)
