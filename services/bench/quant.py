@@ -11,12 +11,13 @@ CPU section (always; stories260K from ../shared by default, torch backend), per 
   kv_bytes_per_token, kv_tokens_in_budget: K and V of one token over all layers (scales included),
       and how many tokens fit in --kv-budget-gb;
   decode_tokens_per_s: one batch of --decode-batch requests decoding --decode-tokens tokens in the
-      engine (greedy, ignore_eos): batch / median decode step time.
+      engine (greedy, ignore_eos): batch / decode step time (the fastest of 3 runs' median step).
 GPU section (when CUDA is available; --gpu-model, Llama-2-7B shape with random weights by default,
 triton backend): per configuration and batch size (--gpu-batch), the engine's median decode step time
-over --gpu-output-len steps of prompts of --gpu-input-len tokens, its ratio to bf16 at the same batch,
-and the roofline floor of that weight/KV format (services/bench/roofline.py, lm_head kept in bf16,
-bandwidth measured in the same run) as a % of the measured time (100 = at the floor).
+(one run: the GPU is not shared) over --gpu-output-len steps of prompts of --gpu-input-len tokens, its
+ratio to bf16 at the same batch, and the roofline floor of that weight/KV format
+(services/bench/roofline.py, lm_head kept in bf16, bandwidth measured in the same run) as a % of the
+measured time (100 = at the floor).
 
 Configurations: `none` (the reference), `kv-int8`, `kv-fp8`, `w8a8-int8`, `w8a8-fp8`, `w4a16`, `nf4`,
 `w8a8-int8+kv-int8` (PPL.LLM's serving setup), and two trade-off rows that are not engine options:
@@ -115,13 +116,15 @@ def open_llm(model: str, setup: Setup, **options: Any):
     return llm
 
 
-def decode_tokens_per_s(llm: Any, batch: int, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """(decode tokens/s, median decode step seconds) of one batch of identical requests, after a
-    warm-up. The median: other work on a shared machine stalls single steps."""
+def decode_tokens_per_s(llm: Any, batch: int, prompt: list[int], tokens: int,
+                        repeats: int = 3) -> tuple[float, float]:  # fmt: skip
+    """(decode tokens/s, decode step seconds) of one batch of identical requests, after a warm-up: the
+    fastest of `repeats` runs' median steps (other work on a shared machine only ever slows a run)."""
     from services.bench.harness import run_batch
 
     run_batch(llm.engine, [prompt] * batch, 2)
-    step = statistics.median(run_batch(llm.engine, [prompt] * batch, tokens).decode_step_s)
+    step = min(statistics.median(run_batch(llm.engine, [prompt] * batch, tokens).decode_step_s)
+               for _ in range(repeats))
     return batch / step, step
 
 
@@ -201,7 +204,7 @@ def gpu_section(args: argparse.Namespace, device: str = "cuda", backend: str = "
                        max_num_batched_tokens=max(8192, args.gpu_input_len))
         cost = cost_model(shape, gpu, *setup.formats, quantize_lm_head=False)
         for batch in args.gpu_batch:
-            _, step_s = decode_tokens_per_s(llm, batch, prompt, args.gpu_output_len)
+            _, step_s = decode_tokens_per_s(llm, batch, prompt, args.gpu_output_len, repeats=1)
             context = args.gpu_input_len + args.gpu_output_len // 2
             floor_s = cost.decode(batch, context).t
             base.setdefault(batch, step_s)
@@ -235,11 +238,14 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    load_start = os.getloadavg()
     result: dict[str, Any] = {"machine": machine_info(), "cpu": cpu_section(args)}
+    # Other work on the machine slows the speed columns: the 1/5/15-minute load averages tell.
+    result["machine"]["load_average"] = {"start": load_start, "end": os.getloadavg()}
     cpu = result["cpu"]
-    title = (f"{os.path.basename(cpu['model'])} on the CPU ({cpu['dtype']}, torch backend): "
-             f"{cpu['eval_tokens']} tokens teacher-forced, KV budget {cpu['kv_budget_gb']} GiB, "
-             f"decode batch {cpu['decode_batch']}")
+    title = (f"{os.path.basename(cpu['model'])} on the CPU ({cpu['dtype']}, torch backend, "
+             f"{args.cpu_threads} thread, load average {load_start[0]:.1f}): {cpu['eval_tokens']} tokens "
+             f"teacher-forced, KV budget {cpu['kv_budget_gb']} GiB, decode batch {cpu['decode_batch']}")
     print_table(title, [t for _, t in CPU_COLUMNS], [[r[k] for k, _ in CPU_COLUMNS] for r in cpu["rows"]])
     md = [f"## {title}", "", markdown_table(CPU_COLUMNS, cpu["rows"])]
     if args.gpu == "on" or (args.gpu == "auto" and torch.cuda.is_available()):
