@@ -1,8 +1,8 @@
 """`pipeserve bench offline`: our engine vs HF transformers `generate` on the same model and the
 same trace-shaped requests, in the same run.
 
-Requests take their prompt and output lengths from ../shared/data/traces (the first N of the
-merged trace, scaled by one factor so the longest fits the model's context); prompts are random
+Requests take their prompt and output lengths from ../shared/data/traces (N drawn at random from
+both traces, scaled by one factor so the longest drawn fits the model's context); prompts are random
 token ids and every request generates exactly its trace output length (ignore_eos / min_new_tokens).
 HF runs static batches of `--batch-size` requests in arrival order (left-padded, each batch decodes
 until its longest request is done); our engine runs continuous batching with max_num_seqs equal to
@@ -58,9 +58,12 @@ def random_checkpoint(config: dict, directory: str, seed: int = 0) -> str:
 
 
 def trace_workload(n: int, context: int, vocab: int, seed: int = 0) -> Workload:
-    rows = load_trace(default_trace_paths(), max_requests=n)
-    factor = min(1.0, (context - 1) / max(r.prompt_tokens + r.output_tokens for r in rows))
+    """n requests drawn at random (seeded) from every trace, lengths scaled by one factor so the
+    longest drawn request fits the context."""
     rng = np.random.default_rng(seed)
+    every = load_trace(default_trace_paths())
+    rows = [every[i] for i in rng.choice(len(every), size=n, replace=False)]
+    factor = min(1.0, (context - 1) / max(r.prompt_tokens + r.output_tokens for r in rows))
     prompts, outputs = [], []
     for r in rows:
         p = max(1, int(r.prompt_tokens * factor))
@@ -141,15 +144,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     parser.add_argument("--overhead-requests", type=int, default=256)
     parser.add_argument("--overhead-context", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for both engines (default: torch's)")
     parser.add_argument("--json", help="write the full results here")
     parser.add_argument("--out", help="directory for results (JSON copy)")
 
 
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     models = args.model or [str(shared_dir() / "models" / "stories260K"), "llama-20m"]
     results = {"machine": machine_info(), "num_requests": args.num_requests, "batch_size": args.batch_size,
-               "models": []}
+               "threads": torch.get_num_threads(), "loadavg_before": os.getloadavg(), "models": []}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
