@@ -79,13 +79,13 @@ def drive(policy, seqs: list[Sequence], outputs: list[int], num_pages: int, page
 @given(requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60), st.integers(1, 80)), min_size=1,
                          max_size=12),
        history=st.lists(st.integers(1, 60), max_size=60), num_pages=st.integers(26, 60),
-       quantile=st.sampled_from([0.1, 0.5, 0.9]))
-def test_never_over_commits_and_every_request_completes(requests, history, num_pages, quantile):
+       quantile=st.sampled_from([0.1, 0.5, 0.9]), mode=st.sampled_from(["peak", "reserve"]))
+def test_never_over_commits_and_every_request_completes(requests, history, num_pages, quantile, mode):
     pred = OutputLengthPredictor(min_count=4)
     for n in history:
         pred.update(Features(0, "", 1, 1, "greedy"), n)  # reaches every request through the coarse keys
     seqs = [make_seq(str(i), p, max_tokens=m) for i, (p, _, m) in enumerate(requests)]
-    policy = PredictedPolicy(predictor=pred, quantile=quantile)
+    policy = PredictedPolicy(predictor=pred, quantile=quantile, mode=mode)
     drive(policy, seqs, [o for _, o, _ in requests], num_pages)
     for s, (_, out, max_tokens) in zip(seqs, requests, strict=True):
         assert s.status is Status.FINISHED
@@ -93,42 +93,87 @@ def test_never_over_commits_and_every_request_completes(requests, history, num_p
         assert s.finish_reason == ("stop" if out <= max_tokens else "length")
 
 
-def test_no_history_behaves_as_max():
-    policy = PredictedPolicy()
+def test_no_history_predicts_max_tokens():
+    reserve, peak = PredictedPolicy(mode="reserve"), PredictedPolicy()
     seq = make_seq("a", 10, max_tokens=100)
-    assert policy.reservation_tokens(seq, MAX_LEN) == 110
+    assert reserve.reservation_tokens(seq, MAX_LEN) == 110
     assert make_policy("max").reservation_tokens(seq, MAX_LEN) == 110
-    assert policy.reservation_tokens(make_seq("b", 1000, max_tokens=100), MAX_LEN) == MAX_LEN
     assert seq.predicted_len is None
+    assert reserve.reservation_tokens(make_seq("b", 1000, max_tokens=100), MAX_LEN) == MAX_LEN
+    # Peak mode promises only the prompt but admits only what fits if everyone ran to max_tokens.
+    assert peak.reservation_tokens(seq, MAX_LEN) == 10 and peak.final_tokens(seq, MAX_LEN) == 110
+    pool = KVPool.accounting_only(40, 4, 8, MAX_LEN)  # 160 tokens
+    running = [make_seq("r", 10, max_tokens=100)]
+    assert peak.admits(make_seq("c", 10, max_tokens=20), running, pool, MAX_LEN)
+    assert not peak.admits(make_seq("d", 10, max_tokens=100), running, pool, MAX_LEN)
+    assert peak.admits(make_seq("e", 10, max_tokens=10**4), [], pool, MAX_LEN)  # alone: always
 
 
-def test_reserves_the_quantile_capped_and_conditioned_on_progress():
-    policy = PredictedPolicy(predictor=trained({"chat": range(1, 101)}), quantile=0.9)
+def test_predicts_the_quantile_capped_and_conditioned_on_progress():
+    policy = PredictedPolicy(predictor=trained({"chat": range(1, 101)}), quantile=0.9, mode="reserve")
     seq = make_seq("a", 4, "chat", max_tokens=256)
     reserved = policy.reservation_tokens(seq, MAX_LEN)
     assert 85 <= seq.predicted_len <= 100 and reserved == 4 + seq.predicted_len
     assert policy.reservation_tokens(make_seq("b", 4, "chat", max_tokens=20), MAX_LEN) == 24  # capped
     assert policy.reservation_tokens(make_seq("c", 4, "chat", ignore_eos=True), MAX_LEN) == 4 + 256
-    # Preempted after 60 tokens: reserve the p90 of what is left, never less than what it holds.
+    # Preempted after 60 tokens: the p90 of what is left, never less than what it holds.
     seq.token_ids += [3] * 60
     assert 64 + 1 <= policy.reservation_tokens(seq, MAX_LEN) <= 4 + 100
     # Beyond everything ever seen: no prediction, so `max` again.
     seq.token_ids += [3] * 60
     assert policy.reservation_tokens(seq, MAX_LEN) == 4 + 256
+    # A running request that outgrows its prediction is re-predicted from where it is.
+    running = make_seq("d", 4, "chat")
+    assert policy.final_tokens(running, MAX_LEN) <= 4 + 100
+    running.token_ids += [3] * 80
+    assert 4 + 81 <= policy.final_tokens(running, MAX_LEN) <= 4 + 100
 
 
-def test_grows_past_its_reservation_without_preempting_when_the_pool_has_room():
-    policy = PredictedPolicy(predictor=trained({"chat": range(1, 9)}), quantile=0.9)  # predicts <= 8 tokens
+def test_peak_admission_counts_requests_that_finish_first():
+    policy = PredictedPolicy(predictor=trained({"short": range(1, 9), "long": range(30, 41)}))
+    running = [make_seq("a", 40, "long"), make_seq("b", 40, "short")]
+    for s in running:
+        policy.reservation_tokens(s, MAX_LEN)
+    new = make_seq("c", 40, "short")
+    policy.reservation_tokens(new, MAX_LEN)
+    finals = [policy.final_tokens(s, MAX_LEN) for s in (*running, new)]
+    assert finals == [79, 48, 48]  # 40-token prompts; p90s of 39 and 8 output tokens
+    # Promising final sizes would need 175 tokens. Over time the peak comes when the two short ones
+    # end: 3 x 48 = 144 tokens, plus up to 3 for page rounding per request: 153.
+    assert policy.admits(new, running, KVPool.accounting_only(39, 4, 8, MAX_LEN), MAX_LEN)  # 156 tokens
+    assert not policy.admits(new, running, KVPool.accounting_only(38, 4, 8, MAX_LEN), MAX_LEN)
+
+
+@pytest.mark.parametrize("mode", ["peak", "reserve"])
+def test_grows_past_its_prediction_without_preempting_when_the_pool_has_room(mode):
+    policy = PredictedPolicy(predictor=trained({"chat": range(1, 9)}), quantile=0.9, mode=mode)  # 8 tokens
     seq = make_seq("a", 4, "chat")
-    most = []
-    sched = drive(policy, [seq], [40], num_pages=64, on_step=lambda s: most.append(len(seq.pages)))
+    reserved, pages = [], []
+
+    def watch(sched: Scheduler) -> None:
+        reserved.append(seq.reserved_pages)
+        pages.append(len(seq.pages))
+
+    sched = drive(policy, [seq], [40], num_pages=64, on_step=watch)
     assert seq.num_output == 40 and sched.num_preemptions == 0
-    assert seq.predicted_len == 8 and max(most) == 11  # 44 tokens of 4-token pages, 3 reserved
+    assert reserved[0] == (3 if mode == "reserve" else 1)  # 4 + 8 tokens promised, or the prompt only
+    assert max(pages) == max(reserved) == 11  # grew to 44 tokens of 4-token pages
 
 
-def test_exhaustion_preempts_the_request_with_the_most_predicted_work_left():
+def test_victim_is_the_most_predicted_work_left_newest_on_ties():
     apps = {"short": range(1, 9), "mid": range(5, 21), "long": range(30, 41)}
     policy = PredictedPolicy(predictor=trained(apps))
+    short, long_, mid = make_seq("s", 4, "short"), make_seq("l", 4, "long"), make_seq("m", 4, "mid")
+    assert policy.pick_victim([short, long_, mid]) is long_
+    long_.token_ids += [3] * 34  # nearly done: ~1 token left, while `mid` has ~12
+    assert policy.pick_victim([short, long_, mid]) is mid
+    twin = make_seq("t", 4, "mid")
+    assert policy.pick_victim([mid, twin]) is twin
+
+
+def test_reserve_mode_exhaustion_preempts_the_most_predicted_work_left():
+    apps = {"short": range(1, 9), "mid": range(5, 21), "long": range(30, 41)}
+    policy = PredictedPolicy(predictor=trained(apps), mode="reserve")
     a, b, c = make_seq("a", 4, "short"), make_seq("b", 4, "long"), make_seq("c", 4, "mid")
     first_victims = []
 
@@ -141,6 +186,18 @@ def test_exhaustion_preempts_the_request_with_the_most_predicted_work_left():
     assert first_victims == ["b"]  # not `c`, the newest: `b` has ~26 predicted tokens to go, `c` ~6
     assert c.num_preemptions == 0 and sched.num_preemptions >= 1
     assert [s.num_output for s in (a, b, c)] == [30, 35, 15]
+
+
+def test_peak_mode_grows_from_the_free_pool_and_preempts_once_it_is_exhausted():
+    policy = PredictedPolicy(predictor=trained({"chat": range(1, 5)}))  # predicts 4 tokens; they run 30
+    seqs = [make_seq(str(i), 4, "chat") for i in range(3)]
+    sched = drive(policy, seqs, [30, 30, 30], num_pages=27)  # 3 x 33 KV tokens: 9 pages of 4 each
+    assert sched.num_preemptions == 0
+    policy = PredictedPolicy(predictor=trained({"chat": range(1, 5)}))
+    seqs = [make_seq(str(i), 4, "chat") for i in range(3)]
+    sched = drive(policy, seqs, [30, 30, 30], num_pages=12)  # they do not
+    assert sched.num_preemptions >= 1
+    assert [s.num_output for s in seqs] == [30, 30, 30]
 
 
 def test_learns_from_natural_ends_only_and_persists(tmp_path):

@@ -63,7 +63,8 @@ from services.engine.sequence import Sequence as Seq
 from services.sampling_params import SamplingParams
 
 EOS, TOKEN = 2, 3  # what the simulated model emits
-POLICIES = ("max", "optimistic", "predicted")
+# `predicted-reserve`: the predicted policy with per-request promises instead of the future-peak check.
+POLICIES = ("max", "optimistic", "predicted", "predicted-reserve")
 
 
 # -- step time ----------------------------------------------------------------------------------
@@ -286,10 +287,12 @@ def time_predictor(pred: OutputLengthPredictor, sample: Sequence[tuple[Features,
 def policy_factory(name: str, predictor: OutputLengthPredictor | None, quantile: float
                    ) -> Callable[[], AdmissionPolicy]:
     """Fresh policy per replay; `predicted` starts each one from the same trained state."""
-    if name != "predicted":
+    if not name.startswith("predicted"):
         return lambda: make_policy(name)
     state = (predictor or OutputLengthPredictor()).to_dict()
-    return lambda: PredictedPolicy(quantile=quantile, predictor=OutputLengthPredictor.from_dict(state))
+    mode = "reserve" if name == "predicted-reserve" else "peak"
+    return lambda: PredictedPolicy(quantile=quantile, predictor=OutputLengthPredictor.from_dict(state),
+                                   mode=mode)
 
 
 def find_capacity(run: Callable[[float], Replay], start: float, target: float,
@@ -324,7 +327,8 @@ def find_capacity(run: Callable[[float], Replay], start: float, target: float,
 # -- CLI ----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="CSV file(s), comma-separated; default: all of ../shared, mixed")
-    parser.add_argument("--policy", default=",".join(POLICIES), help="comma-separated admission policies")
+    parser.add_argument("--policy", default="max,optimistic,predicted",
+                        help=f"a comma list of {', '.join(POLICIES)}")
     parser.add_argument("--model", default="llama-3-8b", help="roofline preset or HF config path")
     parser.add_argument("--gpu", default="L40S")
     parser.add_argument("--wdtype", default="bf16", choices=list(WEIGHT_DTYPES))
@@ -406,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
           f"({dropped} dropped), predictor history {len(history)} requests")
 
     predictor = None
-    if "predicted" in policies:
+    if any(name.startswith("predicted") for name in policies):
         if args.predictor:
             predictor = OutputLengthPredictor.load(args.predictor)
         else:
@@ -420,8 +424,9 @@ def main(args: argparse.Namespace) -> int:
 
     makers = {}
     for name in policies:
-        for q in quantiles if name == "predicted" else [0.0]:
-            label = name if name != "predicted" or len(quantiles) == 1 else f"predicted q{q:g}"
+        predicted = name.startswith("predicted")
+        for q in quantiles if predicted else [0.0]:
+            label = f"{name} q{q:g}" if predicted and len(quantiles) > 1 else name
             makers[label] = policy_factory(name, predictor, q)
 
     def run(label: str, r: float) -> Replay:

@@ -79,7 +79,8 @@ class Scheduler:
             seq = self.waiting[0]
             need = min(self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
                        self.pool.num_pages)
-            if need > self.pool.available:
+            if need > self.pool.available or not self.policy.admits(seq, self.running, self.pool,
+                                                                      self.max_model_len):
                 break
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()

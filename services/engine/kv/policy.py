@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from services.engine.kv.pool import KVPool
 from services.engine.sequence import Sequence
 
 
@@ -13,6 +14,11 @@ class AdmissionPolicy(Protocol):
 
     def reservation_tokens(self, seq: Sequence, max_model_len: int) -> int:
         """Tokens of KV to promise this request at admission (at least the tokens it prefills)."""
+        ...
+
+    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
+        """Whether to admit `seq` now, beyond its reservation fitting in the pool (the `predicted`
+        policy checks the predicted future KV peak of the running set)."""
         ...
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
@@ -32,6 +38,9 @@ class MaxPolicy:
     def reservation_tokens(self, seq: Sequence, max_model_len: int) -> int:
         return min(seq.prompt_len + seq.params.max_tokens, max_model_len)
 
+    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
+        return True
+
     def pick_victim(self, running: list[Sequence]) -> Sequence:
         return running[-1]
 
@@ -46,6 +55,9 @@ class OptimisticPolicy:
 
     def reservation_tokens(self, seq: Sequence, max_model_len: int) -> int:
         return seq.num_tokens
+
+    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
+        return True
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
         return running[-1]
