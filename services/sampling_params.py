@@ -35,8 +35,14 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(name, "must be a finite number")
@@ -60,15 +66,21 @@ class SamplingParams:
             bad("seed", "must be an integer in [0, 2**63)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs
+        ):
             bad("logprobs", f"must be in [0, {max_logprobs}]")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} allowed")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
-                raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
+                raise ValueError(
+                    f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters"
+                )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
 

@@ -37,8 +37,11 @@ def test_abort_at_random_points_returns_every_page(engine):
     for trial in range(30):
         rids = [f"a{trial}-{i}" for i in range(4)]
         for rid in rids:
-            engine.add(rid, [1] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))],
-                       SamplingParams(max_tokens=rng.randrange(1, 20), temperature=1.0))
+            engine.add(
+                rid,
+                [1] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))],
+                SamplingParams(max_tokens=rng.randrange(1, 20), temperature=1.0),
+            )
         victim = rng.choice(rids)
         for _ in range(rng.randrange(0, 8)):
             if engine.has_work():
@@ -69,18 +72,21 @@ def test_abort_of_a_finished_request_leaves_no_tombstone(engine):
     assert engine.stats()["tombstones"] == before
 
 
-@pytest.mark.parametrize("params,prompt,match", [
-    (dict(max_tokens=0), [1, 2], "max_tokens"),
-    (dict(temperature=-1.0), [1, 2], "temperature"),
-    (dict(temperature=float("nan")), [1, 2], "temperature"),
-    (dict(top_p=0.0), [1, 2], "top_p"),
-    (dict(top_p=1.5), [1, 2], "top_p"),
-    (dict(top_k=0), [1, 2], "top_k"),
-    (dict(top_k=-2), [1, 2], "top_k"),
-    (dict(), [], "empty"),
-    (dict(), [1, 10_000], "prompt_token_ids"),
-    (dict(), [1] * 600, "context"),
-])
+@pytest.mark.parametrize(
+    "params,prompt,match",
+    [
+        (dict(max_tokens=0), [1, 2], "max_tokens"),
+        (dict(temperature=-1.0), [1, 2], "temperature"),
+        (dict(temperature=float("nan")), [1, 2], "temperature"),
+        (dict(top_p=0.0), [1, 2], "top_p"),
+        (dict(top_p=1.5), [1, 2], "top_p"),
+        (dict(top_k=0), [1, 2], "top_k"),
+        (dict(top_k=-2), [1, 2], "top_k"),
+        (dict(), [], "empty"),
+        (dict(), [1, 10_000], "prompt_token_ids"),
+        (dict(), [1] * 600, "context"),
+    ],
+)
 def test_bad_requests_raise_and_leave_the_engine_serving(engine, params, prompt, match):
     with pytest.raises(ValueError, match=match):
         engine.add("bad", prompt, SamplingParams(**params))
@@ -109,11 +115,17 @@ def test_eos_stop_token_ids_min_tokens_ignore_eos(engine):
     # Greedy "Once upon a time" continues with "," (id found below); use it as a stop token.
     engine.add("probe", [1, 403, 407, 261, 378], SamplingParams(max_tokens=3, temperature=0.0))
     first = drain(engine)["probe"][0][0]
-    engine.add("stop", [1, 403, 407, 261, 378], SamplingParams(max_tokens=10, temperature=0.0,
-                                                               stop_token_ids=[first]))
+    engine.add(
+        "stop",
+        [1, 403, 407, 261, 378],
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first]),
+    )
     assert drain(engine)["stop"] == ([first], "stop")
-    engine.add("min", [1, 403, 407, 261, 378], SamplingParams(max_tokens=10, temperature=0.0,
-                                                              stop_token_ids=[first], min_tokens=3))
+    engine.add(
+        "min",
+        [1, 403, 407, 261, 378],
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first], min_tokens=3),
+    )
     toks, reason = drain(engine)["min"]
     assert len(toks) >= 3 and first not in toks[:3]
     engine.add("long", [1, 403], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
@@ -143,7 +155,10 @@ def test_loader_rejects_unknown_architecture_and_bad_tensors(stories_dir, tmp_pa
     missing = tmp_path / "missing"
     shutil.copytree(stories_dir, missing)
     weights = load_file(str(missing / "model.safetensors"))
-    save_file({k: v for k, v in weights.items() if "layers.3.mlp.up_proj" not in k}, str(missing / "model.safetensors"))
+    save_file(
+        {k: v for k, v in weights.items() if "layers.3.mlp.up_proj" not in k},
+        str(missing / "model.safetensors"),
+    )
     with pytest.raises(ValueError, match="lacks tensors"):
         Engine(model=str(missing), device="cpu")
 
@@ -161,7 +176,10 @@ def test_sharded_checkpoint_loads(stories_dir, tmp_path):
     weights = load_file(f"{stories_dir}/model.safetensors")
     names = sorted(weights)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for f in ("config.json", "generation_config.json"):
         shutil.copy(f"{stories_dir}/{f}", tmp_path / f)
     for fname, keys in shards.items():

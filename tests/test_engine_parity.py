@@ -8,19 +8,27 @@ import torch
 
 from services.engine import LLM, SamplingParams
 
-STORY_PROMPTS = ["Once upon a time", "The cat sat on the mat and", "Lily and Tom went to the park to play with a ball",
-                 "One day", "Tim had a red car. He"]
+STORY_PROMPTS = [
+    "Once upon a time",
+    "The cat sat on the mat and",
+    "Lily and Tom went to the park to play with a ball",
+    "One day",
+    "Tim had a red car. He",
+]
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     eos = hf.generation_config.eos_token_id
     outs = []
     for ids in prompts:
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                          pad_token_id=0, eos_token_id=eos)[0, len(ids):].tolist()
+        gen = hf.generate(
+            torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=0, eos_token_id=eos
+        )[0, len(ids) :].tolist()
         outs.append(gen)
     return outs
 
@@ -41,12 +49,16 @@ def story_case(stories_dir):
     return stories_dir, prompts, hf_greedy(stories_dir, prompts, 24)
 
 
-@pytest.mark.parametrize("options", [
-    dict(page_size=16),
-    dict(page_size=1, max_num_batched_tokens=1),
-    dict(page_size=4, max_num_batched_tokens=4),
-    dict(page_size=16, max_num_batched_tokens=16, max_num_seqs=3),
-], ids=["batch", "chunk1-page1", "chunk4", "chunk16-seqs3"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(page_size=16),
+        dict(page_size=1, max_num_batched_tokens=1),
+        dict(page_size=4, max_num_batched_tokens=4),
+        dict(page_size=16, max_num_batched_tokens=16, max_num_seqs=3),
+    ],
+    ids=["batch", "chunk1-page1", "chunk4", "chunk16-seqs3"],
+)
 def test_stories_greedy_matches_hf(story_case, options):
     model_dir, prompts, expected = story_case
     assert run_llm(model_dir, prompts, 24, **options) == expected
@@ -72,15 +84,29 @@ def test_preemption_keeps_tokens_identical(story_case, policy):
         assert stats["preemptions"] > 0
 
 
-@pytest.mark.parametrize("kind,overrides", [
-    ("llama", {}),
-    ("llama", dict(num_key_value_heads=1)),  # MQA
-    ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),  # MHA, tied
-    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    ("qwen2", {}),
-    ("mistral", dict(sliding_window=6)),
-], ids=["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mistral-window"])
+@pytest.mark.parametrize(
+    "kind,overrides",
+    [
+        ("llama", {}),
+        ("llama", dict(num_key_value_heads=1)),  # MQA
+        ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),  # MHA, tied
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            ),
+        ),
+        ("qwen2", {}),
+        ("mistral", dict(sliding_window=6)),
+    ],
+    ids=["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mistral-window"],
+)
 def test_random_models_match_hf(tiny_model, kind, overrides):
     model_dir = tiny_model(kind, **overrides)
     g = torch.Generator().manual_seed(1)

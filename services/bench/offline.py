@@ -31,10 +31,22 @@ from services.bench.workload import default_trace_paths, load_trace, shared_dir
 
 # A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
 LLAMA_20M = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1376,
-    "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-    "vocab_size": 4096, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
 }
 
 
@@ -76,8 +88,9 @@ def run_engine(model_dir: str, work: Workload, batch_size: int) -> float:
     from services.engine.engine import Engine
     from services.sampling_params import SamplingParams
 
-    engine = Engine(model=model_dir, device="cpu", dtype="float32", max_num_seqs=batch_size,
-                    max_num_batched_tokens=2048)
+    engine = Engine(
+        model=model_dir, device="cpu", dtype="float32", max_num_seqs=batch_size, max_num_batched_tokens=2048
+    )
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(zip(work.prompts, work.outputs, strict=True)):
         engine.add(str(i), prompt, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
@@ -101,8 +114,14 @@ def run_hf(model_dir: str, work: Workload, batch_size: int) -> float:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(outs),
+                min_new_tokens=max(outs),
+                do_sample=False,
+                pad_token_id=0,
+            )
     return time.perf_counter() - start
 
 
@@ -119,8 +138,9 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
     cfg = ModelConfig.from_dict(LLAMA_20M | {"num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 8})
     pages = num_requests * (context + steps + 16) // 16 + 1
     pool = KVPool(cfg, pages, 16, torch.float16, torch.device("cpu"), num_requests, context + steps + 16)
-    sched = Scheduler(pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16,
-                      lambda s: None, lambda s: None)
+    sched = Scheduler(
+        pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16, lambda s: None, lambda s: None
+    )
     runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests)  # metadata only
     for i in range(num_requests):
         sched.add(Sequence(str(i), [5] * context, context, SamplingParams(max_tokens=10_000), 0.0))
@@ -136,16 +156,21 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", action="append", default=None,
-                        help="HF checkpoint dir; repeatable; 'llama-20m' builds the random ~20M Llama "
-                             "(default: stories260K and llama-20m)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="HF checkpoint dir; repeatable; 'llama-20m' builds the random ~20M Llama "
+        "(default: stories260K and llama-20m)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     parser.add_argument("--overhead-requests", type=int, default=256)
     parser.add_argument("--overhead-context", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads for both engines (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads for both engines (default: torch's)"
+    )
     parser.add_argument("--json", help="write the full results here")
     parser.add_argument("--out", help="directory for results (JSON copy)")
 
@@ -155,8 +180,14 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = args.model or [str(shared_dir() / "models" / "stories260K"), "llama-20m"]
-    results = {"machine": machine_info(), "num_requests": args.num_requests, "batch_size": args.batch_size,
-               "threads": torch.get_num_threads(), "loadavg_before": os.getloadavg(), "models": []}
+    results = {
+        "machine": machine_info(),
+        "num_requests": args.num_requests,
+        "batch_size": args.batch_size,
+        "threads": torch.get_num_threads(),
+        "loadavg_before": os.getloadavg(),
+        "models": [],
+    }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
@@ -167,18 +198,37 @@ def main(args: argparse.Namespace) -> int:
             tokens = sum(work.outputs)
             ours = run_engine(model_dir, work, args.batch_size)
             hf = None if args.no_hf else run_hf(model_dir, work, args.batch_size)
-            entry = {"model": name, "output_tokens": tokens, "prompt_tokens": sum(map(len, work.prompts)),
-                     "pipeserve_s": ours, "pipeserve_tok_s": tokens / ours,
-                     "hf_s": hf, "hf_tok_s": None if hf is None else tokens / hf,
-                     "speedup": None if hf is None else hf / ours}
+            entry = {
+                "model": name,
+                "output_tokens": tokens,
+                "prompt_tokens": sum(map(len, work.prompts)),
+                "pipeserve_s": ours,
+                "pipeserve_tok_s": tokens / ours,
+                "hf_s": hf,
+                "hf_tok_s": None if hf is None else tokens / hf,
+                "speedup": None if hf is None else hf / ours,
+            }
             results["models"].append(entry)
-            rows.append([os.path.basename(name), tokens, entry["pipeserve_tok_s"], entry["hf_tok_s"], entry["speedup"]])
-    print_table(f"offline: {args.num_requests} trace-shaped requests, batch {args.batch_size}, CPU",
-                ["model", "output tokens", "pipeserve tok/s", "HF generate tok/s", "ratio"], rows)
+            rows.append(
+                [
+                    os.path.basename(name),
+                    tokens,
+                    entry["pipeserve_tok_s"],
+                    entry["hf_tok_s"],
+                    entry["speedup"],
+                ]
+            )
+    print_table(
+        f"offline: {args.num_requests} trace-shaped requests, batch {args.batch_size}, CPU",
+        ["model", "output tokens", "pipeserve tok/s", "HF generate tok/s", "ratio"],
+        rows,
+    )
     overhead = scheduler_overhead(args.overhead_requests, args.overhead_context)
     results["scheduler_overhead_ms_per_step"] = overhead
-    print(f"scheduler + batch preparation: {overhead:.3f} ms CPU per step "
-          f"({args.overhead_requests} running requests x {args.overhead_context} context, model no-op)")
+    print(
+        f"scheduler + batch preparation: {overhead:.3f} ms CPU per step "
+        f"({args.overhead_requests} running requests x {args.overhead_context} context, model no-op)"
+    )
     for path in filter(None, [args.json, args.out and os.path.join(args.out, "offline.json")]):
         write_json(path, results)
     return 0

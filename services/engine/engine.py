@@ -50,35 +50,69 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **options) -> None:
         self.config = config = config or EngineConfig(**options)
         self.device = resolve_device(config.device)
-        backend = config.backend if config.backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        backend = (
+            config.backend
+            if config.backend != "auto"
+            else ("triton" if self.device.type == "cuda" else "torch")
+        )
         self.model_dir = config.model or ensure_demo_model()
         from services.engine.model.config import ModelConfig  # cheap: reads config.json only
 
         model_cfg = ModelConfig.from_dir(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
-        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
-        self.model, self.model_config = load_model(self.model_dir, get_ops(backend), self.device, self.dtype,
-                                                   self.max_model_len)
+        self.max_model_len = min(
+            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
+        )
+        self.model, self.model_config = load_model(
+            self.model_dir, get_ops(backend), self.device, self.dtype, self.max_model_len
+        )
         self.backend = backend
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
         per_page = kv_bytes_per_token(model_cfg, self.dtype, config.kv_cache_dtype) * config.page_size
         num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page
-        self.pool = KVPool(model_cfg, num_pages, config.page_size, self.dtype, self.device, config.max_num_seqs,
-                           self.max_model_len, config.kv_cache_dtype)
+        self.pool = KVPool(
+            model_cfg,
+            num_pages,
+            config.page_size,
+            self.dtype,
+            self.device,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.kv_cache_dtype,
+        )
         unquantized = num_pages * per_page // kv_bytes_per_token(model_cfg, self.dtype)
-        log.info("KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
-                 num_pages, config.page_size, num_pages * config.page_size, num_pages * per_page / 2**20,
-                 config.kv_cache_dtype, self.dtype, unquantized)
+        log.info(
+            "KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
+            num_pages,
+            config.page_size,
+            num_pages * config.page_size,
+            num_pages * per_page / 2**20,
+            config.kv_cache_dtype,
+            self.dtype,
+            unquantized,
+        )
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
-        self.runner = ModelRunner(self.model, self.pool, self.sampler, self.device, config.max_num_seqs,
-                                  config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.sampler,
+            self.device,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
         policy_opts = {}
         if config.admission == "predicted":
             policy_opts = {"path": config.predictor_path, "quantile": config.predictor_quantile}
         self.policy = make_policy(config.admission, **policy_opts)
-        self.scheduler = Scheduler(self.pool, self.policy, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self._on_admit, self.runner.release)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.policy,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self._on_admit,
+            self.runner.release,
+        )
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
         self._tombstones: OrderedDict[str, str] = OrderedDict()  # aborts that overtook their add
@@ -97,13 +131,21 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
-                             "and at least one must be left to generate")
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
+                "and at least one must be left to generate"
+            )
         if self.pool.pages_for(len(prompt_ids) + 1) > self.pool.num_pages:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than the KV cache holds")
 
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, app: str = "",
-            arrival: float | None = None) -> None:
+    def add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        app: str = "",
+        arrival: float | None = None,
+    ) -> None:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -111,8 +153,15 @@ class Engine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
-        seq = Sequence(rid, prompt_ids, len(prompt_ids), params, arrival or time.monotonic(), app,
-                       stop_ids=frozenset(stop))
+        seq = Sequence(
+            rid,
+            prompt_ids,
+            len(prompt_ids),
+            params,
+            arrival or time.monotonic(),
+            app,
+            stop_ids=frozenset(stop),
+        )
         if params.seed is None:  # unseeded requests still sample reproducibly per engine seed
             params.seed = int(self._rng.integers(0, 2**62))
         self.requests[rid] = seq
@@ -157,8 +206,9 @@ class Engine:
         self.step_count += 1
         return self._output(batch, sampled, result, finished)
 
-    def _output(self, batch: ScheduledBatch, sampled: list[Sequence], result: StepResult,
-                finished: list[Sequence]) -> StepOutput:
+    def _output(
+        self, batch: ScheduledBatch, sampled: list[Sequence], result: StepResult, finished: list[Sequence]
+    ) -> StepOutput:
         rows = sampled + self._ended  # aborts happen between steps: never in this batch
         tokens = result.tokens + [-1] * (len(rows) - len(sampled))
         new = []
@@ -166,18 +216,35 @@ class Engine:
             if not seq.announced:
                 seq.announced = True
                 p = seq.params
-                new.append(NewRequestInfo(seq.rid, seq.prompt_len, pack_ids(seq.token_ids[: seq.prompt_len][-PROMPT_TAIL:]),
-                                          list(p.stop), p.skip_special_tokens, p.logprobs).__dict__)
+                new.append(
+                    NewRequestInfo(
+                        seq.rid,
+                        seq.prompt_len,
+                        pack_ids(seq.token_ids[: seq.prompt_len][-PROMPT_TAIL:]),
+                        list(p.stop),
+                        p.skip_special_tokens,
+                        p.logprobs,
+                    ).__dict__
+                )
         logprobs = None
         if result.logprobs is not None:
             logprobs = [None] * len(rows)
             for i, seq in enumerate(sampled):
                 k = seq.params.logprobs
                 if k is not None:
-                    logprobs[i] = [float(result.logprobs[i]), pack_ids(result.top_ids[i, :k]),
-                                   result.top_logprobs[i, :k].astype("<f4").tobytes()]
-        out = StepOutput(self.step_count, [s.rid for s in rows], pack_ids(tokens),
-                         [s.finish_reason for s in rows], new, logprobs)
+                    logprobs[i] = [
+                        float(result.logprobs[i]),
+                        pack_ids(result.top_ids[i, :k]),
+                        result.top_logprobs[i, :k].astype("<f4").tobytes(),
+                    ]
+        out = StepOutput(
+            self.step_count,
+            [s.rid for s in rows],
+            pack_ids(tokens),
+            [s.finish_reason for s in rows],
+            new,
+            logprobs,
+        )
         for seq in finished + self._ended:
             self.requests.pop(seq.rid, None)
             self._recently_done[seq.rid] = None
@@ -189,10 +256,17 @@ class Engine:
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         pool = self.pool.stats()
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "pages_total": pool.pages_total, "pages_used": pool.pages_used,
-                "pages_reserved": pool.pages_reserved, "preemptions": self.scheduler.num_preemptions,
-                "requests": len(self.requests), "tombstones": len(self._tombstones), "steps": self.step_count}
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_total": pool.pages_total,
+            "pages_used": pool.pages_used,
+            "pages_reserved": pool.pages_reserved,
+            "preemptions": self.scheduler.num_preemptions,
+            "requests": len(self.requests),
+            "tombstones": len(self._tombstones),
+            "steps": self.step_count,
+        }
 
     @property
     def tokenizer(self):
@@ -204,8 +278,16 @@ class Engine:
 
     def model_info(self) -> dict:
         cfg = self.model_config
-        return {"name": cfg.name, "context_length": self.max_model_len, "vocab_size": cfg.vocab_size,
-                "eos_token_ids": list(cfg.eos_token_ids), "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device), "backend": self.backend, "quantization": self.config.quantization,
-                "kv_cache_dtype": self.config.kv_cache_dtype,
-                "page_size": self.pool.page_size, "num_pages": self.pool.num_pages}
+        return {
+            "name": cfg.name,
+            "context_length": self.max_model_len,
+            "vocab_size": cfg.vocab_size,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "backend": self.backend,
+            "quantization": self.config.quantization,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "page_size": self.pool.page_size,
+            "num_pages": self.pool.num_pages,
+        }

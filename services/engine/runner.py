@@ -45,8 +45,15 @@ class FlatBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sampler: Sampler, device: torch.device,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        sampler: Sampler,
+        device: torch.device,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.page_size = pool.page_size
         pin = device.type == "cuda"
@@ -69,8 +76,11 @@ class ModelRunner:
             "sample_slots": buf(max_num_seqs, torch.int64),
         }
         # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
-        self.staging = None if device.type == "cpu" else {
-            k: torch.zeros_like(v, device="cpu", pin_memory=pin) for k, v in self.buf.items()}
+        self.staging = (
+            None
+            if device.type == "cpu"
+            else {k: torch.zeros_like(v, device="cpu", pin_memory=pin) for k, v in self.buf.items()}
+        )
 
     def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """Copy a host array into the persistent device buffer `name`; return the filled prefix,
@@ -103,8 +113,13 @@ class ModelRunner:
         p_rows_req = np.repeat(np.arange(len(p_lens)), p_lens)
         p_pos = p_start[p_rows_req] + (np.arange(total_p) - cu[:-1][p_rows_req])
         p_ids = np.fromiter(
-            (t for s, a, n in zip(batch.prefill, p_start, p_lens, strict=True) for t in s.token_ids[a : a + n]),
-            np.int64, total_p,
+            (
+                t
+                for s, a, n in zip(batch.prefill, p_start, p_lens, strict=True)
+                for t in s.token_ids[a : a + n]
+            ),
+            np.int64,
+            total_p,
         )
         positions = np.concatenate([d_pos, p_pos])
         row_slots = np.concatenate([d_slots, p_slots[p_rows_req]])
@@ -114,8 +129,18 @@ class ModelRunner:
         p_samples = done == np.fromiter((s.num_tokens for s in batch.prefill), np.int64, len(batch.prefill))
         sample_rows = np.concatenate([np.arange(nd), nd + cu[1:][p_samples] - 1])
         sample_slots = np.concatenate([d_slots, p_slots[p_samples]])
-        return FlatBatch(np.concatenate([d_ids, p_ids]), positions, slot_mapping, nd, d_slots, p_slots,
-                         cu, done, sample_rows, sample_slots)
+        return FlatBatch(
+            np.concatenate([d_ids, p_ids]),
+            positions,
+            slot_mapping,
+            nd,
+            d_slots,
+            p_slots,
+            cu,
+            done,
+            sample_rows,
+            sample_slots,
+        )
 
     def metadata(self, flat: FlatBatch) -> AttentionMetadata:
         table = self.pool.block_table
@@ -155,7 +180,9 @@ class ModelRunner:
 
     # -- per-request state ------------------------------------------------------------------
     def admit(self, seq: Sequence, stop_ids: list[int]) -> None:
-        self.sampler.set_request(seq.slot, seq.params, seq.token_ids[: seq.prompt_len], seq.output_ids, stop_ids)
+        self.sampler.set_request(
+            seq.slot, seq.params, seq.token_ids[: seq.prompt_len], seq.output_ids, stop_ids
+        )
 
     def release(self, seq: Sequence) -> None:
         self.sampler.free(seq.slot)

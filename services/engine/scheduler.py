@@ -26,13 +26,25 @@ class ScheduledBatch:
     def sampling(self) -> list[Sequence]:
         """Requests that sample this step, in row order: every decode row and each prefill whose
         chunk reaches the end of its tokens (a partial chunk only fills the cache)."""
-        done = [s for s, n in zip(self.prefill, self.prefill_lens, strict=True) if s.num_computed + n == s.num_tokens]
+        done = [
+            s
+            for s, n in zip(self.prefill, self.prefill_lens, strict=True)
+            if s.num_computed + n == s.num_tokens
+        ]
         return self.decode + done
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, policy: AdmissionPolicy, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, on_admit: Callable[[Sequence], None], on_release: Callable[[Sequence], None]):
+    def __init__(
+        self,
+        pool: KVPool,
+        policy: AdmissionPolicy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        on_admit: Callable[[Sequence], None],
+        on_release: Callable[[Sequence], None],
+    ):
         self.pool, self.policy = pool, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -77,10 +89,13 @@ class Scheduler:
         # New requests, strictly first come first served; none in a step that had to preempt.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = min(self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
-                       self.pool.num_pages)
-            if need > self.pool.available or not self.policy.admits(seq, self.running, self.pool,
-                                                                      self.max_model_len):
+            need = min(
+                self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
+                self.pool.num_pages,
+            )
+            if need > self.pool.available or not self.policy.admits(
+                seq, self.running, self.pool, self.max_model_len
+            ):
                 break
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()
@@ -97,7 +112,9 @@ class Scheduler:
             budget -= chunk
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int]) -> list[Sequence]:
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int]
+    ) -> list[Sequence]:
         """Advance the cache positions, append sampled tokens and finish requests that stop.
         Returns the requests that finished."""
         for seq in batch.decode:
@@ -119,7 +136,10 @@ class Scheduler:
         if seq.num_output >= seq.params.max_tokens:
             return "length"
         # The next token must fit in the context and in the whole pool, or it could never run.
-        if seq.num_tokens >= self.max_model_len or self.pool.pages_for(seq.num_tokens + 1) > self.pool.num_pages:
+        if (
+            seq.num_tokens >= self.max_model_len
+            or self.pool.pages_for(seq.num_tokens + 1) > self.pool.num_pages
+        ):
             return "length"
         return ""
 

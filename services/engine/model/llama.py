@@ -51,8 +51,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> torch.Tensor:
         t = positions.shape[0]  # x may be a quantized activation (services/engine/quant)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -64,14 +70,30 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self.ops.decode_attention(q[:nd], cache.k, cache.v, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, self.scale, self.sliding_window,
-                                                 **scales)
+            out[:nd] = self.ops.decode_attention(
+                q[:nd],
+                cache.k,
+                cache.v,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                self.sliding_window,
+                **scales,
+            )
         if t > nd:
-            out[nd:] = self.ops.prefill_attention(q[nd:], cache.k, cache.v, meta.prefill_block_tables,
-                                                  meta.prefill_cu_q_lens, meta.prefill_seq_lens,
-                                                  meta.prefill_max_q_len, meta.prefill_max_seq_len,
-                                                  self.scale, self.sliding_window, **scales)
+            out[nd:] = self.ops.prefill_attention(
+                q[nd:],
+                cache.k,
+                cache.v,
+                meta.prefill_block_tables,
+                meta.prefill_cu_q_lens,
+                meta.prefill_seq_lens,
+                meta.prefill_max_q_len,
+                meta.prefill_max_seq_len,
+                self.scale,
+                self.sliding_window,
+                **scales,
+            )
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -95,8 +117,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, meta: AttentionMetadata, cache: LayerCache):
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -114,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)  # set by init_rope
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
@@ -122,8 +153,13 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = rope_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: list[LayerCache]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[LayerCache],
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
         x = self.embed_tokens(input_ids)
         residual = None

@@ -73,8 +73,9 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, int, int] | None:
     return f"layers.{layer}.{rest}", 0, -1
 
 
-def load_model(model_dir: str, ops: Ops, device: torch.device, dtype: torch.dtype,
-               max_positions: int) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    model_dir: str, ops: Ops, device: torch.device, dtype: torch.dtype, max_positions: int
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops)
@@ -104,8 +105,12 @@ def load_model(model_dir: str, ops: Ops, device: torch.device, dtype: torch.dtyp
                 filled[ours] += hi - lo
     missing = [n for n, rows in filled.items() if rows != params[n].shape[0]]
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
-                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        raise ValueError(
+            f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
+            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        )
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s, %d layers) on %s as %s", cfg.name, cfg.architecture, cfg.num_layers, device, dtype)
+    log.info(
+        "loaded %s (%s, %d layers) on %s as %s", cfg.name, cfg.architecture, cfg.num_layers, device, dtype
+    )
     return model, cfg
