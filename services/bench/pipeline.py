@@ -491,12 +491,13 @@ def plot(result: dict[str, Any], path: Path) -> Path:
             cdf_series("in-process", [v * 1e3 for v in t["in_process_s"]], color="C0"),
             cdf_series("pipeline", [v * 1e3 for v in t["pipeline_s"]], color="C1"),
         ]
+        xs = list(range(len(p1["rounds"])))
         tput = Panel(
-            "output tokens/s", xlabel="run", title=f"throughput (ratio {p1['throughput_ratio']:.3f})"
+            "output tokens/s", xlabel="round", title=f"throughput (ratio {p1['throughput_ratio']:.3f})"
         )
         tput.series = [
-            Series("in-process", [0], [p1["in_process"]["output_throughput"]], color="C0"),
-            Series("pipeline", [1], [p1["pipeline"]["output_throughput"]], color="C1"),
+            Series("in-process", xs, [r["in_process_tokens_per_s"] for r in p1["rounds"]], color="C0"),
+            Series("pipeline", xs, [r["pipeline_tokens_per_s"] for r in p1["rounds"]], color="C1"),
         ]
         panels += [tput, ttft]
     if p2 := result.get("part2"):
@@ -515,8 +516,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="part 1: max_num_seqs of the engine")
     parser.add_argument("--input-len", type=int, default=32, help="part 1: prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="part 1: output tokens per request")
-    parser.add_argument("--rounds", type=int, default=2, help="part 1: alternated in-process/pipeline runs")
-    parser.add_argument("--ttft-requests", type=int, default=20, help="part 1: sequential requests for TTFT")
+    parser.add_argument("--rounds", type=int, default=3, help="part 1: alternated in-process/pipeline runs")
+    parser.add_argument("--ttft-requests", type=int, default=50, help="part 1: sequential requests for TTFT")
     parser.add_argument("--ttft-output-len", type=int, default=4, help="part 1: their output tokens")
     parser.add_argument(
         "--capacity-streams",
