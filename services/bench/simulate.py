@@ -7,6 +7,8 @@ advances a virtual clock by the step-time model: the roofline floor of a model s
 divided by an efficiency, or a linear model fitted to measured steps. Anything with the StepTime
 signature plugs in.
 
+Policies: max, optimistic, predicted (future-peak admission) and predicted-reserve (the pool
+promises prompt + predicted output to each request); see services/engine/kv/predicted.py.
 A run reports per policy the serving metrics of services/bench/metrics.py (throughput, TTFT / TPOT
 / e2e percentiles, goodput and SLO attainment), preemptions and recomputed tokens, KV reserved vs
 allocated vs holding tokens (time-weighted), and queueing time. `--capacity` searches, per policy,
