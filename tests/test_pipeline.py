@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from services.gateway.client import AsyncClient, Client, Completion
 from services.gateway.pb import generation_pb2 as pb
 from services.sampling_params import MAX_STOP_STRINGS
+from tests.deadlines import mid_generation_deadline
 from tests.test_gateway import free_port, scrape
 
 SHARED = Path(os.environ.get("PIPESERVE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
@@ -249,8 +250,10 @@ def test_abort_rpc_and_deadline(server):
     rest = list(call)
     assert rest[-1].finish_reason == "abort"
     server.wait_idle()
+    timeout = mid_generation_deadline(server.client, "Once upon a time", 400)
+    server.wait_idle()
     with pytest.raises(grpc.RpcError) as info:
-        server.client.generate("Once upon a time", max_tokens=400, ignore_eos=True, timeout=1.0)
+        server.client.generate("Once upon a time", max_tokens=400, ignore_eos=True, timeout=timeout)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_idle()
 
