@@ -1,12 +1,13 @@
 """Attention over the paged KV cache: metadata and the torch reference implementations.
 
 The flat batch holds decode rows first (q length 1) and prefill rows after. The reference path
-gathers each request's pages into a padded tensor and runs one masked softmax per group; it is
-exact and vectorised over the batch (no per-request loop), which is what the CPU needs.
+gathers pages with index_select (whole pages at a time) and computes in fp32: decode as batched
+matmuls over the whole batch, prefill as one SDPA call per chunk (no padding to the longest).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,29 +52,45 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+_WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A persistent scratch tensor of `shape`, grown (never shrunk) as needed: gathering into fresh
+    memory every layer costs twice the copy itself (page faults on each new allocation)."""
+    numel = math.prod(shape)
+    buf = _WORKSPACE.get((name, dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACE[name, dtype, device] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
     """[P, S, H, D] cache and [B, max_pages] tables -> [B, max_len, H, D] (positions past a
     request's length hold whatever page 0 holds; callers mask them). A quantized cache comes with
-    its scale [P, S, H, D // group] and is returned dequantized in fp32."""
+    its scale [P, S, H, D // group] and is returned dequantized in fp32. With `name`, the pages land
+    in that persistent workspace (valid until the next gather into the same name)."""
     page_size = cache.shape[1]
     pages = (max_len + page_size - 1) // page_size
-    out = cache[block_tables[:, :pages].long()]  # [B, pages, S, H, D]
+    # index_select copies whole pages; advanced indexing (cache[tables]) goes element by element.
+    index = block_tables[:, :pages].reshape(-1).long()
+    if name is None:
+        out = cache.index_select(0, index)
+    else:
+        out = workspace(name, (index.shape[0], *cache.shape[1:]), cache.dtype, cache.device)
+        torch.index_select(cache, 0, index, out=out)
     if scale is not None:
-        out = dequantize_kv(out, scale[block_tables[:, :pages].long()])
-    return out.flatten(1, 2)[:, :max_len]
+        out = dequantize_kv(out, scale.index_select(0, index))
+    return out.view(block_tables.shape[0], pages * page_size, *cache.shape[2:])[:, :max_len]
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """q [B, Lq, Hq, D] at absolute positions q_pos [B, Lq]; k/v [B, Lk, Hkv, D]. Returns [B, Lq, Hq, D]
-    in fp32. Rows past a request's queries are padding: the callers drop them."""
-    key_pos = torch.arange(k.shape[1], device=q.device)[None, None, :]
-    allowed = (key_pos <= q_pos[:, :, None]) & (key_pos < seq_lens[:, None, None])
-    if sliding_window is not None:
-        allowed &= key_pos > q_pos[:, :, None] - sliding_window
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D] in fp32; causal when mask is None.
+    4-D inputs on purpose: on the CPU, SDPA takes its flash kernel only for those (3-D: math path)."""
     out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
-                                         v.float().transpose(1, 2), attn_mask=allowed[:, None],
+                                         v.float().transpose(1, 2), attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
 
@@ -87,11 +104,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.shape[0] == 0:
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    k = gather_pages(k_cache, block_tables, max_len, k_scale)
-    v = gather_pages(v_cache, block_tables, max_len, v_scale)
-    q_pos = (seq_lens.long() - 1)[:, None]
-    out = _masked_attention(q[:, None], k, v, q_pos, seq_lens.long(), scale, sliding_window)
-    return out[:, 0].to(q.dtype)
+    k = gather_pages(k_cache, block_tables, max_len, k_scale, "k")
+    v = gather_pages(v_cache, block_tables, max_len, v_scale, "v")
+    key_pos = torch.arange(max_len, device=q.device)
+    allowed = key_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        allowed &= key_pos > seq_lens[:, None] - 1 - sliding_window
+    return _sdpa(q[:, None], k, v, allowed[:, None, None, :], scale)[:, 0].to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -99,20 +118,26 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       max_q_len: int, max_seq_len: int, scale: float,
                       sliding_window: int | None = None, *, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [Tp, Hq, D]: chunk i holds rows cu_q_lens[i]:cu_q_lens[i+1], at positions ending at seq_len-1."""
+    """q [Tp, Hq, D]: chunk i holds rows cu_q_lens[i]:cu_q_lens[i+1], at positions ending at seq_len-1.
+
+    One SDPA call per chunk: a padded [Bp, max_q, max_seq] batch costs Bp * max_q * max_seq
+    whatever the lengths, and mixed prompt lengths make most of that padding (measured: 40% of a
+    trace-shaped CPU run). A chunk that is a whole prompt takes SDPA's causal path with no mask.
+    The lengths are read on the host: a sync on CUDA, where the Triton kernels serve instead."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    bp = seq_lens.shape[0]
-    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).long()
-    # Scatter the flat rows into a padded [Bp, max_q_len] grid.
-    row = torch.arange(q.shape[0], device=q.device)
-    seq_of_row = torch.repeat_interleave(torch.arange(bp, device=q.device), q_lens)
-    idx_in_seq = row - cu_q_lens[:-1].long()[seq_of_row]
-    padded = q.new_zeros(bp, max_q_len, *q.shape[1:])
-    padded[seq_of_row, idx_in_seq] = q
-    k = gather_pages(k_cache, block_tables, max_seq_len, k_scale)
-    v = gather_pages(v_cache, block_tables, max_seq_len, v_scale)
-    first_pos = seq_lens.long() - q_lens
-    q_pos = first_pos[:, None] + torch.arange(max_q_len, device=q.device)[None, :]
-    out = _masked_attention(padded, k, v, q_pos, seq_lens.long(), scale, sliding_window)
-    return out[seq_of_row, idx_in_seq].to(q.dtype)
+    out = torch.empty_like(q)
+    starts, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        lo, hi = starts[i], starts[i + 1]
+        k = gather_pages(k_cache, block_tables[i : i + 1], seq_len, k_scale, "k")
+        v = gather_pages(v_cache, block_tables[i : i + 1], seq_len, v_scale, "v")
+        mask = None
+        if hi - lo != seq_len or sliding_window is not None:
+            q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = key_pos <= q_pos
+            if sliding_window is not None:
+                mask &= key_pos > q_pos - sliding_window
+        out[lo:hi] = _sdpa(q[None, lo:hi], k, v, mask, scale)[0].to(q.dtype)
+    return out
