@@ -37,6 +37,10 @@ class EngineConfig:
     predictor_quantile: float = 0.9
     seed: int = 0
     max_logprobs: int = 20
+    # torch intra-op threads of the engine process. 0: on a CPU device all cores but one (the
+    # tokenizers, detokenizer and gateway need CPU too, and a descheduled OpenMP thread stalls
+    # every matmul); on CUDA torch's default.
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_POLICIES:
@@ -51,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
 
 
 def _env(name: str, default: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -196,3 +197,18 @@ def test_wall_clock_arrival_becomes_monotonic(h):
     adds = {c[1]: c[4] for c in h.engine.calls if c[0] == "add"}
     assert adds["a"] == pytest.approx(time.monotonic() - 2.0, abs=0.3)
     assert adds["b"] is None
+
+
+def test_engine_threads_leave_a_core_for_the_other_processes(monkeypatch):
+    from services.config import EngineConfig
+    from services.engine.process import engine_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert engine_threads(EngineConfig(device="cpu")) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert engine_threads(EngineConfig(device="cpu")) == 15
+    assert engine_threads(EngineConfig(device="cpu", cpu_threads=3)) == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert engine_threads(EngineConfig(device="cpu")) == 1
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(cpu_threads=-1)

@@ -299,9 +299,15 @@ async def ttft_interleaved(
 
 def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dict[str, Any]:
     """--rounds of (in-process run, pipeline run), alternated so that both see the same machine load."""
+    import torch
+
     from services.engine.engine import Engine
+    from services.engine.process import engine_threads
 
     config = EngineConfig(model=model_dir, device="cpu", dtype="float32", max_num_seqs=args.concurrency)
+    # In-process runs with the threads the engine process takes for this config: the same engine.
+    threads = engine_threads(config)
+    torch.set_num_threads(threads)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, 259, args.input_len).tolist() for _ in range(args.requests)]
     ttft_prompts = [rng.integers(3, 259, args.input_len).tolist() for _ in range(args.ttft_requests)]
@@ -341,6 +347,7 @@ def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
             "rounds": args.rounds,
             "ttft_requests": args.ttft_requests,
             "ttft_output_len": args.ttft_output_len,
+            "engine_threads": threads,
         },
         "in_process": s_local,  # every round together: total tokens / total time
         "pipeline": s_remote,

@@ -142,6 +142,16 @@ class EngineLoop:
             self.errors.send(encode(RequestError(rid=msg.rid, code="INTERNAL", message=f"engine: {exc}")))
 
 
+def engine_threads(config: EngineConfig) -> int:
+    """torch intra-op threads for an engine process with this config (see EngineConfig.cpu_threads)."""
+    import torch
+
+    if config.cpu_threads:
+        return config.cpu_threads
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    return max(1, (os.cpu_count() or 1) - 1) if on_cpu else torch.get_num_threads()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, EngineConfig)
     cfg.add_arguments(parser, Addresses)
@@ -156,8 +166,11 @@ def main(args: argparse.Namespace) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-    from services.engine.engine import Engine  # torch: only in this process
+    import torch  # only in this process
 
+    from services.engine.engine import Engine
+
+    torch.set_num_threads(engine_threads(config))
     engine = Engine(config)
     ctx = zmq.Context()
     requests, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
