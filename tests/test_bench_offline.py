@@ -1,0 +1,33 @@
+"""`pipeserve bench offline`: the static-batch waste figure by hand, and a tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.bench.offline import Workload
+from services.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_static_batch_waste_by_hand() -> None:
+    work = Workload(prompts=[[1] * 10, [1] * 2, [1] * 4, [1] * 4], outputs=[1, 5, 2, 2])
+    # Batch 1 runs 2 x (10 + 5) positions and batch 2 runs 2 x (4 + 2), for these needed ones:
+    needed = (10 + 1) + (2 + 5) + (4 + 2) + (4 + 2)
+    assert work.static_batch_waste(2) == pytest.approx((2 * 15 + 2 * 6) / needed)
+    assert work.static_batch_waste(1) == pytest.approx(1.0)
+
+
+def test_bench_offline_end_to_end(stories_dir: str, tmp_path) -> None:
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", stories_dir, "--num-requests", "4", "--batch-size", "2",
+            "--threads", "1", "--overhead-requests", "8", "--overhead-context", "64", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    (entry,) = result["models"]
+    assert entry["output_tokens"] > 0 and entry["pipeserve_tok_s"] > 0 and entry["hf_tok_s"] > 0
+    assert entry["speedup"] == pytest.approx(entry["hf_s"] / entry["pipeserve_s"])
+    assert entry["static_batch_waste"] >= 1.0
+    assert 0 < result["scheduler_overhead_ms_per_step"] < 100
