@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
+PREDICTOR_MODES = ("peak", "reserve")
 BACKENDS = ("torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
@@ -35,6 +36,7 @@ class EngineConfig:
     admission: str = "optimistic"
     predictor_path: str | None = None  # where the `predicted` policy persists what it learned
     predictor_quantile: float = 0.9
+    predictor_mode: str = "peak"  # peak: future-peak admission check; reserve: promise it in the pool
     seed: int = 0
     max_logprobs: int = 20
     # torch intra-op threads of the engine process. 0: on a CPU device all cores but one (the
@@ -55,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.predictor_mode not in PREDICTOR_MODES:
+            raise ValueError(f"predictor_mode must be one of {PREDICTOR_MODES}, got {self.predictor_mode!r}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
 

@@ -242,3 +242,18 @@ def test_engine_tokens_identical_to_max_and_optimistic_under_forced_preemption(s
     assert all(len(t) == 24 for t in tokens["predicted"])
     assert stats["predicted"]["preemptions"] > 0
     assert stats["predicted"]["pages_used"] == stats["predicted"]["pages_reserved"] == 0
+
+
+def test_engine_close_saves_what_the_predictor_learned_and_mode_is_configurable(stories_dir, tmp_path):
+    from services.engine import LLM
+
+    path = tmp_path / "predictor.json"
+    llm = LLM(stories_dir, device="cpu", num_pages=64, admission="predicted", predictor_path=str(path),
+              predictor_mode="reserve")
+    assert llm.engine.policy.mode == "reserve"
+    llm.generate(["Once upon a time", "One day"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert not path.exists()  # fewer finishes than the periodic save interval
+    llm.engine.close()
+    assert OutputLengthPredictor.load(path).num_updates == 2
+    with pytest.raises(ValueError, match="predictor_mode"):
+        LLM(stories_dir, device="cpu", num_pages=64, admission="predicted", predictor_mode="hopeful")

@@ -13,6 +13,7 @@ import torch
 from services.config import EngineConfig
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_token
+from services.engine.kv.predicted import PredictedPolicy
 from services.engine.model.demo import ensure_demo_model
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.ops import get_ops
@@ -102,7 +103,11 @@ class Engine:
         )
         policy_opts = {}
         if config.admission == "predicted":
-            policy_opts = {"path": config.predictor_path, "quantile": config.predictor_quantile}
+            policy_opts = {
+                "path": config.predictor_path,
+                "quantile": config.predictor_quantile,
+                "mode": config.predictor_mode,
+            }
         self.policy = make_policy(config.admission, **policy_opts)
         self.scheduler = Scheduler(
             self.pool,
@@ -252,6 +257,11 @@ class Engine:
             self._recently_done.popitem(last=False)
         self._ended = []
         return out
+
+    def close(self) -> None:
+        """Persist what the admission policy learned since its last periodic save (on shutdown)."""
+        if isinstance(self.policy, PredictedPolicy):
+            self.policy.save()
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

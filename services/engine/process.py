@@ -193,5 +193,6 @@ def main(args: argparse.Namespace) -> int:
         )
         loop.run(lambda: bool(stopping))
     finally:
+        engine.close()
         ctx.destroy(linger=500)
     return 0

@@ -29,12 +29,13 @@ import os
 
 import numpy as np
 
+from services.config import PREDICTOR_MODES
 from services.engine.kv.pool import KVPool
 from services.engine.kv.predictor import Features, OutputLengthPredictor
 from services.engine.sequence import Sequence
 
 LEARN_FROM = ("stop", "length")  # natural ends; an abort's length is only a lower bound
-MODES = ("peak", "reserve")
+MODES = PREDICTOR_MODES
 
 
 class PredictedPolicy:
