@@ -14,6 +14,8 @@ from services.engine.model.llama import LayerCache
 # Quantized caches keep one fp16 scale per group of channels (PPL.LLM: 8).
 KV_SCALE_GROUP = 8
 _KV_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# Caches that store keys less their sequence's mean key (services/engine/ops/kv_quant.key_means).
+K_SMOOTHED = frozenset({"int8", "fp8"})
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -43,9 +45,10 @@ class KVPool:
         self.num_pages, self.page_size = num_pages, page_size
         self.kv_cache_dtype = kv_cache_dtype
         self.kv = self.scales = None
+        self.k_means = self.seq_of_page = None
         self.layers: list[LayerCache] = []
         if cfg is not None:  # None: accounting only (see accounting_only)
-            self._allocate(cfg, dtype, device)
+            self._allocate(cfg, dtype, device, max_num_seqs)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.block_table = np.zeros((max_num_seqs, self.max_pages_per_seq), dtype=np.int32)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is O(1)
@@ -58,17 +61,26 @@ class KVPool:
         cpu = torch.device("cpu")
         return cls(None, num_pages, page_size, torch.float32, cpu, max_num_seqs, max_model_len)
 
-    def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  max_num_seqs: int) -> None:
         shape = (cfg.num_layers, 2, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         storage = _KV_STORAGE.get(self.kv_cache_dtype, dtype)
         self.kv = torch.zeros(shape, dtype=storage, device=device)
         if self.kv_cache_dtype != "auto":
             scale_shape = (*shape[:-1], cfg.head_dim // _scale_group(cfg.head_dim))
             self.scales = torch.zeros(scale_shape, dtype=torch.float16, device=device)
+        if self.kv_cache_dtype in K_SMOOTHED:
+            # Per request slot, the mean key its keys are stored less of; the slot of a request is found
+            # from its first page (the one block-table entry every attention row has), so the map is
+            # written once per admission and never read for later pages.
+            self.k_means = torch.zeros(cfg.num_layers, max_num_seqs, cfg.num_kv_heads, cfg.head_dim,
+                                       dtype=dtype, device=device)
+            self.seq_of_page = torch.zeros(self.num_pages, dtype=torch.int32, device=device)
         self.layers = [
             LayerCache(self.kv[i, 0], self.kv[i, 1],
                        None if self.scales is None else self.scales[i, 0],
-                       None if self.scales is None else self.scales[i, 1])
+                       None if self.scales is None else self.scales[i, 1],
+                       None if self.k_means is None else self.k_means[i], self.seq_of_page)
             for i in range(cfg.num_layers)
         ]
 
@@ -109,6 +121,8 @@ class KVPool:
         new = [self._free.pop() for _ in range(need)]
         seq.pages.extend(new)
         self.block_table[seq.slot, start : start + need] = new
+        if start == 0 and self.seq_of_page is not None:
+            self.seq_of_page[new[0]] = seq.slot  # a scalar fill: no host-device sync
         return True
 
     def release(self, seq) -> None:

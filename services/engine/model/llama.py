@@ -12,18 +12,22 @@ import torch
 from torch import nn
 
 from services.engine.ops import AttentionMetadata, Ops, rope_cache
+from services.engine.ops.kv_quant import key_means
 
 from .config import ModelConfig
 
 
 @dataclass
 class LayerCache:
-    """One layer's view of the KV pool (scales only for quantized caches)."""
+    """One layer's view of the KV pool (scales only for quantized caches; with k_means [max_num_seqs,
+    Hkv, D] and seq_of_page [P], keys are stored less their sequence's mean: kv_quant.key_means)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_means: torch.Tensor | None = None
+    seq_of_page: torch.Tensor | None = None
 
     def scale_kwargs(self) -> dict[str, torch.Tensor]:
         return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
@@ -64,7 +68,11 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # Quantized caches store keys less their sequence's mean (softmax(q.k) is unchanged by it).
+        m = None if cache.k_means is None else key_means(k, cache.k_means, cache.seq_of_page, meta, cos_sin)
         self.ops.apply_rope(q, k, positions, cos_sin)
+        if m is not None:
+            k = k - m.to(k.dtype)
         scales = cache.scale_kwargs()
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
         out = torch.empty_like(q)

@@ -77,6 +77,9 @@ def teacher_forced_logits(model: LlamaForCausalLM, seqs: Sequence[Sequence[int]]
     pool = KVPool(model.config, len(seqs) * pages, page_size, weight.dtype, weight.device, len(seqs),
                   int(lens.max()), kv_cache_dtype)
     tables = torch.arange(len(seqs) * pages, dtype=torch.int32).view(len(seqs), pages)
+    if pool.seq_of_page is not None:  # what KVPool.grow records for each request's first page
+        pool.seq_of_page[tables[:, 0].long()] = torch.arange(len(seqs), dtype=torch.int32,
+                                                              device=weight.device)
     seq_of_row = torch.repeat_interleave(torch.arange(len(seqs)), lens)
     cu = F.pad(lens.cumsum(0), (1, 0))
     positions = torch.arange(int(lens.sum())) - cu[seq_of_row]
