@@ -2,11 +2,14 @@
 test writes itself (simple children's stories, ~3000 tokens), per configuration through the engine
 (LLM(..., quantization=, kv_cache_dtype=)), against the unquantized model; greedy agreement reported.
 
-Gates (perplexity increase): INT8 KV 1%, W8A8 INT8 2%, W8A8 FP8 3%, W4A16 and NF4 15% (every weight
-matters at 260K parameters). FP8 KV is gated at 2.5%, not 1%: e4m3 keeps 3 mantissa bits, so each
-cached K element is off by ~1.3% (relative, int8 with a scale per 8 channels: ~0.5%), and this model's
-attention (head_dim 8, |k| up to ~25) is sharp enough for that to cost 1.4-1.9% perplexity on every
-text and window length tried; quantizing only V in fp8 costs 0.0%, only K 2.0%.
+Gates (perplexity increase): INT8 KV and FP8 KV 1%, W8A8 INT8 2%, W8A8 FP8 3%, W4A16 and NF4 15% (every
+weight matters at 260K parameters). Both KV caches store keys less their sequence's mean key
+(services/engine/ops/kv_quant.key_means; attention unchanged). Without that shift FP8 KV costs +1.46%
+here: e4m3 keeps 3 mantissa bits, so each cached element is off by up to 1/16 of its size, and this
+model's keys carry a per-channel bias up to ~20 against a spread of ~3 (head_dim 8; fp8 only on V
+costs 0.0%, only on K +2.0%). With it: FP8 +0.26%, INT8 +0.00% (was +0.47%). On five other texts
+(seeds 2-6) at windows of 128/256/512 tokens FP8 averages +0.37/+0.44/+0.87% (worst +0.57/+0.66/+1.14%;
+unshifted +1.41/+1.39/+1.82%) and INT8 +0.05/+0.03/+0.04% (unshifted +0.07/+0.26/+0.27%).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 
 GATES = {  # (quantization, kv_cache_dtype) -> max perplexity increase, %
     ("none", "int8"): 1.0,
-    ("none", "fp8"): 2.5,
+    ("none", "fp8"): 1.0,
     ("w8a8-int8", "auto"): 2.0,
     ("w8a8-fp8", "auto"): 3.0,
     ("w4a16", "auto"): 15.0,
