@@ -98,19 +98,19 @@ def key_means(k: torch.Tensor, k_means: torch.Tensor, seq_of_page: torch.Tensor,
     from position 0 and so sets it again. The slot of a row is seq_of_page [P] at the first page of
     its block table. No host syncs, no per-request loop."""
     nd, t = meta.num_decode, k.shape[0]
+    if t == nd:  # decode only: one row per sequence
+        return k_means.index_select(0, seq_of_page.index_select(0, meta.decode_block_tables[:, 0]))
     first_pages = torch.cat([meta.decode_block_tables[:, 0], meta.prefill_block_tables[:, 0]])
-    seq_slots = seq_of_page[first_pages.long()].long()  # [Bd + Bp]
-    row_seq = torch.arange(t, device=k.device)  # decode rows: one per sequence
-    if t > nd:
-        q_lens = (meta.prefill_cu_q_lens[1:] - meta.prefill_cu_q_lens[:-1]).long()
-        bp = q_lens.shape[0]
-        seq_of_row = torch.repeat_interleave(torch.arange(bp, device=k.device), q_lens, output_size=t - nd)
-        sums = torch.zeros(bp, *k.shape[1:], device=k.device).index_add_(0, seq_of_row, k[nd:].float())
-        bias = sums / q_lens.clamp(min=1)[:, None, None]
-        horizon = q_lens.clamp(min=max(1, cos_sin.shape[0] // 2))
-        first = (meta.prefill_seq_lens.long() == q_lens)[:, None, None]  # the chunk starts at position 0
-        p_slots = seq_slots[nd:]
-        new = rope_mean(bias, cos_sin, horizon).to(k_means.dtype)
-        k_means.index_copy_(0, p_slots, torch.where(first, new, k_means[p_slots]))
-        row_seq[nd:] = nd + seq_of_row
-    return k_means[seq_slots[row_seq]]
+    seq_slots = seq_of_page.index_select(0, first_pages).long()  # [Bd + Bp]
+    q_lens = (meta.prefill_cu_q_lens[1:] - meta.prefill_cu_q_lens[:-1]).long()
+    bp = q_lens.shape[0]
+    seq_of_row = torch.repeat_interleave(torch.arange(bp, device=k.device), q_lens, output_size=t - nd)
+    sums = torch.zeros(bp, *k.shape[1:], device=k.device).index_add_(0, seq_of_row, k[nd:].float())
+    bias = sums / q_lens.clamp(min=1)[:, None, None]
+    horizon = q_lens.clamp(min=max(1, cos_sin.shape[0] // 2))
+    first = (meta.prefill_seq_lens.long() == q_lens)[:, None, None]  # the chunk starts at position 0
+    p_slots = seq_slots[nd:]
+    new = rope_mean(bias, cos_sin, horizon).to(k_means.dtype)
+    k_means.index_copy_(0, p_slots, torch.where(first, new, k_means.index_select(0, p_slots)))
+    row_seq = torch.cat([torch.arange(nd, device=k.device), nd + seq_of_row])  # decode: one row each
+    return k_means.index_select(0, seq_slots.index_select(0, row_seq))
