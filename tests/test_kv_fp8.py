@@ -13,7 +13,7 @@ m comes from the first chunk, so a smaller first chunk gives another m, other ro
 tie, another token (measured: 5 prompts x 40 tokens, chunks of 1: 3 of 5 prompts diverge). Only an m
 that depends on position 0 alone (or on nothing) is chunk-invariant; measured on six texts, position
 0's key gives +0.97% (256-token windows) / +2.8% (512), a static m from random-token calibration
-+0.43..0.90% / +1.0..1.5% depending on the draw, against +0.41% / +0.83% for this m.
++0.43..0.90% / +1.0..2.3% depending on the draw, against +0.41% / +0.83% for this m.
 """
 
 from __future__ import annotations
