@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import zmq
 
@@ -141,11 +142,14 @@ def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Chi
     ]
 
 
-def wait_serving(target: str, supervisor: Supervisor, timeout: float, stopping: list[int]) -> bool:
+def wait_serving(
+    target: str, supervisor: Supervisor, timeout: float, stopping: list[int], **security: Any
+) -> bool:
+    """Poll the gateway's health (over TLS when security says so) until SERVING."""
     from services.gateway.client import Client
 
     deadline = time.monotonic() + timeout
-    with Client(target) as client:
+    with Client(target, **security) as client:
         while not stopping:
             if client.health(timeout=1.0) == "SERVING":
                 return True
@@ -153,7 +157,11 @@ def wait_serving(target: str, supervisor: Supervisor, timeout: float, stopping: 
                 log.error("%s exited with %d during start-up", child.name, code)
                 return False
             if time.monotonic() > deadline:
-                log.error("not SERVING after %.0f s", timeout)
+                hint = ""
+                if security.get("tls_root_cert"):
+                    name = security["tls_server_name"]
+                    hint = f" (checked over TLS for the name {name!r}: see --tls-server-name)"
+                log.error("not SERVING after %.0f s%s", timeout, hint)
                 return False
             time.sleep(0.1)
     return False
@@ -162,6 +170,12 @@ def wait_serving(target: str, supervisor: Supervisor, timeout: float, stopping: 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-workers", type=int, default=2, help="tokenizer processes")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    parser.add_argument(
+        "--tls-server-name",
+        default="localhost",
+        help="with --tls-cert: a name the certificate carries (the start-up health check connects to "
+        "the gateway's own address and verifies the certificate for this name)",
+    )
     cfg.add_arguments(parser, EngineConfig)
     cfg.add_arguments(parser, GatewayConfig)
 
@@ -186,11 +200,17 @@ def main(args: argparse.Namespace) -> int:
     supervisor = Supervisor(plan(engine, gateway, args.tokenizer_workers), addrs, env)
     host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
     target = f"{host}:{gateway.port}"
+    # The gateway serves TLS only: the health check must speak it too, trusting the served certificate.
+    security = (
+        {"tls_root_cert": gateway.tls_cert, "tls_server_name": args.tls_server_name}
+        if gateway.tls_cert
+        else {}
+    )
     code = 1
     try:
         for child in supervisor.children:
             supervisor.spawn(child)
-        if wait_serving(target, supervisor, args.startup_timeout, stopping):
+        if wait_serving(target, supervisor, args.startup_timeout, stopping, **security):
             log.info(
                 "serving %s on %s:%d (ipc sockets in %s)", engine.model, gateway.host, gateway.port, run_dir
             )

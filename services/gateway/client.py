@@ -5,12 +5,17 @@
         for chunk in client.stream("Once upon a time", max_tokens=32, temperature=0):
             print(chunk.text, end="", flush=True)
         print(client.generate("Hello", max_tokens=8).text)
+
+A gateway run with --tls-cert/--tls-key and --api-key takes `Client(target, tls_root_cert="cert.pem",
+api_key="...")` (tls=True alone trusts the system's roots; tls_server_name overrides the name the
+certificate is checked against, e.g. "localhost" when connecting to 127.0.0.1).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 import typing
@@ -83,17 +88,48 @@ def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
-class Client:
-    """Blocking client over one channel; thread-safe (gRPC channels are)."""
+@dataclass
+class Security:
+    """How a client reaches a gateway run with TLS and/or --api-key."""
 
-    def __init__(self, target: str = DEFAULT_TARGET) -> None:
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    tls: bool = False  # TLS with the system's trusted roots (implied by tls_root_cert)
+    tls_root_cert: bytes | str | None = None  # PEM bytes, or a path to them (a self-signed cert itself)
+    tls_server_name: str | None = None  # the name the certificate must carry, if not the target's host
+    api_key: str | None = None  # sent as "authorization: Bearer <key>" on every call
+
+    def channel(self, target: str, aio: bool) -> Any:
+        options = list(CHANNEL_OPTIONS)
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        grpc_ = grpc.aio if aio else grpc
+        if not (self.tls or self.tls_root_cert):
+            return grpc_.insecure_channel(target, options=options)
+        root = self.tls_root_cert
+        if isinstance(root, str):
+            with open(root, "rb") as f:
+                root = f.read()
+        return grpc_.secure_channel(target, grpc.ssl_channel_credentials(root), options=options)
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        # Per-call metadata rather than call credentials: gRPC sends those only over TLS, and the
+        # gateway accepts a key over plaintext too (e.g. behind a TLS-terminating proxy).
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
+
+
+class Client:
+    """Blocking client over one channel; thread-safe (gRPC channels are). Keyword arguments are
+    those of Security (TLS and the API key)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **security: Any) -> None:
+        config = Security(**security)
+        self.channel = config.channel(target, aio=False)
+        self.metadata = config.metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Any:
         """The response stream: iterate it for GenerateResponse chunks; .cancel() aborts the request."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Completion:
         completion = Completion()
@@ -102,10 +138,11 @@ class Client:
         return completion
 
     def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+        request = pb.AbortRequest(request_id=request_id)
+        return self.stub.Abort(request, timeout=timeout, metadata=self.metadata).found
 
     def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """ "SERVING", "NOT_SERVING", ... or "UNREACHABLE"."""
@@ -134,16 +171,19 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client over one grpc.aio channel; create it inside the running loop."""
+    """asyncio client over one grpc.aio channel; create it inside the running loop. Keyword
+    arguments are those of Security (TLS and the API key)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str = DEFAULT_TARGET, **security: Any) -> None:
+        config = Security(**security)
+        self.channel = config.channel(target, aio=True)
+        self.metadata = config.metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Any:
         """The call: `async for` it for chunks; .cancel() aborts the request."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Completion:
         completion = Completion()
@@ -152,10 +192,11 @@ class AsyncClient:
         return completion
 
     async def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+        request = pb.AbortRequest(request_id=request_id)
+        return (await self.stub.Abort(request, timeout=timeout, metadata=self.metadata)).found
 
     async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
-        return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         try:
@@ -191,6 +232,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default="")
     parser.add_argument("--app", default="")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    tls = parser.add_argument_group("security (a gateway run with --tls-cert/--tls-key, --api-key)")
+    tls.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
+    tls.add_argument("--tls-root-cert", metavar="PEM", help="connect with TLS, trusting this certificate")
+    tls.add_argument("--tls-server-name", metavar="NAME", help="the name the server's certificate carries")
+    tls.add_argument(
+        "--api-key",
+        default=os.environ.get("PIPESERVE_API_KEY"),
+        help="bearer token (default: $PIPESERVE_API_KEY)",
+    )
     hints = typing.get_type_hints(SamplingParams)
     for f in fields(SamplingParams):
         flag, hint = f"--{f.name.replace('_', '-')}", hints[f.name]
@@ -209,7 +259,13 @@ def main(args: argparse.Namespace) -> int:
     completion = Completion()
     start = time.perf_counter()
     first = None
-    with Client(args.target) as client:
+    security = {
+        "tls": args.tls,
+        "tls_root_cert": args.tls_root_cert,
+        "tls_server_name": args.tls_server_name,
+        "api_key": args.api_key,
+    }
+    with Client(args.target, **security) as client:
         try:
             for chunk in client.stream(
                 prompt, timeout=args.timeout, request_id=args.request_id, app=args.app, **sampling

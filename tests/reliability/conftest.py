@@ -4,6 +4,7 @@ they live in test_zz_faults.py and run last."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,3 +24,14 @@ def pipeline(tmp_path_factory):
     pipe = start(tmp_path_factory.mktemp("reliability") / "up.log")
     yield pipe
     pipe.stop()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for the name localhost, and its key (PEM files)."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True, timeout=30)
+    return cert, key

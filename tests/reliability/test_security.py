@@ -1,10 +1,13 @@
 """Gateway security: --api-key (UNAUTHENTICATED without the bearer token; health stays open for
-probes) and --tls-cert/--tls-key (TLS only); plus random protobuf bytes at Generate never crash it."""
+probes; the clients send the key) and --tls-cert/--tls-key (TLS only), on the gateway alone and under
+`pipeserve up`; plus random protobuf bytes at Generate never crash it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import sys
 
 import grpc
 import pytest
@@ -13,12 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.bench.reliability import GENERATE
+from services.bench.reliability import GENERATE, ROOT
 from services.config import Addresses, GatewayConfig
-from services.gateway.client import build_request
+from services.gateway.client import AsyncClient, Client, build_request
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.server import Gateway
+from tests.reliability.conftest import start
 from tests.test_gateway import FakePipeline
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,11 +51,28 @@ def test_api_key_is_required(keyed):
     assert keyed.gateway.streams == {}
 
 
-def test_tls_only(tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True, timeout=30)
+def test_clients_send_the_api_key(keyed):
+    with Client(keyed.target, api_key="s3cret") as client:  # over plaintext: per-call metadata
+        assert client.model_info(timeout=5).name == "fake"
+        call = client.stream("Once upon a time", request_id="k1", max_tokens=2, timeout=5)
+        assert keyed.next_request().rid == "k1"  # past the token check, at the tokenizer
+        call.cancel()
+        assert client.abort("no-such-id") is False
+    with Client(keyed.target, api_key="wrong") as client, pytest.raises(grpc.RpcError) as info:
+        client.model_info(timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    async def scenario() -> None:
+        async with AsyncClient(keyed.target, api_key="s3cret") as client:
+            assert (await client.model_info(timeout=5)).name == "fake"
+            assert await client.abort("no-such-id") is False
+
+    asyncio.run(scenario())
+    keyed.wait(lambda: not keyed.gateway.streams)
+
+
+def test_tls_only(tmp_path, certificate):
+    cert, key = certificate
     config = GatewayConfig(port=0, tls_cert=str(cert), tls_key=str(key))
 
     async def scenario() -> None:
@@ -70,6 +91,36 @@ def test_tls_only(tmp_path):
             await gateway.stop(0)
 
     uvloop.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_up_serves_tls_and_checks_the_api_key(tmp_path, certificate):
+    """`pipeserve up --tls-cert --tls-key --api-key`: the launcher's own health check speaks TLS (it
+    logs "serving" only once SERVING), a TLS client with the token is served, one without is refused,
+    plaintext is refused, and `pipeserve generate` reaches it with its TLS and key flags."""
+    cert, key = certificate
+    security = {"tls_root_cert": str(cert), "tls_server_name": "localhost", "api_key": "s3cret"}
+    pipe = start(tmp_path / "up.log", "--tls-cert", str(cert), "--tls-key", str(key), "--api-key", "s3cret",
+                 "--startup-timeout", "60", security=security)
+    try:
+        launcher_ready = "pipeserve.up INFO serving"
+        pipe.wait(lambda: launcher_ready in pipe.log_path.read_text(), 30, "the launcher's SERVING")
+        assert pipe.client.generate("Once upon a time", max_tokens=3, temperature=0).completion_tokens == 3
+        no_token = {k: v for k, v in security.items() if k != "api_key"}
+        with Client(pipe.target, **no_token) as client, pytest.raises(grpc.RpcError) as info:
+            client.generate("Once upon a time", max_tokens=3, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(pipe.target, api_key="s3cret") as client:  # plaintext
+            assert client.health(timeout=5) == "UNREACHABLE"
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", "generate", "Once upon a time", "--target", pipe.target,
+             "--tls-root-cert", str(cert), "--tls-server-name", "localhost", "--max-tokens", "4",
+             "--temperature", "0"], env={**os.environ, "PIPESERVE_API_KEY": "s3cret"}, cwd=ROOT,
+            capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "completion_tokens=4" in out.stderr, out.stderr
+        pipe.wait_clean()
+    finally:
+        pipe.stop()
 
 
 @pytest.fixture(scope="module")
