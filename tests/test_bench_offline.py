@@ -23,11 +23,13 @@ def test_static_batch_waste_by_hand() -> None:
 def test_bench_offline_end_to_end(stories_dir: str, tmp_path) -> None:
     out = tmp_path / "offline.json"
     argv = ["bench", "offline", "--model", stories_dir, "--num-requests", "4", "--batch-size", "2",
-            "--threads", "1", "--overhead-requests", "8", "--overhead-context", "64", "--json", str(out)]
+            "--repeats", "2", "--threads", "1", "--overhead-requests", "8", "--overhead-context", "64",
+            "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     (entry,) = result["models"]
     assert entry["output_tokens"] > 0 and entry["pipeserve_tok_s"] > 0 and entry["hf_tok_s"] > 0
     assert entry["speedup"] == pytest.approx(entry["hf_s"] / entry["pipeserve_s"])
     assert entry["static_batch_waste"] >= 1.0
+    assert len(entry["pipeserve_runs_s"]) == len(entry["hf_runs_s"]) == 2
     assert 0 < result["scheduler_overhead_ms_per_step"] < 100
