@@ -309,6 +309,13 @@ class Gateway(pb_grpc.GenerationServicer):
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, request: pb.GenerateRequest, rid: str) -> TokenizeRequest:
         """Validate and admit, or raise Reject with the status code and a message naming the field."""
+        # Capacity first: under overload most calls are refused, so a refusal must cost nothing
+        # beyond this count (no field checks, no SamplingParams).
+        if len(self.streams) >= self.config.max_inflight:
+            raise Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.streams)} requests in flight, the limit is {self.config.max_inflight}",
+            )
         if len(rid) > MAX_REQUEST_ID_LEN:
             raise invalid(f"request_id is {len(rid)} characters, at most {MAX_REQUEST_ID_LEN} allowed")
         which = request.WhichOneof("input")
@@ -358,11 +365,6 @@ class Gateway(pb_grpc.GenerationServicer):
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if not self.serving:
             raise Reject(grpc.StatusCode.UNAVAILABLE, self._why_not_serving())
-        if len(self.streams) >= self.config.max_inflight:
-            raise Reject(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self.streams)} requests in flight, the limit is {self.config.max_inflight}",
-            )
         return message
 
     # ---- request state ---------------------------------------------------------------------
