@@ -30,6 +30,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("services.bench.pipeline", "pipeline vs in-process, and gateway capacity"),
     "quant": ("services.bench.quant", "quantization accuracy, memory and speed"),
     "reliability": ("services.bench.reliability", "fault, overload and soak figures"),
+    "soak": ("services.bench.soak", "steady load for minutes: RSS of every process, KV pages"),
 }
 
 
