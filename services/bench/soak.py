@@ -15,8 +15,8 @@ request, and first vs last sample. Verdict: flat when every slope is at most --t
 (default 1.0, i.e. ~1.7 KiB per request at the default 10 requests/s: 10 MiB over a 10-minute run;
 3.0 for runs under 5 minutes, whose 30-s fit cannot tell an allocator step from a leak: see
 tests/reliability/test_soak.py for the slopes measured).
-Known bounded growth: each tokenizer's `tokenizers` BPE cache keeps up to 10,000 whole prompts (the
-Llama tokenizers have no pre-tokenizer, so a prompt under 256 bytes is one cached "word"), ~49 MiB
+Known bounded growth: each tokenizer's `tokenizers` BPE cache keeps up to 10,000 whole prompts
+(stories260K's tokenizer has no pre-tokenizer, so a prompt under 256 bytes is one cached "word"), ~49 MiB
 when full: it filled at ~0.6 MiB/min at the default rate here (prompts over 256 bytes are not
 cached), so it keeps growing for over an hour. After the load, KV pages in use and every
 per-request count in the pipeline must be back to 0. Writes JSON and a PNG plot.
