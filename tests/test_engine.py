@@ -64,6 +64,27 @@ def test_abort_overtaking_its_add_is_remembered(engine):
     assert engine.stats()["pages_used"] == 0
 
 
+def test_stale_tombstones_expire(engine, monkeypatch):
+    """An abort for an id the engine never saw (say, queued for a dead engine's request) must not end
+    a request that reuses the id much later."""
+    import services.engine.engine as engine_module
+
+    now = [1000.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: now[0])
+    engine.abort("old")
+    engine.abort("older-still")
+    assert engine.stats()["tombstones"] == 2
+    now[0] += engine_module.TOMBSTONE_TTL + 1
+    assert engine.stats()["tombstones"] == 0
+    engine.abort("recent")
+    now[0] += 1
+    engine.add("old", [1, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.add("recent", [1, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+    out = drain(engine)
+    assert out["old"][1] == "length" and len(out["old"][0]) == 2
+    assert out["recent"] == ([], "abort")
+
+
 def test_abort_of_a_finished_request_leaves_no_tombstone(engine):
     engine.add("done", [1, 5, 6], SamplingParams(max_tokens=2))
     drain(engine)

@@ -324,6 +324,18 @@ def test_cancel_aborts_in_engine_and_reserves_the_id_until_the_engine_confirms(f
     assert [c.text for c in again] == ["b"]
 
 
+def test_output_for_no_stream_is_aborted_once(fake):
+    """An engine that runs a request nobody streams (its abort was lost, e.g. with a dead engine's
+    queue) is told to stop, once; its finish frees the id."""
+    fake.send([("ghost", "a", [1], "")])
+    assert fake.next_abort().rids == ["ghost"]
+    fake.wait(lambda: fake.metric("pipeserve_gateway_aborting") == 1)
+    fake.send([("ghost", "b", [2], "")])
+    fake.send([("ghost", "", [], "abort")])
+    fake.wait(lambda: fake.metric("pipeserve_gateway_aborting") == 0)
+    assert not fake.control.poll(200), "aborted twice"
+
+
 def test_deadline_is_honoured_and_aborted(fake):
     call = fake.client.stream("x", request_id="d1", timeout=0.5)
     fake.next_request()

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 PROMPT_TAIL = 8  # prompt ids the detokenizer gets as left context
 MAX_TOMBSTONES = 65536
+# An abort overtakes its add by the tokenizers' queueing (milliseconds). A tombstone older than
+# this is stale (e.g. an abort the gateway queued for a dead engine's request) and is dropped, so
+# it cannot end a request that reuses the id: the gateway holds an aborted id for longer (60 s).
+TOMBSTONE_TTL = 30.0
 CPU_KV_GB = 0.25
 
 
@@ -120,7 +124,7 @@ class Engine:
         )
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
-        self._tombstones: OrderedDict[str, str] = OrderedDict()  # aborts that overtook their add
+        self._tombstones: OrderedDict[str, float] = OrderedDict()  # overtaking aborts: rid -> expiry
         self._recently_done: OrderedDict[str, None] = OrderedDict()
         self.step_count = 0
         self._rng = np.random.default_rng(config.seed)
@@ -171,7 +175,7 @@ class Engine:
             params.seed = int(self._rng.integers(0, 2**62))
         self.requests[rid] = seq
         self._recently_done.pop(rid, None)
-        if self._tombstones.pop(rid, None) is not None:
+        if self._tombstones.pop(rid, 0.0) > time.monotonic():
             self._end(seq, "abort")
             return
         self.scheduler.add(seq)
@@ -182,13 +186,20 @@ class Engine:
         seq = self.requests.get(rid)
         if seq is None:
             if rid not in self._recently_done:
-                self._tombstones[rid] = reason
-                if len(self._tombstones) > MAX_TOMBSTONES:
-                    self._tombstones.popitem(last=False)
+                self._tombstones.pop(rid, None)  # re-inserted at the end: the dict stays in expiry order
+                self._tombstones[rid] = time.monotonic() + TOMBSTONE_TTL
+                self._prune_tombstones()
             return
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
             self._end(seq, reason)
+
+    def _prune_tombstones(self) -> None:
+        now = time.monotonic()
+        while self._tombstones and (
+            len(self._tombstones) > MAX_TOMBSTONES or next(iter(self._tombstones.values())) <= now
+        ):
+            self._tombstones.popitem(last=False)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
@@ -265,6 +276,7 @@ class Engine:
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
+        self._prune_tombstones()
         pool = self.pool.stats()
         return {
             "running": len(self.scheduler.running),

@@ -426,11 +426,14 @@ class Gateway(pb_grpc.GenerationServicer):
         self.pipeline_seen = time.monotonic()
         if msg.stats is not None:
             self.engine_stats.update(msg.stats)
+        orphans = []
         for i, rid in enumerate(msg.rids):
             stream = self.streams.get(rid)
             if stream is None or stream.finish or stream.error is not None:
                 if msg.finish[i]:
                     self.aborted.pop(rid, None)  # the engine is done with it: the id is free again
+                elif stream is None and rid not in self.aborted:
+                    orphans.append(rid)  # output nobody reads (its abort was lost): stop it
                 continue
             stream.started = True
             logprobs = None
@@ -443,6 +446,9 @@ class Gateway(pb_grpc.GenerationServicer):
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.finish = msg.finish[i]
             stream.wake.set()
+        if orphans:
+            log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0])
+            self._abort_in_engine(orphans)
 
     async def _recv_errors(self) -> None:
         while True:
