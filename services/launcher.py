@@ -29,6 +29,7 @@ import zmq
 
 from services import config as cfg
 from services.config import Addresses, EngineConfig, GatewayConfig
+from services.cpus import cpu_split, cpus_env
 from services.messages import ProcessStatus, encode
 
 log = logging.getLogger("pipeserve.up")
@@ -48,6 +49,9 @@ def child_main(argv: list[str]) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # the launcher died before prctl took effect
             return 1
+    from services.cpus import apply_from_env
+
+    apply_from_env()
     from services.cli import main
 
     return main(argv)
@@ -59,6 +63,7 @@ class Child:
     argv: list[str]  # pipeserve subcommand and flags
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (e.g. PIPESERVE_CPUS)
 
 
 class Supervisor:
@@ -73,7 +78,7 @@ class Supervisor:
 
     def spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, *child.argv], env=self.env, start_new_session=True
+            [sys.executable, "-c", CHILD, *child.argv], env=self.env | child.env, start_new_session=True
         )
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
@@ -132,13 +137,20 @@ def demo_model_dir() -> str:
 
 
 def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Child]:
+    """The children; on a CPU-only host the engine gets cores of its own (services/cpus.py)."""
+    split = cpu_split(engine)
+    engine_env, others_env = {}, {}
+    if split is not None:
+        engine = replace(engine, cpu_threads=len(split.engine))
+        engine_env, others_env = cpus_env(split.engine), cpus_env(split.others)
+        log.info("engine on cores %s, the rest of the pipeline on %s", split.engine, split.others)
     model = ["--model", str(engine.model)]
     tokenizer = model + (["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else [])
     return [
-        Child("engine", ["engine", *cfg.to_argv(engine)]),
-        Child("detokenizer", ["detokenizer", *model]),
-        *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer]) for i in range(workers)],
-        Child("gateway", ["gateway", *cfg.to_argv(gateway)]),
+        Child("engine", ["engine", *cfg.to_argv(engine)], env=engine_env),
+        Child("detokenizer", ["detokenizer", *model], env=others_env),
+        *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer], env=others_env) for i in range(workers)],
+        Child("gateway", ["gateway", *cfg.to_argv(gateway)], env=others_env),
     ]
 
 

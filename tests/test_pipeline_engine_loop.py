@@ -203,12 +203,12 @@ def test_engine_threads_leave_a_core_for_the_other_processes(monkeypatch):
     from services.config import EngineConfig
     from services.engine.process import engine_threads
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(2)))
     assert engine_threads(EngineConfig(device="cpu")) == 1
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
     assert engine_threads(EngineConfig(device="cpu")) == 15
     assert engine_threads(EngineConfig(device="cpu", cpu_threads=3)) == 3
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(1)))
     assert engine_threads(EngineConfig(device="cpu")) == 1
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig(cpu_threads=-1)

@@ -53,6 +53,7 @@ from services.bench.report import (
 )
 from services.bench.serve import Outcome, Planned, send
 from services.config import Addresses, EngineConfig, GatewayConfig
+from services.cpus import CpuSplit, cpu_split
 from services.messages import NewRequestInfo, pack_ids
 from services.sampling_params import SamplingParams
 
@@ -282,8 +283,25 @@ def parameters(model_dir: str) -> int:
         return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
 
 
+@dataclass
+class Cores:
+    """Where this process runs: in-process runs anywhere; as the pipeline's client, on the cores the
+    launcher left to the gateway and workers (services/cpus.py), so it does not preempt the engine
+    (clients of a deployed server run elsewhere)."""
+
+    split: CpuSplit | None
+    everything: set[int] = field(default_factory=lambda: os.sched_getaffinity(0))
+
+    def in_process(self) -> None:
+        os.sched_setaffinity(0, self.everything)
+
+    def client(self) -> None:
+        if self.split is not None:
+            os.sched_setaffinity(0, set(self.split.others))
+
+
 async def ttft_interleaved(
-    engine: Any, target: str, prompts: list[list[int]], output_len: int
+    engine: Any, target: str, prompts: list[list[int]], output_len: int, cores: Cores
 ) -> tuple[list[RequestRecord], list[RequestRecord]]:
     """One request at a time, alternately in-process and through the pipeline (the same load for both)."""
     from services.gateway.client import AsyncClient
@@ -292,8 +310,11 @@ async def ttft_interleaved(
     async with AsyncClient(target) as client:
         await client.wait_ready(60.0)
         for i, prompt in enumerate(prompts):
+            cores.in_process()
             local += run_in_process(engine, [prompt], output_len, f"ttft-{i}")[0]
+            cores.client()
             remote.append(await send(client, Planned(0.0, len(prompt), output_len, "ttft"), prompt, 120.0))
+    cores.in_process()
     return local, checked(remote, "pipeline TTFT run")
 
 
@@ -316,13 +337,17 @@ def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
     local: list[RequestRecord] = []
     remote: list[RequestRecord] = []
     rounds, local_s, remote_s = [], 0.0, 0.0
+    cores = Cores(cpu_split(config))
     with pipeline(config, args.tokenizer_workers, synthetic=False) as target:
         run_in_process(engine, prompts[:2], 4, "warmup")
         asyncio.run(streams(target, prompts[:2], 4))
         for i in range(args.rounds):
             load[f"round_{i}"] = os.getloadavg()
+            cores.in_process()
             records, seconds = run_in_process(engine, prompts, args.output_len, f"run-{i}")
+            cores.client()
             outcomes, duration = asyncio.run(streams(target, prompts, args.output_len))
+            cores.in_process()
             local, local_s = local + records, local_s + seconds
             remote, remote_s = remote + checked(outcomes, "pipeline run"), remote_s + duration
             a = sum(r.output_tokens for r in records) / seconds
@@ -330,7 +355,7 @@ def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
             rounds.append({"in_process_tokens_per_s": a, "pipeline_tokens_per_s": b, "ratio": b / a})
         load["ttft"] = os.getloadavg()
         local_ttft, remote_ttft = asyncio.run(
-            ttft_interleaved(engine, target, ttft_prompts, args.ttft_output_len)
+            ttft_interleaved(engine, target, ttft_prompts, args.ttft_output_len, cores)
         )
     s_local, s_remote = summarize(local, local_s), summarize(remote, remote_s)
     t_local = [r.ttft for r in local_ttft]
@@ -348,6 +373,8 @@ def part1(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
             "ttft_requests": args.ttft_requests,
             "ttft_output_len": args.ttft_output_len,
             "engine_threads": threads,
+            "engine_cores": None if cores.split is None else list(cores.split.engine),
+            "client_cores": None if cores.split is None else list(cores.split.others),
         },
         "in_process": s_local,  # every round together: total tokens / total time
         "pipeline": s_remote,

@@ -149,7 +149,7 @@ def engine_threads(config: EngineConfig) -> int:
     if config.cpu_threads:
         return config.cpu_threads
     on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    return max(1, (os.cpu_count() or 1) - 1) if on_cpu else torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) - 1) if on_cpu else torch.get_num_threads()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
