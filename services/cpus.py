@@ -26,6 +26,12 @@ class CpuSplit:
     others: tuple[int, ...]  # gateway, tokenizers, detokenizer (and a benchmark's client)
 
 
+def engine_core_count(config: EngineConfig, available: int) -> int:
+    """How many of `available` cores the engine computes on: cpu_threads, else all but one (the rest
+    of the pipeline needs one), and always at least one."""
+    return max(1, config.cpu_threads or available - 1)
+
+
 def cuda_present() -> bool:
     """Whether the NVIDIA driver is loaded (the launcher never imports torch to ask)."""
     return Path("/proc/driver/nvidia/version").exists()
@@ -38,7 +44,7 @@ def cpu_split(config: EngineConfig, allowed: set[int] | None = None) -> CpuSplit
     cores = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
     if not on_cpu or len(cores) < 2:
         return None
-    take = min(config.cpu_threads or len(cores) - 1, len(cores) - 1)
+    take = min(engine_core_count(config, len(cores)), len(cores) - 1)
     return CpuSplit(engine=tuple(cores[-take:]), others=tuple(cores[:-take]))
 
 

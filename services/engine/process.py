@@ -146,10 +146,12 @@ def engine_threads(config: EngineConfig) -> int:
     """torch intra-op threads for an engine process with this config (see EngineConfig.cpu_threads)."""
     import torch
 
-    if config.cpu_threads:
-        return config.cpu_threads
+    from services.cpus import engine_core_count
+
     on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    return max(1, len(os.sched_getaffinity(0)) - 1) if on_cpu else torch.get_num_threads()
+    if config.cpu_threads or on_cpu:
+        return engine_core_count(config, len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
