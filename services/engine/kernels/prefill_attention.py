@@ -311,8 +311,10 @@ def prefill_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Triton version of ops.attention.prefill_attention. q [Tp, Hq, D] -> [Tp, Hq, D]."""
+    """Triton version of ops.attention.prefill_attention. q [Tp, Hq, D] -> [Tp, Hq, D]. new_kv is not
+    read: the kernel streams every chunk's keys from the cache, where store_kv just wrote them."""
     tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:

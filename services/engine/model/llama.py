@@ -101,6 +101,7 @@ class Attention(nn.Module):
                 self.scale,
                 self.sliding_window,
                 **scales,
+                new_kv=(k[nd:], v[nd:]),
             )
         return self.o_proj(out.reshape(t, self.q_size))
 

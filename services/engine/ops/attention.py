@@ -73,8 +73,9 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
     in that persistent workspace (valid until the next gather into the same name)."""
     page_size = cache.shape[1]
     pages = (max_len + page_size - 1) // page_size
-    # index_select copies whole pages; advanced indexing (cache[tables]) goes element by element.
-    index = block_tables[:, :pages].reshape(-1).long()
+    # index_select copies whole pages (int32 indices as they are); advanced indexing
+    # (cache[tables]) goes element by element.
+    index = block_tables[:, :pages].reshape(-1)
     if name is None:
         out = cache.index_select(0, index)
     else:
@@ -85,14 +86,23 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
     return out.view(block_tables.shape[0], pages * page_size, *cache.shape[2:])[:, :max_len]
 
 
+# The CPU flash kernel runs head_dim 8 about a fifth slower than head_dim 16 (measured at 256-512
+# keys; the zero padding costs more than it saves below ~128). Zero channels change no score.
+_CPU_MIN_HEAD_DIM, _CPU_PAD_MIN_KEYS = 16, 128
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D] in fp32; causal when mask is None.
     4-D inputs on purpose: on the CPU, SDPA takes its flash kernel only for those (3-D: math path)."""
-    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
-                                         v.float().transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-                                         scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
+    q, k, v = q.float(), k.float(), v.float()
+    dim = q.shape[-1]
+    if q.device.type == "cpu" and dim < _CPU_MIN_HEAD_DIM and k.shape[1] >= _CPU_PAD_MIN_KEYS:
+        q, k, v = (F.pad(x, (0, _CPU_MIN_HEAD_DIM - dim)) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)[..., :dim]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,7 +110,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sliding_window: int | None = None, max_seq_len: int | None = None, *,
                      k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [Bd, Hq, D], one query per request at position seq_len - 1."""
+    """q [Bd, Hq, D], one query per request at position seq_len - 1.
+
+    The query heads that share a KV head go in as that head's query rows ([Bd, Hkv, G, D]): one
+    pass over each gathered KV head instead of G (measured: 18% less SDPA time at GQA 2)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
@@ -110,15 +123,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     allowed = key_pos < seq_lens[:, None]
     if sliding_window is not None:
         allowed &= key_pos > seq_lens[:, None] - 1 - sliding_window
-    return _sdpa(q[:, None], k, v, allowed[:, None, None, :], scale)[:, 0].to(q.dtype)
+    batch, heads, dim = q.shape
+    rows = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)
+    out = F.scaled_dot_product_attention(rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                         attn_mask=allowed[:, None, None, :], scale=scale)
+    return out.view(batch, heads, dim).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
                       max_q_len: int, max_seq_len: int, scale: float,
                       sliding_window: int | None = None, *, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None,
+                      new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [Tp, Hq, D]: chunk i holds rows cu_q_lens[i]:cu_q_lens[i+1], at positions ending at seq_len-1.
+    new_kv: the chunks' own K/V rows [Tp, Hkv, D] as store_kv just wrote them; a chunk that is a whole
+    prompt attends to those directly instead of reading its pages back (an unquantized cache of the
+    same dtype only, where the two are equal).
 
     One SDPA call per chunk: a padded [Bp, max_q, max_seq] batch costs Bp * max_q * max_seq
     whatever the lengths, and mixed prompt lengths make most of that padding (measured: 40% of a
@@ -128,10 +149,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return torch.empty_like(q)
     out = torch.empty_like(q)
     starts, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    if new_kv is not None and (k_scale is not None or new_kv[0].dtype != k_cache.dtype):
+        new_kv = None
     for i, seq_len in enumerate(lens):
         lo, hi = starts[i], starts[i + 1]
-        k = gather_pages(k_cache, block_tables[i : i + 1], seq_len, k_scale, "k")
-        v = gather_pages(v_cache, block_tables[i : i + 1], seq_len, v_scale, "v")
+        if new_kv is not None and hi - lo == seq_len:
+            k, v = new_kv[0][None, lo:hi], new_kv[1][None, lo:hi]
+        else:
+            k = gather_pages(k_cache, block_tables[i : i + 1], seq_len, k_scale, "k")
+            v = gather_pages(v_cache, block_tables[i : i + 1], seq_len, v_scale, "v")
         mask = None
         if hi - lo != seq_len or sliding_window is not None:
             q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)[:, None]

@@ -40,13 +40,49 @@ def rope_cache(rot_dim: int, max_pos: int, theta: float, scaling: dict[str, Any]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
 
 
+# Derived table of the last rope cache seen: one entry, holding the cache itself so a new cache can
+# never be mistaken for it. Rope caches are built once per model and never written.
+_ROTATION: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _rotation_table(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_pos, 2, rot_dim] (cos|cos, -sin|sin) and the rotate-half column order, so that rope is
+    x * cos + x[perm] * sin: whole-width ops (the half-width ones run at a third of the speed)."""
+    global _ROTATION
+    if _ROTATION is None or _ROTATION[0] is not cos_sin_cache:
+        half = cos_sin_cache.shape[-1] // 2
+        cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+        perm = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(cos_sin_cache.device)
+        _ROTATION = (cos_sin_cache, table, perm)
+    return _ROTATION[1], _ROTATION[2]
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hkv, D] view when k's heads directly follow q's in memory (they do
+    when both are slices of one fused qkv projection): one set of ops instead of two."""
+    if q.dtype != k.dtype or q.stride() != k.stride() or q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> None:
-    """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions."""
-    cos_sin = cos_sin_cache[positions]
-    half = cos_sin.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    for x in (q, k):
-        x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        x[..., : 2 * half] = rotated.to(x.dtype)
+    """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
+    if q.shape[0] == 0:
+        return
+    table, perm = _rotation_table(cos_sin_cache)
+    rot = table.shape[-1]
+    rows = table.index_select(0, positions)
+    cos, sin = rows[:, None, 0], rows[:, None, 1]
+    joint = _heads_together(q, k)
+    for x in (q, k) if joint is None else (joint,):
+        part = x[..., :rot]
+        xf = part.float()
+        swapped = xf.index_select(-1, perm).mul_(sin)
+        if xf.dtype == x.dtype:  # fp32: in place
+            part.mul_(cos).add_(swapped)
+        else:
+            part.copy_(xf.mul_(cos).add_(swapped))
