@@ -219,3 +219,27 @@ def test_demo_model_is_built_and_serves():
     assert engine.model_info()["name"].startswith("pipeserve-demo")
     engine.add("d", engine.tokenizer("hello").input_ids, SamplingParams(max_tokens=4, temperature=0.0))
     assert len(drain(engine)["d"][0]) == 4
+
+
+def test_last_layer_for_sampled_rows_only_matches_the_full_forward(stories_dir):
+    """With meta.sample_rows the model returns just those rows, its last layer run as decoding for
+    them: the same hidden states as the full forward's rows (a step mixing decode rows, whole
+    prompts and a partial chunk, which has no sampled row)."""
+    import dataclasses
+
+    eng = Engine(model=stories_dir, device="cpu", page_size=4, num_pages=64, max_num_batched_tokens=40)
+    eng.add("d", list(range(5, 25)), SamplingParams(max_tokens=8, temperature=0.0))
+    eng.step()  # "d" decodes from now on
+    eng.add("p", list(range(30, 43)), SamplingParams(max_tokens=4, temperature=0.0))
+    eng.add("long", list(range(50, 120)), SamplingParams(max_tokens=4, temperature=0.0))
+    batch = eng.scheduler.schedule()
+    assert batch.decode and len(batch.prefill) == 2 and batch.prefill_lens[-1] < 70  # chunked
+    runner = eng.runner
+    flat = runner.build(batch)
+    meta = runner.metadata(flat)
+    ids, pos = torch.as_tensor(flat.input_ids), torch.as_tensor(flat.positions)
+    full = eng.model(ids, pos, dataclasses.replace(meta, sample_rows=None), eng.pool.layers)
+    rows = meta.sample_rows
+    assert rows.tolist() == [0, 1 + 13 - 1]  # the decode row, the end of "p"; not the partial chunk
+    sampled = eng.model(ids, pos, meta, eng.pool.layers)
+    torch.testing.assert_close(sampled, full.index_select(0, rows), atol=1e-5, rtol=1e-5)

@@ -42,6 +42,7 @@ class FlatBatch:
     prefill_seq_lens: np.ndarray
     sample_rows: np.ndarray
     sample_slots: np.ndarray
+    sample_seq_lens: np.ndarray
 
 
 class ModelRunner:
@@ -74,6 +75,8 @@ class ModelRunner:
             "prefill_cu_q_lens": buf(max_num_seqs + 1, torch.int32),
             "sample_rows": buf(max_num_seqs, torch.int64),
             "sample_slots": buf(max_num_seqs, torch.int64),
+            "sample_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
+            "sample_seq_lens": buf(max_num_seqs, torch.int32),
         }
         # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
         self.staging = (
@@ -129,6 +132,7 @@ class ModelRunner:
         p_samples = done == np.fromiter((s.num_tokens for s in batch.prefill), np.int64, len(batch.prefill))
         sample_rows = np.concatenate([np.arange(nd), nd + cu[1:][p_samples] - 1])
         sample_slots = np.concatenate([d_slots, p_slots[p_samples]])
+        sample_seq_lens = np.concatenate([d_pos + 1, done[p_samples]])
         return FlatBatch(
             np.concatenate([d_ids, p_ids]),
             positions,
@@ -140,6 +144,7 @@ class ModelRunner:
             done,
             sample_rows,
             sample_slots,
+            sample_seq_lens,
         )
 
     def metadata(self, flat: FlatBatch) -> AttentionMetadata:
@@ -147,6 +152,7 @@ class ModelRunner:
         d_lens = flat.positions[: flat.num_decode] + 1
         max_pages = self.pool.pages_for(int(max(d_lens.max(initial=1), flat.prefill_seq_lens.max(initial=1))))
         p_q = np.diff(flat.prefill_cu_q_lens)
+        s_lens = flat.sample_seq_lens
         return AttentionMetadata(
             slot_mapping=self._stage("slot_mapping", flat.slot_mapping),
             num_decode=flat.num_decode,
@@ -157,6 +163,11 @@ class ModelRunner:
             prefill_seq_lens=self._stage("prefill_seq_lens", flat.prefill_seq_lens),
             prefill_max_q_len=int(p_q.max(initial=0)),
             prefill_max_seq_len=int(flat.prefill_seq_lens.max(initial=0)),
+            decode_max_seq_len=int(d_lens.max(initial=0)),
+            sample_rows=self._stage("sample_rows", flat.sample_rows),
+            sample_block_tables=self._stage("sample_block_tables", table[flat.sample_slots, :max_pages]),
+            sample_seq_lens=self._stage("sample_seq_lens", s_lens),
+            sample_max_seq_len=int(s_lens.max(initial=0)),
         )
 
     # -- the step -------------------------------------------------------------------------------
@@ -165,11 +176,10 @@ class ModelRunner:
         meta = self.metadata(flat)
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)
-        hidden = self.model(input_ids, positions, meta, self.pool.layers)
+        hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the sampled rows'
         if flat.sample_rows.size == 0:  # only partial prefill chunks this step
             return StepResult([])
-        rows = self._stage("sample_rows", flat.sample_rows)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden)
         out = self.sampler.sample(logits, flat.sample_slots, self._stage("sample_slots", flat.sample_slots))
         result = StepResult(out.tokens.tolist())  # the one intended sync of the step
         if out.logprobs is not None:

@@ -62,7 +62,9 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
         cache: LayerCache,
+        last: bool = False,
     ) -> torch.Tensor:
+        """Attention output of every row; in the last layer, with meta.sample_rows, of those alone."""
         t = positions.shape[0]  # x may be a quantized activation (services/engine/quant)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -75,6 +77,20 @@ class Attention(nn.Module):
             k = k - m.to(k.dtype)
         scales = cache.scale_kwargs()
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
+        if last and meta.sample_rows is not None:
+            # Only the sampled rows go on: each is its sequence's newest token, so this is decoding.
+            out = self.ops.decode_attention(
+                q.index_select(0, meta.sample_rows),
+                cache.k,
+                cache.v,
+                meta.sample_block_tables,
+                meta.sample_seq_lens,
+                self.scale,
+                self.sliding_window,
+                meta.sample_max_seq_len or None,
+                **scales,
+            )
+            return self.o_proj(out.reshape(-1, self.q_size))
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
@@ -86,6 +102,7 @@ class Attention(nn.Module):
                 meta.decode_seq_lens,
                 self.scale,
                 self.sliding_window,
+                meta.decode_max_seq_len or None,
                 **scales,
             )
         if t > nd:
@@ -125,6 +142,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.last = layer == cfg.num_layers - 1
 
     def forward(
         self,
@@ -140,7 +158,9 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, meta, cache)
+        x = self.self_attn(x, positions, cos_sin, meta, cache, self.last)
+        if self.last and meta.sample_rows is not None:
+            residual = residual.index_select(0, meta.sample_rows)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -169,7 +189,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         caches: list[LayerCache],
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
+        """Hidden states after the final norm: [T, hidden] for every token of the flat batch, or with
+        meta.sample_rows [R, hidden] for those rows. Then the last layer keeps only them after
+        writing its K/V: no other row's output is ever read, and that layer's attention, o_proj and
+        MLP are most of a prefill row's share of it."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_quant import dequantize_kv, quantize_kv
+from .step_memo import StepMemo
 
 
 @dataclass
@@ -27,6 +28,14 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # int32 [Bp]
     prefill_max_q_len: int
     prefill_max_seq_len: int
+    decode_max_seq_len: int = 0  # host copy of max(decode_seq_lens); 0: read it from the tensor
+    # The rows whose hidden states the step reads (the sampled ones: every decode row, the last row
+    # of each finished prompt), each its sequence's newest token: a decode batch of their own. With
+    # them the model's last layer attends and runs its MLP for these rows alone. None: every row.
+    sample_rows: torch.Tensor | None = None  # int64 [R], into the flat batch
+    sample_block_tables: torch.Tensor | None = None  # int32 [R, max_pages]
+    sample_seq_lens: torch.Tensor | None = None  # int32 [R]
+    sample_max_seq_len: int = 0
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -61,21 +70,32 @@ def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
     numel = math.prod(shape)
     buf = _WORKSPACE.get((name, dtype, device))
     if buf is None or buf.numel() < numel:
-        buf = _WORKSPACE[name, dtype, device] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _WORKSPACE[name, dtype, device] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 
+def page_index(block_tables: torch.Tensor, max_len: int, page_size: int) -> tuple[torch.Tensor, int]:
+    """The pages covering max_len tokens of every row, flattened, and their count per row."""
+    pages = (max_len + page_size - 1) // page_size
+    return block_tables[:, :pages].reshape(-1), pages
+
+
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
-                 scale: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
+                 scale: torch.Tensor | None = None, name: str | None = None,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
     """[P, S, H, D] cache and [B, max_pages] tables -> [B, max_len, H, D] (positions past a
     request's length hold whatever page 0 holds; callers mask them). A quantized cache comes with
     its scale [P, S, H, D // group] and is returned dequantized in fp32. With `name`, the pages land
-    in that persistent workspace (valid until the next gather into the same name)."""
+    in that persistent workspace (valid until the next gather into the same name). `index`: the
+    page_index of these tables, when the caller has it already."""
     page_size = cache.shape[1]
-    pages = (max_len + page_size - 1) // page_size
+    if index is None:
+        index, pages = page_index(block_tables, max_len, page_size)
+    else:
+        pages = index.shape[0] // block_tables.shape[0]
     # index_select copies whole pages (int32 indices as they are); advanced indexing
     # (cache[tables]) goes element by element.
-    index = block_tables[:, :pages].reshape(-1)
     if name is None:
         out = cache.index_select(0, index)
     else:
@@ -105,6 +125,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.transpose(1, 2)[..., :dim]
 
 
+_DECODE_PLAN = StepMemo()
+
+
+def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, page_size: int,
+                 sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page index and additive key mask [Bd, 1, 1, max_len] of a decode batch (SDPA would turn a
+    boolean mask into this one in every layer)."""
+    key_pos = torch.arange(max_len, device=seq_lens.device)
+    allowed = key_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        allowed &= key_pos > seq_lens[:, None] - 1 - sliding_window
+    mask = torch.zeros(allowed.shape, device=seq_lens.device).masked_fill_(~allowed, float("-inf"))
+    return page_index(block_tables, max_len, page_size)[0], mask[:, None, None, :]
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, max_seq_len: int | None = None, *,
@@ -117,16 +152,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.shape[0] == 0:
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    k = gather_pages(k_cache, block_tables, max_len, k_scale, "k")
-    v = gather_pages(v_cache, block_tables, max_len, v_scale, "v")
-    key_pos = torch.arange(max_len, device=q.device)
-    allowed = key_pos < seq_lens[:, None]
-    if sliding_window is not None:
-        allowed &= key_pos > seq_lens[:, None] - 1 - sliding_window
+    page_size = k_cache.shape[1]
+    index, mask = _DECODE_PLAN.get(
+        (block_tables, seq_lens), (max_len, page_size, sliding_window),
+        lambda: _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window),
+    )
+    k = gather_pages(k_cache, block_tables, max_len, k_scale, "k", index)
+    v = gather_pages(v_cache, block_tables, max_len, v_scale, "v", index)
     batch, heads, dim = q.shape
     rows = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)
     out = F.scaled_dot_product_attention(rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
-                                         attn_mask=allowed[:, None, None, :], scale=scale)
+                                         attn_mask=mask, scale=scale)
     return out.view(batch, heads, dim).to(q.dtype)
 
 

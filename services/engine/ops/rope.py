@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .step_memo import StepMemo
+
 
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
@@ -58,6 +60,14 @@ def _rotation_table(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return _ROTATION[1], _ROTATION[2]
 
 
+_ROWS = StepMemo()
+
+
+def _rows(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = table.index_select(0, positions)
+    return rows[:, None, 0], rows[:, None, 1]
+
+
 def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q and k as one [T, Hq + Hkv, D] view when k's heads directly follow q's in memory (they do
     when both are slices of one fused qkv projection): one set of ops instead of two."""
@@ -75,8 +85,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return
     table, perm = _rotation_table(cos_sin_cache)
     rot = table.shape[-1]
-    rows = table.index_select(0, positions)
-    cos, sin = rows[:, None, 0], rows[:, None, 1]
+    cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
     joint = _heads_together(q, k)
     for x in (q, k) if joint is None else (joint,):
         part = x[..., :rot]

@@ -1,0 +1,147 @@
+"""The torch reference ops' CPU shortcuts against plain formulas: rope on q|k as one view, SDPA with
+head_dim zero-padded, prefill on the chunks' fresh K/V, the decode plan shared by all layers of a
+step (StepMemo), and the memo's own keying."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.ops import attention as A
+from services.engine.ops.rope import apply_rope, rope_cache
+from services.engine.ops.step_memo import StepMemo
+from tests.kernel_utils import paged_kv, seeded
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def rope_formula(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half rope in float64 on the first rot_dim channels."""
+    rot = cos_sin.shape[-1]
+    half = rot // 2
+    cs = cos_sin.double()[positions]
+    cos, sin = torch.cat([cs[:, :half]] * 2, -1)[:, None], torch.cat([cs[:, half:]] * 2, -1)[:, None]
+    x = x.double()
+    part = x[..., :rot]
+    rotated = torch.cat([-part[..., half:], part[..., :half]], -1)
+    return torch.cat([part * cos + rotated * sin, x[..., rot:]], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rot_dim", [16, 8])
+def test_rope_matches_rotate_half(dtype, fused, rot_dim):
+    tokens, hq, hkv, dim = 7, 4, 2, 16
+    gen = seeded(0)
+    cache = rope_cache(rot_dim, 64, 10000.0, None)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen).to(dtype)
+    if fused:  # q and k are adjacent slices of one projection: rotated as one view
+        q = qkv[:, : hq * dim].view(tokens, hq, dim)
+        k = qkv[:, hq * dim : (hq + hkv) * dim].view(tokens, hkv, dim)
+    else:
+        q = qkv[:, : hq * dim].reshape(tokens, hq, dim).clone()
+        k = qkv[:, (hq + hkv) * dim :].reshape(tokens, hkv, dim).clone()
+    want_q, want_k = rope_formula(q, positions, cache), rope_formula(k, positions, cache)
+    v_before = qkv[:, (hq + hkv) * dim :].clone()
+    apply_rope(q, k, positions, cache)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(q.double(), want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.double(), want_k, atol=tol, rtol=tol)
+    if fused:  # the fused view stops at k: v untouched
+        assert torch.equal(qkv[:, (hq + hkv) * dim :], v_before)
+
+
+def naive_attention(q, k, v, scale, q_start):
+    """q [Lq, Hq, D] at positions q_start.., k/v [Lk, Hkv, D]; causal, GQA; float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(q_start, q_start + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("keys", [20, 200])  # below and above the padding threshold
+def test_sdpa_pads_small_head_dim_exactly(keys):
+    gen = seeded(1)
+    q = torch.randn(1, keys, 4, 8, generator=gen)
+    k, v = torch.randn(1, keys, 2, 8, generator=gen), torch.randn(1, keys, 2, 8, generator=gen)
+    out = A._sdpa(q, k, v, None, 0.3)
+    assert out.shape == q.shape
+    want = naive_attention(q[0], k[0], v[0], 0.3, 0)
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_on_fresh_kv_equals_reading_pages():
+    """Whole prompts take their K/V from the step's rows, a continued chunk reads its pages: same
+    numbers as reading everything back from the cache."""
+    gen = seeded(2)
+    lens = [5, 150, 9]
+    kv = paged_kv(lens, 16, 2, 8, torch.float32, None, gen).clean()
+    # Request 1 continues a prompt: its last 6 tokens are this step's chunk; the others are whole.
+    q_lens = [5, 6, 9]
+    cu = torch.tensor([0, 5, 11, 20], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 4, 8, generator=gen)
+    pos = [torch.arange(n - c, n) for n, c in zip(lens, q_lens, strict=True)]
+    rows = [kv.block_tables[i, p // 16].long() * 16 + p % 16 for i, p in enumerate(pos)]
+    slots = torch.cat(rows)
+    k_new = kv.k_cache.view(-1, 2, 8)[slots].clone()
+    v_new = kv.v_cache.view(-1, 2, 8)[slots].clone()
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 9, 150, 0.35)
+    fresh = A.prefill_attention(*args, new_kv=(k_new, v_new))
+    paged = A.prefill_attention(*args)
+    torch.testing.assert_close(fresh, paged, atol=1e-6, rtol=1e-6)
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        tables = kv.block_tables[i : i + 1]
+        keys = A.gather_pages(kv.k_cache, tables, lens[i])[0]
+        values = A.gather_pages(kv.v_cache, tables, lens[i])[0]
+        want = naive_attention(q[lo:hi], keys, values, 0.35, lens[i] - q_lens[i])
+        torch.testing.assert_close(fresh[lo:hi].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_plan_follows_new_lengths():
+    """Layers of one step share the decode plan; a new step's lengths, a longer max_len or a length
+    written in place are never served the old plan."""
+    gen = seeded(3)
+    kv = paged_kv([40, 70, 33], 16, 2, 8, torch.float32, None, gen).clean()
+    q = torch.randn(3, 4, 8, generator=gen)
+
+    def naive(seq_lens):
+        out = []
+        for i, n in enumerate(seq_lens):
+            tables = kv.block_tables[i : i + 1]
+            keys, values = A.gather_pages(kv.k_cache, tables, n)[0], A.gather_pages(kv.v_cache, tables, n)[0]
+            out.append(naive_attention(q[i : i + 1], keys, values, 0.35, n - 1))
+        return torch.cat(out)
+
+    def check(seq_lens, max_len=None):
+        got = A.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq_lens, 0.35, None, max_len)
+        torch.testing.assert_close(got.double(), naive(seq_lens.tolist()), atol=1e-5, rtol=1e-5)
+
+    lens = torch.tensor([40, 70, 33], dtype=torch.int32)
+    check(lens)
+    check(lens)  # served from the memo
+    lens[0] = 12  # in place: a new version
+    check(lens)
+    check(torch.tensor([40, 20, 33], dtype=torch.int32), 40)  # a new step's tensor
+
+
+def test_step_memo_keys_on_identity_version_and_extra():
+    memo, calls = StepMemo(), []
+
+    def build():
+        calls.append(1)
+        return len(calls)
+
+    a, b = torch.zeros(3), torch.zeros(3)
+    assert memo.get((a,), 1, build) == 1
+    assert memo.get((a,), 1, build) == 1  # same tensor, same version: reused
+    assert memo.get((b,), 1, build) == 2  # equal values, other tensor: rebuilt
+    assert memo.get((b,), 2, build) == 3  # other extra key
+    b.add_(1)
+    assert memo.get((b,), 2, build) == 4  # written in place
+    with torch.inference_mode():
+        c = torch.zeros(3)  # no version counter: never served from the memo
+    assert memo.get((c,), 2, build) == 5
+    assert memo.get((c,), 2, build) == 6
