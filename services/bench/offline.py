@@ -6,7 +6,8 @@ both traces, scaled by one factor so the longest drawn fits the model's context)
 token ids and every request generates exactly its trace output length (ignore_eos / min_new_tokens).
 HF runs static batches of `--batch-size` requests in arrival order (left-padded, each batch decodes
 until its longest request is done); our engine runs continuous batching with max_num_seqs equal to
-the same batch size. Both count only the requested output tokens.
+the same batch size. Both count only the requested output tokens, and both run with the same torch
+thread count: by default the one our engine takes on this host (all cores but one, at least one).
 
 Also prints the scheduler overhead: CPU time per step of scheduling + batch preparation with
 `--overhead-requests` running requests of `--overhead-context` tokens, the model call replaced by
@@ -28,6 +29,8 @@ import torch
 from tqdm import tqdm
 
 from services.bench.report import machine_info, print_table, write_json
+from services.config import EngineConfig
+from services.cpus import engine_core_count
 from services.bench.workload import default_trace_paths, load_trace, shared_dir
 
 # A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
@@ -188,7 +191,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-requests", type=int, default=256)
     parser.add_argument("--overhead-context", type=int, default=2048)
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads for both engines (default: torch's)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for both engines (default: the engine's own on this host, all cores "
+        "but one: services/cpus.engine_core_count)",
     )
     parser.add_argument("--json", help="write the full results here")
     parser.add_argument("--out", help="directory for results (JSON copy)")
@@ -196,8 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # Both engines get the thread count our engine takes on this host by default (the pipelined server
+    # leaves one core to the other processes); --threads sets another for both.
+    torch.set_num_threads(args.threads or engine_core_count(EngineConfig(), len(os.sched_getaffinity(0))))
     models = args.model or [str(shared_dir() / "models" / "stories260K"), "llama-20m"]
     results = {
         "machine": machine_info(),
