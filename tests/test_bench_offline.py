@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 
 from services.bench.offline import Workload
 from services.cli import main
+from services.config import EngineConfig
+from services.cpus import engine_core_count
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,13 +24,21 @@ def test_static_batch_waste_by_hand() -> None:
     assert work.static_batch_waste(1) == pytest.approx(1.0)
 
 
-def test_bench_offline_end_to_end(stories_dir: str, tmp_path) -> None:
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_offline_end_to_end(stories_dir: str, tmp_path, keep_threads) -> None:
     out = tmp_path / "offline.json"
     argv = ["bench", "offline", "--model", stories_dir, "--num-requests", "4", "--batch-size", "2",
-            "--repeats", "2", "--threads", "1", "--overhead-requests", "8", "--overhead-context", "64",
-            "--json", str(out)]
+            "--repeats", "2", "--overhead-requests", "8", "--overhead-context", "64", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
+    # Both engines at the engine's own thread count for this host unless --threads says otherwise.
+    assert result["threads"] == engine_core_count(EngineConfig(), len(os.sched_getaffinity(0)))
     (entry,) = result["models"]
     assert entry["output_tokens"] > 0 and entry["pipeserve_tok_s"] > 0 and entry["hf_tok_s"] > 0
     assert entry["speedup"] == pytest.approx(entry["hf_s"] / entry["pipeserve_s"])

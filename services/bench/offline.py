@@ -29,9 +29,9 @@ import torch
 from tqdm import tqdm
 
 from services.bench.report import machine_info, print_table, write_json
+from services.bench.workload import default_trace_paths, load_trace, shared_dir
 from services.config import EngineConfig
 from services.cpus import engine_core_count
-from services.bench.workload import default_trace_paths, load_trace, shared_dir
 
 # A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
 LLAMA_20M = {

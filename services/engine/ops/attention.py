@@ -1,9 +1,8 @@
 """Attention over the paged KV cache: metadata and the torch reference implementations.
 
 The flat batch holds decode rows first (q length 1) and prefill rows after. The reference path
-gathers pages with index_select (whole pages at a time) and computes in fp32: decode as batched
-matmuls over the whole batch, prefill as one SDPA call per chunk (no padding to the longest).
-"""
+gathers pages with index_select (whole pages at a time) and computes in fp32: decode as one masked
+SDPA call over the batch, prefill as one SDPA call per chunk (no padding to the longest)."""
 
 from __future__ import annotations
 
