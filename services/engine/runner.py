@@ -153,6 +153,7 @@ class ModelRunner:
         max_pages = self.pool.pages_for(int(max(d_lens.max(initial=1), flat.prefill_seq_lens.max(initial=1))))
         p_q = np.diff(flat.prefill_cu_q_lens)
         s_lens = flat.sample_seq_lens
+        every_row = flat.sample_rows.size == flat.positions.size  # then the rows are 0..T-1
         return AttentionMetadata(
             slot_mapping=self._stage("slot_mapping", flat.slot_mapping),
             num_decode=flat.num_decode,
@@ -164,9 +165,11 @@ class ModelRunner:
             prefill_max_q_len=int(p_q.max(initial=0)),
             prefill_max_seq_len=int(flat.prefill_seq_lens.max(initial=0)),
             decode_max_seq_len=int(d_lens.max(initial=0)),
-            sample_rows=self._stage("sample_rows", flat.sample_rows),
-            sample_block_tables=self._stage("sample_block_tables", table[flat.sample_slots, :max_pages]),
-            sample_seq_lens=self._stage("sample_seq_lens", s_lens),
+            sample_rows=None if every_row else self._stage("sample_rows", flat.sample_rows),
+            sample_block_tables=None if every_row else self._stage(
+                "sample_block_tables", table[flat.sample_slots, :max_pages]
+            ),
+            sample_seq_lens=None if every_row else self._stage("sample_seq_lens", s_lens),
             sample_max_seq_len=int(s_lens.max(initial=0)),
         )
 

@@ -62,9 +62,10 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
         cache: LayerCache,
-        last: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention output of every row; in the last layer, with meta.sample_rows, of those alone."""
+        """Attention output of every row, or with `rows` (the last layer: meta.sample_rows) of those
+        alone, each its sequence's newest token: after every row's K/V is written, that is decoding."""
         t = positions.shape[0]  # x may be a quantized activation (services/engine/quant)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -77,10 +78,9 @@ class Attention(nn.Module):
             k = k - m.to(k.dtype)
         scales = cache.scale_kwargs()
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
-        if last and meta.sample_rows is not None:
-            # Only the sampled rows go on: each is its sequence's newest token, so this is decoding.
+        if rows is not None:
             out = self.ops.decode_attention(
-                q.index_select(0, meta.sample_rows),
+                q.index_select(0, rows),
                 cache.k,
                 cache.v,
                 meta.sample_block_tables,
@@ -158,9 +158,10 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, meta, cache, self.last)
-        if self.last and meta.sample_rows is not None:
-            residual = residual.index_select(0, meta.sample_rows)
+        rows = meta.sample_rows if self.last else None
+        x = self.self_attn(x, positions, cos_sin, meta, cache, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

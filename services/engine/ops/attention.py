@@ -30,7 +30,8 @@ class AttentionMetadata:
     decode_max_seq_len: int = 0  # host copy of max(decode_seq_lens); 0: read it from the tensor
     # The rows whose hidden states the step reads (the sampled ones: every decode row, the last row
     # of each finished prompt), each its sequence's newest token: a decode batch of their own. With
-    # them the model's last layer attends and runs its MLP for these rows alone. None: every row.
+    # them the model's last layer attends and runs its MLP for these rows alone. None: every row
+    # (also what the runner sends when every row samples, as in a step of decoding only).
     sample_rows: torch.Tensor | None = None  # int64 [R], into the flat batch
     sample_block_tables: torch.Tensor | None = None  # int32 [R, max_pages]
     sample_seq_lens: torch.Tensor | None = None  # int32 [R]
