@@ -42,22 +42,17 @@ def rope_cache(rot_dim: int, max_pos: int, theta: float, scaling: dict[str, Any]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
 
 
-# Derived table of the last rope cache seen: one entry, holding the cache itself so a new cache can
-# never be mistaken for it. Rope caches are built once per model and never written.
-_ROTATION: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+_ROTATION = StepMemo()  # the last rope cache's table: caches are built once per model, never written
 
 
 def _rotation_table(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[max_pos, 2, rot_dim] (cos|cos, -sin|sin) and the rotate-half column order, so that rope is
     x * cos + x[perm] * sin: whole-width ops (the half-width ones run at a third of the speed)."""
-    global _ROTATION
-    if _ROTATION is None or _ROTATION[0] is not cos_sin_cache:
-        half = cos_sin_cache.shape[-1] // 2
-        cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
-        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
-        perm = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(cos_sin_cache.device)
-        _ROTATION = (cos_sin_cache, table, perm)
-    return _ROTATION[1], _ROTATION[2]
+    half = cos_sin_cache.shape[-1] // 2
+    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+    table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+    perm = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(cos_sin_cache.device)
+    return table, perm
 
 
 _ROWS = StepMemo()
@@ -83,7 +78,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
     if q.shape[0] == 0:
         return
-    table, perm = _rotation_table(cos_sin_cache)
+    table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
     rot = table.shape[-1]
     cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
     joint = _heads_together(q, k)

@@ -1,10 +1,11 @@
-"""Per-step values the torch reference derives from its inputs once and reuses in every layer.
+"""Values the torch reference derives from its inputs once and reuses in every layer.
 
 Each layer gets the same per-step tensors (positions, block tables, lengths), so masks, page
-indices and rope rows built from them are the same in all layers: a memo of one entry holds the
-last ones. Its key is the input tensors themselves, held so that a later tensor can never take a
-freed one's id, plus their version counters, so an in-place write through torch makes a new key.
-Inference tensors keep no version counter: with one among the inputs nothing is memoized.
+indices and rope rows built from them are the same in all layers (and a rope cache's table the
+same in every step): a memo of one entry holds the last ones. Its key is the input tensors
+themselves, held so that a later tensor can never take a freed one's id, plus their version
+counters, so an in-place write through torch makes a new key. Inference tensors keep no version
+counter: with one among the inputs nothing is memoized.
 """
 
 from __future__ import annotations
