@@ -34,6 +34,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy services
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
