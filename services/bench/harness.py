@@ -131,8 +131,8 @@ def open_bench(args: argparse.Namespace, max_num_seqs: int, max_num_batched_toke
 
     from services.engine import LLM
     from services.engine.engine import resolve_device
-    from services.engine.model.config import ModelConfig
     from services.engine.model.loader import resolve_dtype
+    from services.model_config import ModelConfig
 
     model_dir = resolve_model(args.model)
     options: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "backend": args.backend,

@@ -150,10 +150,10 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
     """ms of CPU per step for schedule + batch metadata + postprocess, with a no-op model."""
     from services.engine.kv.policy import OptimisticPolicy
     from services.engine.kv.pool import KVPool
-    from services.engine.model.config import ModelConfig
     from services.engine.runner import ModelRunner
     from services.engine.scheduler import Scheduler
     from services.engine.sequence import Sequence
+    from services.model_config import ModelConfig
     from services.sampling_params import SamplingParams
 
     cfg = ModelConfig.from_dict(LLAMA_20M | {"num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 8})

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LayerCache
+from services.model_config import ModelConfig
 
 # Quantized caches keep one fp16 scale per group of channels (PPL.LLM: 8).
 KV_SCALE_GROUP = 8

@@ -13,8 +13,7 @@ from torch import nn
 
 from services.engine.ops import AttentionMetadata, Ops, rope_cache
 from services.engine.ops.kv_quant import key_means
-
-from .config import ModelConfig
+from services.model_config import ModelConfig
 
 
 @dataclass

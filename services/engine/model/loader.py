@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from services.engine.ops import Ops
+from services.model_config import ModelConfig
 
-from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""The architecture of a checkpoint, read from its config.json (old and new transformers forms)."""
+"""The one reader of a checkpoint's config.json (and generation_config.json). Torch-free: the engine,
+its loader and the tokenizer workers all read a checkpoint through here, so they cannot disagree on
+its context length or vocabulary."""
 
 from __future__ import annotations
 
@@ -8,6 +10,61 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Keys that state the trained context length, in the order transformers' configs prefer them.
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+# transformers' LlamaConfig default, so a config without any of the keys loads as transformers reads it.
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def read_config(model_dir: str) -> dict[str, Any]:
+    """config.json as a dict, a multimodal wrapper's `text_config` merged over it (the language model's
+    fields win; the wrapper's `architectures` stays when the inner config has none)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
+    with open(path) as f:
+        cfg: dict[str, Any] = json.load(f)
+    return unwrap_text_config(cfg)
+
+
+def unwrap_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    text = cfg.get("text_config")
+    return cfg | text if isinstance(text, dict) else cfg
+
+
+def context_length(cfg: dict[str, Any]) -> int:
+    """The trained context length: the first integer among CONTEXT_LENGTH_KEYS, else the default."""
+    return next(
+        (cfg[k] for k in CONTEXT_LENGTH_KEYS if isinstance(cfg.get(k), int) and not isinstance(cfg[k], bool)),
+        DEFAULT_CONTEXT_LENGTH,
+    )
+
+
+def generation_eos(model_dir: str) -> list[int] | None:
+    """generation_config.json's eos ids (often several, e.g. chat end markers), if it states any."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return _ids(eos) if eos is not None else None
+
+
+def _ids(value: Any) -> list[int]:
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+@dataclass
+class ModelLimits:
+    """What the tokenizer checks prompts against, without the architecture checks of ModelConfig."""
+
+    context_len: int  # positions the model was trained for
+    vocab_size: int  # rows of the embedding: larger ids would index out of range
+
+
+def model_limits(model_dir: str) -> ModelLimits:
+    cfg = read_config(model_dir)
+    return ModelLimits(context_len=context_length(cfg), vocab_size=int(cfg["vocab_size"]))
 
 
 @dataclass
@@ -34,6 +91,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        cfg = unwrap_text_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -46,6 +104,7 @@ class ModelConfig:
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         window = cfg.get("sliding_window")
+        windows: list[int | None]
         if "layer_types" in cfg:
             windows = [window if t == "sliding_attention" else None for t in cfg["layer_types"]]
         elif arch == "Qwen2ForCausalLM":
@@ -55,7 +114,6 @@ class ModelConfig:
         else:
             windows = [window] * layers
         eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -65,7 +123,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             vocab_size=cfg["vocab_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=context_length(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -73,25 +131,17 @@ class ModelConfig:
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
             layer_sliding_windows=windows,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=[] if eos is None else _ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
             name=name,
         )
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
-        with open(path) as f:
-            config = cls.from_dict(json.load(f), name=os.path.basename(os.path.normpath(model_dir)))
-        # generation_config.json holds the eos ids generation should stop on (often several).
-        gen_path = os.path.join(model_dir, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        config = cls.from_dict(read_config(model_dir), name=os.path.basename(os.path.normpath(model_dir)))
+        eos = generation_eos(model_dir)  # the ids generation should stop on win over config.json's
+        if eos is not None:
+            config.eos_token_ids = eos
         return config
 
     @property
