@@ -15,6 +15,14 @@ BACKENDS = ("torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 
+# An abort overtakes its add by the tokenizers' queueing (milliseconds), so the engine process keeps
+# an abort for an id it has not seen (a tombstone) this long, then drops it as stale (e.g. an abort
+# queued for a dead engine's request), so that it cannot end a later request reusing the id.
+TOMBSTONE_TTL = 30.0
+# The gateway keeps an aborted id reserved until the engine reports its finish, but at most this
+# long. It must outlast any tombstone, or a reused id could meet its predecessor's tombstone.
+ABORTED_HOLD = 2 * TOMBSTONE_TTL
+
 
 @dataclass
 class EngineConfig:
@@ -69,8 +77,11 @@ def _env(name: str, default: str) -> str:
 
 @dataclass
 class Addresses:
-    """ZeroMQ endpoints. Binders: gateway (tokenize, deltas, errors) and engine (requests, control)
-    and detokenizer (steps). Connectors: everything else. Env vars let compose wire them."""
+    """ZeroMQ endpoints. Binders: gateway (tokenize, deltas, errors, status) and engine (requests,
+    control) and detokenizer (steps). Connectors: everything else. Env vars let compose wire them.
+
+    `errors` carries only per-request failures (RequestError); `status` carries liveness and process
+    state (the engine's EngineInfo heartbeats, the supervisor's ProcessStatus)."""
 
     tokenize: str = field(default_factory=lambda: _env("PIPESERVE_TOKENIZE_ADDR", "ipc:///tmp/pipeserve/tokenize"))
     requests: str = field(default_factory=lambda: _env("PIPESERVE_REQUESTS_ADDR", "ipc:///tmp/pipeserve/requests"))
@@ -78,6 +89,7 @@ class Addresses:
     steps: str = field(default_factory=lambda: _env("PIPESERVE_STEPS_ADDR", "ipc:///tmp/pipeserve/steps"))
     deltas: str = field(default_factory=lambda: _env("PIPESERVE_DELTAS_ADDR", "ipc:///tmp/pipeserve/deltas"))
     errors: str = field(default_factory=lambda: _env("PIPESERVE_ERRORS_ADDR", "ipc:///tmp/pipeserve/errors"))
+    status: str = field(default_factory=lambda: _env("PIPESERVE_STATUS_ADDR", "ipc:///tmp/pipeserve/status"))
 
     @classmethod
     def under(cls, directory: str) -> Addresses:

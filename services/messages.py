@@ -1,23 +1,36 @@
-"""Every message that crosses a ZeroMQ socket, defined once.
+"""Every message that crosses a ZeroMQ socket, defined once, as typed (nested) dataclasses.
 
-Wire format: a msgpack map {"v": VERSION, "t": <type tag>, <fields>...}. Token ids travel as packed
-little-endian int32 bytes, never as lists. decode() checks size, version, tag and every field's type
-and raises MessageError on anything malformed, so a receiver can log and drop instead of crashing.
-Never pickle.
+Wire format: a msgpack map {"v": <the type's VERSION>, "t": <type tag>, <fields>...}; a nested
+dataclass travels as a map of its fields. Token ids travel as packed little-endian int32 bytes,
+never as lists. decode() checks size, version, tag and, recursively, every field's type against the
+annotations and raises MessageError on anything malformed, so a receiver can log and drop instead of
+crashing. It checks types only: the values were validated once, at the edge that built the message
+(the gateway for request shape and sampling parameters, the tokenizer for token-level limits), and
+receivers further down trust them. Never pickle.
+
+Sockets (services.config.Addresses): tokenize (TokenizeRequest), requests (EngineRequest), control
+(Abort), steps (StepOutput), deltas (TextDeltas), errors (RequestError only), status (EngineInfo,
+ProcessStatus: liveness and process state, never a request's outcome).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import numpy as np
 
-VERSION = 1
+from services.sampling_params import SamplingParams
+
+VERSION = 2  # 2: nested typed fields (sampling, new, logprobs, info, messages); status socket
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest batched step or request we accept
+# Prompt ids a new request's NewRequestInfo carries: the incremental detokenizer's left context
+# (services.detokenizer.incremental.MAX_CONTEXT is this value).
+PROMPT_TAIL = 8
 
 
 class MessageError(ValueError):
@@ -29,39 +42,72 @@ def pack_ids(ids: Any) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
-def unpack_ids(data: bytes) -> np.ndarray:
+def unpack_ids(data: bytes) -> np.ndarray[Any, np.dtype[np.int32]]:
     if len(data) % 4:
         raise MessageError(f"packed ids have {len(data)} bytes, not a multiple of 4")
     return np.frombuffer(data, dtype="<i4")
 
 
+def pack_floats(values: Any) -> bytes:
+    """float32 values (list or array) as packed little-endian bytes."""
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_floats(data: bytes) -> np.ndarray[Any, np.dtype[np.float32]]:
+    if len(data) % 4:
+        raise MessageError(f"packed floats have {len(data)} bytes, not a multiple of 4")
+    return np.frombuffer(data, dtype="<f4")
+
+
+M = TypeVar("M", bound="Message")
+
+
 @dataclass
 class Message:
     TAG: ClassVar[str] = ""
+    VERSION: ClassVar[int] = VERSION
+
+    @classmethod
+    def decode(cls: type[M], data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+        """decode(), and a MessageError unless the message is of this type."""
+        msg = decode(data, max_bytes)
+        if not isinstance(msg, cls):
+            raise MessageError(f"expected a {cls.TAG!r} message, got {msg.TAG!r}")
+        return msg
+
+
+# ---- gateway -> tokenizer -> engine ------------------------------------------------------------
+
+
+@dataclass
+class ChatMessage:
+    role: str  # the gateway checked it is one of its chat roles
+    content: str
 
 
 @dataclass
 class TokenizeRequest(Message):
-    """gateway -> tokenizer: one request, still text (or chat messages, or ids to check)."""
+    """gateway -> tokenizer: one request, still text (or chat messages, or ids to check). Exactly one
+    of prompt, messages, prompt_ids is set; sampling is validated (SamplingParams.validate)."""
 
     TAG: ClassVar[str] = "tokenize"
     rid: str
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None
     prompt_ids: bytes | None = None
     app: str = ""
-    arrival: float = 0.0
+    arrival: float = 0.0  # wall clock (time.time()) at the gateway; the engine process converts it
 
 
 @dataclass
 class EngineRequest(Message):
-    """tokenizer -> engine: a request with token ids only."""
+    """tokenizer -> engine: a request with token ids only, within the model's limits."""
 
     TAG: ClassVar[str] = "request"
     rid: str
     prompt_ids: bytes
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     app: str = ""
     arrival: float = 0.0
 
@@ -75,16 +121,28 @@ class Abort(Message):
     reason: str = "abort"  # "abort" (client left) or "stop" (stop string matched)
 
 
+# ---- engine -> detokenizer ---------------------------------------------------------------------
+
+
 @dataclass
 class NewRequestInfo:
     """What the detokenizer needs to know of a request, sent with its first step output."""
 
     rid: str
     prompt_len: int
-    prompt_tail: bytes  # last few prompt ids, packed: the incremental detokenizer's left context
+    prompt_tail: bytes  # the last PROMPT_TAIL prompt ids, packed: the detokenizer's left context
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     logprobs: int | None = None
+
+
+@dataclass
+class StepLogprobs:
+    """The logprobs of one sampled token: its own and its request's top-k alternatives."""
+
+    logprob: float
+    top_ids: bytes  # packed int32 [k]
+    top_logprobs: bytes  # packed float32 [k]
 
 
 @dataclass
@@ -93,8 +151,7 @@ class StepOutput(Message):
 
     rids[i] got token tokens[i] (-1: no token this step, e.g. aborted before it produced one);
     finish[i] is "" while running, else "stop" | "length" | "abort".
-    logprobs, when any request asked: for row i either None or
-    [sampled_logprob, packed top ids, packed float32 top logprobs].
+    logprobs, when any request asked: one entry per row, None for rows that did not ask.
     step counts up within one engine's life; a step with rows numbered below the previous one tells
     the detokenizer the engine restarted (it drops the old requests' state). Heartbeats have no rows."""
 
@@ -103,10 +160,28 @@ class StepOutput(Message):
     rids: list[str]
     tokens: bytes
     finish: list[str]
-    new: list[dict[str, Any]] = field(default_factory=list)  # NewRequestInfo as dicts
-    logprobs: list[Any] | None = None
+    new: list[NewRequestInfo] = field(default_factory=list)
+    logprobs: list[StepLogprobs | None] | None = None
     # Engine counters piggy-backed for the gateway's /stats and the tests (running, waiting, pages).
     stats: dict[str, int] | None = None
+
+
+# ---- detokenizer -> gateway --------------------------------------------------------------------
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str  # its text as it reads inside running text
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -115,9 +190,9 @@ class TextDeltas(Message):
 
     Row i: request rids[i] gets text[i] and the ids tokens[offsets[i]:offsets[i+1]]; one row per
     request per message. completion_tokens[i] counts the request's ids so far (usage).
-    logprobs, when a row asked: for row i None or one entry per id, {"token_id", "token" (its text),
-    "logprob", "top": [{"token_id", "token", "logprob"}, ...]}. stats: the engine's latest counters
-    plus "detok_requests" (live detokenizer states); sent on every receive, heartbeats included."""
+    logprobs, when a row asked: for row i None or one entry per id. stats: the engine's latest
+    counters plus "detok_requests" (live detokenizer states); sent on every receive, heartbeats
+    included."""
 
     TAG: ClassVar[str] = "deltas"
     rids: list[str]
@@ -127,8 +202,11 @@ class TextDeltas(Message):
     finish: list[str]
     prompt_tokens: list[int]
     completion_tokens: list[int]
-    logprobs: list[Any] | None = None
+    logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
+
+
+# ---- errors socket: request failures -----------------------------------------------------------
 
 
 @dataclass
@@ -141,21 +219,42 @@ class RequestError(Message):
     message: str
 
 
+# ---- status socket: liveness and process state -------------------------------------------------
+
+
+@dataclass
+class ModelInfo:
+    """What the engine serves (the gateway's ModelInfo RPC and its admission limits)."""
+
+    name: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = ""
+    device: str = ""
+    backend: str = ""
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    page_size: int = 0
+    num_pages: int = 0
+    max_logprobs: int = 20
+
+
 @dataclass
 class EngineInfo(Message):
-    """engine -> gateway (errors socket), every heartbeat: what ModelInfo serves, and proof of life.
+    """engine -> gateway (status socket), every heartbeat: what ModelInfo serves, and proof of life.
 
     boot changes when the engine restarts, so the gateway can fail the requests the old one had."""
 
     TAG: ClassVar[str] = "engine_info"
     boot: int
-    info: dict[str, Any]  # Engine.model_info() plus max_logprobs
+    info: ModelInfo
     stats: dict[str, int] | None = None
 
 
 @dataclass
 class ProcessStatus(Message):
-    """supervisor (`pipeserve up`) -> gateway (errors socket): a process died or was restarted."""
+    """supervisor (`pipeserve up`) -> gateway (status socket): a process died or was restarted."""
 
     TAG: ClassVar[str] = "process"
     process: str  # "engine", "detokenizer", "tokenizer-0", ...
@@ -169,37 +268,67 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
-def new_request_info(data: dict[str, Any]) -> NewRequestInfo:
-    """Validate one StepOutput.new entry (decode() only checks that it is a map)."""
-    hints = _HINTS.get(NewRequestInfo)
-    if hints is None:
-        hints = _HINTS[NewRequestInfo] = typing.get_type_hints(NewRequestInfo)
-    unknown = set(data) - set(hints)
-    if unknown:
-        raise MessageError(f"new: unknown fields {sorted(unknown)}")
-    for name, value in data.items():
-        _check(value, hints[name], f"new.{name}")
-    try:
-        return NewRequestInfo(**data)
-    except TypeError as exc:  # missing required fields
-        raise MessageError(f"new: {exc}") from exc
+# ---- encode / decode ---------------------------------------------------------------------------
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields_of(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
+def _as_map(obj: Any) -> dict[str, Any]:
+    """msgpack's hook for what it cannot pack itself: a nested dataclass becomes a map of its fields."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {name: getattr(obj, name) for name in _fields_of(type(obj))}
+    raise TypeError(f"cannot put a {type(obj).__name__} on the wire")
 
 
 def encode(msg: Message) -> bytes:
-    body: dict[str, Any] = {"v": VERSION, "t": msg.TAG}
-    for f in fields(msg):
-        body[f.name] = getattr(msg, f.name)
-    return msgpack.packb(body, use_bin_type=True)
+    body: dict[str, Any] = {"v": msg.VERSION, "t": msg.TAG}
+    for name in _fields_of(type(msg)):
+        body[name] = getattr(msg, name)
+    data: bytes = msgpack.packb(body, use_bin_type=True, default=_as_map)
+    return data
 
 
-def _check(value: Any, hint: Any, where: str) -> None:
-    """Strict, shallow type check of a decoded value against a dataclass annotation."""
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        names = set(_fields_of(cls))
+        hints = _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+    return hints
+
+
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    """A dataclass from a decoded map: every field checked (and converted) against its annotation."""
+    hints = _hints(cls)
+    kwargs = {}
+    for name, hint in hints.items():
+        if name in body:
+            kwargs[name] = _convert(body[name], hint, f"{where}.{name}")
+    unknown = set(body) - set(hints)
+    if unknown:
+        raise MessageError(f"{where}: unknown fields {sorted(unknown)}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # missing required fields
+        raise MessageError(f"{where}: {exc}") from exc
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """value checked strictly against a dataclass annotation; nested dataclasses are built."""
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         for option in typing.get_args(hint):
             try:
-                _check(value, option, where)
-                return
+                return _convert(value, option, where)
             except MessageError:
                 continue
         raise MessageError(f"{where}: unexpected {type(value).__name__}")
@@ -208,23 +337,34 @@ def _check(value: Any, hint: Any, where: str) -> None:
     elif hint is Any:
         ok = True
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        ok = isinstance(value, float)
     elif hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif origin is list:
-        ok = isinstance(value, list)
-        if ok and typing.get_args(hint) and typing.get_args(hint)[0] is not Any:
-            for i, item in enumerate(value):
-                _check(item, typing.get_args(hint)[0], f"{where}[{i}]")
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint) or (Any,)
+        if item is Any:
+            return value
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
-        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise MessageError(f"{where}: expected a map with string keys, got {type(value).__name__}")
+        _, item = typing.get_args(hint) or (str, Any)
+        if item is Any:
+            return value
+        return {k: _convert(v, item, f"{where}.{k}") for k, v in value.items()}
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected a map, got {type(value).__name__}")
+        return _build(hint, value, where)
     else:
         ok = isinstance(value, hint)
     if not ok:
-        raise MessageError(f"{where}: expected {hint}, got {type(value).__name__}")
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
+        raise MessageError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+    return value
 
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
@@ -237,23 +377,12 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         raise MessageError(f"undecodable message: {exc}") from exc
     if not isinstance(body, dict):
         raise MessageError("message is not a map")
-    if body.get("v") != VERSION:
-        raise MessageError(f"unsupported message version {body.get('v')!r}")
-    cls = MESSAGE_TYPES.get(body.get("t"))  # type: ignore[arg-type]
+    tag = body.pop("t", None)
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise MessageError(f"unknown message type {body.get('t')!r}")
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TAG"}
-    kwargs = {}
-    for name, hint in hints.items():
-        if name in body:
-            _check(body[name], hint, f"{cls.TAG}.{name}")
-            kwargs[name] = body[name]
-    unknown = set(body) - set(hints) - {"v", "t"}
-    if unknown:
-        raise MessageError(f"{cls.TAG}: unknown fields {sorted(unknown)}")
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # missing required fields
-        raise MessageError(f"{cls.TAG}: {exc}") from exc
+        raise MessageError(f"unknown message type {tag!r}")
+    version = body.pop("v", None)
+    if version != cls.VERSION:
+        raise MessageError(f"unsupported {tag} message version {version!r} (this build speaks {cls.VERSION})")
+    msg: Message = _build(cls, body, cls.TAG)
+    return msg

@@ -1,5 +1,6 @@
 """Incremental detokenization and stop strings, as pure logic: the detokenizer process and the
-offline `LLM.generate` both feed one `IncrementalDetokenizer` per request, token by token.
+offline `LLM.generate` both feed one `RequestText` per request (token ids in; text deltas, the stop
+string's end of the request, the flush at its finish out), so both produce the same text.
 
 The window (vLLM's prefix/read offsets): `ids[:read_offset]` is released left context whose decode
 is `prefix_text`; each add decodes all of `ids` and releases what follows `prefix_text`. Ids left of
@@ -21,8 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.messages import PROMPT_TAIL
+
 FFFD = "\ufffd"
-MAX_CONTEXT = 8  # prompt tail ids used as left context
+MAX_CONTEXT = PROMPT_TAIL  # prompt ids used as left context: as many as the engine sends
 # A character is at most 4 UTF-8 bytes, so 3 byte tokens may wait for a 4th: hold the whole
 # trailing U+FFFD run that long (tokenizers' ByteFallback turns a whole unfinished byte run into
 # U+FFFDs). Then hold only the last U+FFFD, the one a lossy UTF-8 decoder may still complete,
@@ -183,3 +186,45 @@ class IncrementalDetokenizer:
         self.prefix_text = self._text()
         self.sent = ""
         return text
+
+
+@dataclass
+class TextUpdate:
+    """What one feed released for a request."""
+
+    text: str
+    finish: str = ""  # "" while running; else the request's finish reason ("stop" on a stop string)
+    abort: bool = False  # a stop string ended a request the engine still runs: abort it there
+
+
+class RequestText:
+    """One request's text from its generated ids: the single stop / abort / flush path of the
+    detokenizer process and the offline LLM. Feed each step's ids and the engine's finish reason;
+    once `finished`, further output of the request (steps the engine ran before it saw the abort)
+    is the caller's to drop."""
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
+        self.detok = detok
+        self.finish = ""
+        self.completion_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish)
+
+    def feed(self, ids: Sequence[int], finish: str = "") -> TextUpdate:
+        """ids: the request's new ids this step (none when it ended between steps); finish: the
+        engine's finish reason for it ("" while running)."""
+        assert not self.finish, "fed a finished request"
+        text, abort = "", False
+        if len(ids):
+            self.completion_tokens += len(ids)
+            delta = self.detok.add(ids)
+            text = delta.text
+            if delta.stopped:
+                abort = not finish  # the engine ended it already otherwise
+                finish = "stop"
+        if finish:
+            text += self.detok.flush()
+            self.finish = finish
+        return TextUpdate(text, finish, abort)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from services.messages import MessageError, unpack_ids
+from services.messages import (
+    MessageError,
+    StepLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    unpack_floats,
+    unpack_ids,
+)
 
 
 class TokenTexts:
@@ -34,15 +39,11 @@ class TokenTexts:
         return text
 
 
-def format_logprobs(token_id: int, row: Any, texts: TokenTexts) -> dict[str, Any]:
-    """StepOutput.logprobs row [sampled logprob, packed top ids, packed float32 top logprobs] ->
-    {"token_id", "token", "logprob", "top": [{"token_id", "token", "logprob"}, ...]}."""
-    if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], (int, float))
-            and isinstance(row[1], bytes) and isinstance(row[2], bytes)):
-        raise MessageError(f"malformed logprobs row {row!r:.80}")
-    top_ids = unpack_ids(row[1]).tolist()
-    if len(row[2]) != 4 * len(top_ids):
-        raise MessageError(f"{len(top_ids)} top ids but {len(row[2])} bytes of top logprobs")
-    top_lps = np.frombuffer(row[2], dtype="<f4").tolist()
-    top = [{"token_id": t, "token": texts[t], "logprob": lp} for t, lp in zip(top_ids, top_lps, strict=True)]
-    return {"token_id": token_id, "token": texts[token_id], "logprob": float(row[0]), "top": top}
+def format_logprobs(token_id: int, row: StepLogprobs, texts: TokenTexts) -> TokenLogprob:
+    """One sampled token's StepLogprobs with each id's text, as the gateway sends them."""
+    top_ids = unpack_ids(row.top_ids).tolist()
+    top_lps = unpack_floats(row.top_logprobs).tolist()
+    if len(top_lps) != len(top_ids):
+        raise MessageError(f"{len(top_ids)} top ids but {len(top_lps)} top logprobs")
+    top = [TopLogprob(t, texts[t], lp) for t, lp in zip(top_ids, top_lps, strict=True)]
+    return TokenLogprob(token_id, texts[token_id], row.logprob, top)

@@ -19,16 +19,16 @@ from typing import Any
 import zmq
 
 from services.config import Addresses
-from services.detokenizer.incremental import IncrementalDetokenizer, make_decoder, skipped_ids
+from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from services.detokenizer.logprobs import TokenTexts, format_logprobs
 from services.messages import (
     Abort,
     MessageError,
+    NewRequestInfo,
     StepOutput,
     TextDeltas,
-    decode,
+    TokenLogprob,
     encode,
-    new_request_info,
     pack_ids,
     unpack_ids,
 )
@@ -41,10 +41,9 @@ MAX_DRAIN = 256  # step messages folded into one TextDeltas
 
 @dataclass
 class RequestState:
-    detok: IncrementalDetokenizer
+    text: RequestText
     prompt_tokens: int
     logprobs: bool
-    completion_tokens: int = 0
 
 
 @dataclass
@@ -54,7 +53,7 @@ class Row:
     state: RequestState
     text: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish: str = ""
 
 
@@ -85,8 +84,8 @@ class Detokenizer:
                             self.last_step, len(self.requests))
                 self.requests.clear()
             self.last_step = step.step
-        for data in step.new:
-            self._start(data)
+        for info in step.new:
+            self._start(info)
         stopped = []
         for i, rid in enumerate(step.rids):
             state = self.requests.get(rid)
@@ -95,34 +94,29 @@ class Detokenizer:
             row = rows.get(rid)
             if row is None or row.state is not state:
                 row = rows[rid] = Row(state)
-            token, finish = int(tokens[i]), step.finish[i]
-            if token >= 0:
-                state.completion_tokens += 1
+            token = int(tokens[i])
+            ids = [token] if token >= 0 else []
+            if ids:
                 row.tokens.append(token)
-                if state.logprobs and step.logprobs is not None and step.logprobs[i] is not None:
+                lp = step.logprobs[i] if step.logprobs is not None else None
+                if state.logprobs and lp is not None:
                     try:
-                        entry = format_logprobs(token, step.logprobs[i], self.texts)
+                        entry = format_logprobs(token, lp, self.texts)
                         row.logprobs = row.logprobs if row.logprobs is not None else []
                         row.logprobs.append(entry)
                     except MessageError as exc:
                         log.warning("dropping malformed logprobs of %s: %s", rid, exc)
-                delta = state.detok.add(token)
-                row.text.append(delta.text)
-                if delta.stopped:
-                    if not finish:  # the engine is still running it: tell it to stop
-                        stopped.append(rid)
-                    finish = "stop"
-            if finish:
-                row.text.append(state.detok.flush())
-                row.finish = finish
+            update = state.text.feed(ids, step.finish[i])
+            row.text.append(update.text)
+            if update.abort:
+                stopped.append(rid)
+            if update.finish:
+                row.finish = update.finish
                 del self.requests[rid]
         return stopped
 
-    def _start(self, data: Any) -> None:
+    def _start(self, info: NewRequestInfo) -> None:
         try:
-            if not isinstance(data, dict):
-                raise MessageError(f"new: expected a map, got {type(data).__name__}")
-            info = new_request_info(data)
             tail = unpack_ids(info.prompt_tail)
         except MessageError as exc:
             log.warning("dropping malformed NewRequestInfo: %s", exc)
@@ -131,7 +125,7 @@ class Detokenizer:
             return  # announced again (e.g. after preemption): keep the text state
         detok = IncrementalDetokenizer(self.tokenizer, tail.tolist(), info.stop, info.skip_special_tokens,
                                        decode=self._decode, skip=self._skip)
-        self.requests[info.rid] = RequestState(detok, info.prompt_len, info.logprobs is not None)
+        self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None)
 
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
@@ -143,7 +137,7 @@ class Detokenizer:
             rids=list(rows), text=["".join(row.text) for row in rows.values()], tokens=pack_ids(tokens),
             offsets=offsets, finish=[row.finish for row in rows.values()],
             prompt_tokens=[row.state.prompt_tokens for row in rows.values()],
-            completion_tokens=[row.state.completion_tokens for row in rows.values()],
+            completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             stats=self.engine_stats | {"detok_requests": len(self.requests)})
 
@@ -161,10 +155,7 @@ def serve(detok: Detokenizer, steps: zmq.Socket, deltas: zmq.Socket, control: zm
         stopped: list[str] = []
         for frame in frames:
             try:
-                msg = decode(frame)
-                if not isinstance(msg, StepOutput):
-                    raise MessageError(f"expected a step output, got {msg.TAG!r}")
-                stopped += detok.process(msg, rows)
+                stopped += detok.process(StepOutput.decode(frame), rows)
             except MessageError as exc:
                 log.warning("dropping malformed message: %s", exc)
             except Exception:  # a bug on one message must not take the pipeline down

@@ -1,11 +1,13 @@
-"""The engine: `add`, `abort`, `step`. Usable in-process (offline API, tests, benchmarks) and
-wrapped by the engine process loop. Each step returns ONE columnar StepOutput."""
+"""The engine core: `add`, `abort`, `step`, transport-free. Usable in-process (offline API, tests,
+benchmarks) and wrapped by the engine process loop, which owns the wire format, the tombstones of
+aborts that overtake their add, and clock conversion. Requests reaching `add` were validated at an
+edge (the gateway and tokenizer, or the offline LLM): here they are only asserted."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,19 +22,13 @@ from services.engine.ops import get_ops
 from services.engine.quant import quantize_model
 from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
-from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import Sequence, Status
-from services.messages import NewRequestInfo, StepOutput, pack_ids
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
+from services.model_config import ModelConfig
 from services.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PROMPT_TAIL = 8  # prompt ids the detokenizer gets as left context
-MAX_TOMBSTONES = 65536
-# An abort overtakes its add by the tokenizers' queueing (milliseconds). A tombstone older than
-# this is stale (e.g. an abort the gateway queued for a dead engine's request) and is dropped, so
-# it cannot end a request that reuses the id: the gateway holds an aborted id for longer (60 s).
-TOMBSTONE_TTL = 30.0
 CPU_KV_GB = 0.25
 
 
@@ -52,7 +48,7 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **options) -> None:
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config = config or EngineConfig(**options)
         self.device = resolve_device(config.device)
         backend = (
@@ -61,8 +57,6 @@ class Engine:
             else ("triton" if self.device.type == "cuda" else "torch")
         )
         self.model_dir = config.model or ensure_demo_model()
-        from services.engine.model.config import ModelConfig  # cheap: reads config.json only
-
         model_cfg = ModelConfig.from_dir(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.max_model_len = min(
@@ -105,7 +99,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )
-        policy_opts = {}
+        policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":
             policy_opts = {
                 "path": config.predictor_path,
@@ -124,28 +118,27 @@ class Engine:
         )
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
-        self._tombstones: OrderedDict[str, float] = OrderedDict()  # overtaking aborts: rid -> expiry
-        self._recently_done: OrderedDict[str, None] = OrderedDict()
         self.step_count = 0
         self._rng = np.random.default_rng(config.seed)
-        self._tokenizer = None
+        self._tokenizer: Any = None
 
     # -- requests -------------------------------------------------------------------------------
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming what is wrong with a request; the engine state is untouched."""
-        params.validate(self.config.max_logprobs)
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
-                "and at least one must be left to generate"
-            )
-        if self.pool.pages_for(len(prompt_ids) + 1) > self.pool.num_pages:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than the KV cache holds")
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt this engine can run: one token must still fit in the context and in
+        the whole KV pool, or the request could never produce output."""
+        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size) - 1
+
+    def capacity_problem(self, prompt_len: int) -> str | None:
+        """Why a prompt this long can never run on this engine (its context or KV pool), or None.
+        Not validation: the tokenizers check the model's context, but only the engine knows its
+        own (possibly shorter) context and pool."""
+        if prompt_len >= self.max_model_len:
+            return (f"prompt has {prompt_len} tokens; the context is {self.max_model_len} "
+                    "and at least one must be left to generate")
+        if prompt_len > self.max_prompt_len:
+            return f"prompt has {prompt_len} tokens, more than the KV cache holds"
+        return None
 
     def add(
         self,
@@ -155,55 +148,40 @@ class Engine:
         app: str = "",
         arrival: float | None = None,
     ) -> None:
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in flight")
-        prompt_ids = [int(t) for t in prompt_ids]
-        self.check(prompt_ids, params)
+        """Queue a request. Its id, ids and params were validated by the caller's edge. arrival:
+        time.monotonic() of its arrival (default now). Unseeded params get a seed drawn here."""
+        assert rid not in self.requests, f"request_id {rid!r} is already in flight"
+        assert 0 < len(prompt_ids) <= self.max_prompt_len, f"prompt of {len(prompt_ids)} tokens"
+        vocab = self.model_config.vocab_size
+        assert 0 <= min(prompt_ids) and max(prompt_ids) < vocab, "ids outside the vocabulary"
+        assert params.max_tokens >= 1 and params.min_tokens <= params.max_tokens, "unvalidated params"
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
         seq = Sequence(
             rid,
-            prompt_ids,
+            list(prompt_ids),
             len(prompt_ids),
             params,
-            arrival or time.monotonic(),
+            time.monotonic() if arrival is None else arrival,
             app,
             stop_ids=frozenset(stop),
         )
         if params.seed is None:  # unseeded requests still sample reproducibly per engine seed
             params.seed = int(self._rng.integers(0, 2**62))
         self.requests[rid] = seq
-        self._recently_done.pop(rid, None)
-        if self._tombstones.pop(rid, 0.0) > time.monotonic():
-            self._end(seq, "abort")
-            return
         self.scheduler.add(seq)
 
-    def abort(self, rid: str, reason: str = "abort") -> None:
-        """Idempotent. A known request ends at this step boundary; an unknown one is remembered so
-        that an add arriving later (through another path) is dropped."""
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        """End a request at this step boundary (the next step reports it). Idempotent; returns
+        whether the request is known (the engine process tombstones unknown ones)."""
         seq = self.requests.get(rid)
         if seq is None:
-            if rid not in self._recently_done:
-                self._tombstones.pop(rid, None)  # re-inserted at the end: the dict stays in expiry order
-                self._tombstones[rid] = time.monotonic() + TOMBSTONE_TTL
-                self._prune_tombstones()
-            return
+            return False
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
-            self._end(seq, reason)
-
-    def _prune_tombstones(self) -> None:
-        now = time.monotonic()
-        while self._tombstones and (
-            len(self._tombstones) > MAX_TOMBSTONES or next(iter(self._tombstones.values())) <= now
-        ):
-            self._tombstones.popitem(last=False)
-
-    def _end(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = Status.FINISHED, reason
-        self._ended.append(seq)
+            self._ended.append(seq)
+        return True
 
     def _on_admit(self, seq: Sequence) -> None:
         if seq.first_scheduled is None:
@@ -214,60 +192,32 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._ended)
 
-    def step(self) -> StepOutput:
+    def step(self) -> list[StepUpdate]:
+        """Run one step; one update per request it touched: those that sampled a token, in batch
+        row order, then those that ended between steps (no token)."""
         batch = self.scheduler.schedule()
         result = self.runner.run(batch) if batch.num_tokens else StepResult([])
         sampled = batch.sampling()
         finished = self.scheduler.postprocess(batch, sampled, result.tokens)
         self.step_count += 1
-        return self._output(batch, sampled, result, finished)
-
-    def _output(
-        self, batch: ScheduledBatch, sampled: list[Sequence], result: StepResult, finished: list[Sequence]
-    ) -> StepOutput:
-        rows = sampled + self._ended  # aborts happen between steps: never in this batch
-        tokens = result.tokens + [-1] * (len(rows) - len(sampled))
-        new = []
-        for seq in rows:
-            if not seq.announced:
-                seq.announced = True
-                p = seq.params
-                new.append(
-                    NewRequestInfo(
-                        seq.rid,
-                        seq.prompt_len,
-                        pack_ids(seq.token_ids[: seq.prompt_len][-PROMPT_TAIL:]),
-                        list(p.stop),
-                        p.skip_special_tokens,
-                        p.logprobs,
-                    ).__dict__
-                )
-        logprobs = None
+        updates = [self._update(seq, [tok]) for seq, tok in zip(sampled, result.tokens, strict=True)]
         if result.logprobs is not None:
-            logprobs = [None] * len(rows)
-            for i, seq in enumerate(sampled):
-                k = seq.params.logprobs
+            lps, top_ids, top_lps = result.logprobs, result.top_ids, result.top_logprobs
+            assert top_ids is not None and top_lps is not None
+            for i, update in enumerate(updates):
+                k = update.seq.params.logprobs
                 if k is not None:
-                    logprobs[i] = [
-                        float(result.logprobs[i]),
-                        pack_ids(result.top_ids[i, :k]),
-                        result.top_logprobs[i, :k].astype("<f4").tobytes(),
-                    ]
-        out = StepOutput(
-            self.step_count,
-            [s.rid for s in rows],
-            pack_ids(tokens),
-            [s.finish_reason for s in rows],
-            new,
-            logprobs,
-        )
+                    update.logprobs = [TokenLogprobs(float(lps[i]), top_ids[i, :k], top_lps[i, :k])]
+        updates += [self._update(seq, []) for seq in self._ended]
         for seq in finished + self._ended:
-            self.requests.pop(seq.rid, None)
-            self._recently_done[seq.rid] = None
-        while len(self._recently_done) > MAX_TOMBSTONES:
-            self._recently_done.popitem(last=False)
+            del self.requests[seq.rid]
         self._ended = []
-        return out
+        return updates
+
+    @staticmethod
+    def _update(seq: Sequence, token_ids: list[int]) -> StepUpdate:
+        new, seq.announced = not seq.announced, True
+        return StepUpdate(seq, token_ids, seq.finish_reason, None, new)
 
     def close(self) -> None:
         """Persist what the admission policy learned since its last periodic save (on shutdown)."""
@@ -276,7 +226,6 @@ class Engine:
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        self._prune_tombstones()
         pool = self.pool.stats()
         return {
             "running": len(self.scheduler.running),
@@ -286,19 +235,18 @@ class Engine:
             "pages_reserved": pool.pages_reserved,
             "preemptions": self.scheduler.num_preemptions,
             "requests": len(self.requests),
-            "tombstones": len(self._tombstones),
             "steps": self.step_count,
         }
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         if self._tokenizer is None:
             from services.tokenizer.load import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
-    def model_info(self) -> dict:
+    def model_info(self) -> dict[str, Any]:
         cfg = self.model_config
         return {
             "name": cfg.name,

@@ -1,18 +1,22 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+An edge like the gateway: it validates every request (ValueError naming the parameter) before any
+reaches the engine, then drives the engine and turns its updates into text with the detokenizer
+process's own per-request class (RequestText), so stop strings, aborts and the final flush behave
+exactly as in the server."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from services.config import EngineConfig
-from services.detokenizer.incremental import IncrementalDetokenizer, make_decoder, skipped_ids
+from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from services.engine.engine import Engine
-from services.messages import unpack_ids
 from services.sampling_params import SamplingParams
 
 
@@ -24,60 +28,77 @@ class RequestOutput:
     text: str = ""
     finish_reason: str = ""
     # Per generated token, when asked: {"logprob": float, "top": {token_id: logprob}}.
-    logprobs: list[dict] | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **options) -> None:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **options))
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request (the engine only asserts)."""
+        engine = self.engine
+        params.validate(engine.config.max_logprobs)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = engine.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        problem = engine.capacity_problem(len(prompt_ids))
+        if problem is not None:
+            raise ValueError(problem)
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt (text, or token ids) to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch: list[Any] = [prompts] if single else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        outputs: dict[str, RequestOutput] = {}
-        decode, skip = make_decoder(self.tokenizer), skipped_ids(self.tokenizer)
-        detoks: dict[str, IncrementalDetokenizer] = {}
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+            sampling_params = [sampling_params or SamplingParams()] * len(batch)
+        if len(sampling_params) != len(batch):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
+        requests = []
+        for prompt, given in zip(batch, sampling_params, strict=True):
             ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
-            rid = f"offline-{next(self._ids)}"
             # Each request gets its own params object: the engine fills in an unseeded seed.
-            self.engine.add(rid, ids, SamplingParams.from_dict(params.to_dict()))
+            params = SamplingParams.from_dict(given.to_dict())
+            self.check(ids, params)
+            requests.append((ids, params))
+        outputs: dict[str, RequestOutput] = {}
+        texts: dict[str, RequestText] = {}
+        decode, skip = make_decoder(self.tokenizer), skipped_ids(self.tokenizer)
+        for ids, params in requests:  # all valid: none is added unless every one is
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add(rid, ids, params)
             outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
-                                                 decode=decode, skip=skip)
+            texts[rid] = RequestText(IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens, decode=decode, skip=skip))
         bar = tqdm(total=len(outputs), disable=not use_tqdm, desc="generate")
         while self.engine.has_work():
-            step = self.engine.step()
-            tokens = unpack_ids(step.tokens)
-            for i, rid in enumerate(step.rids):
-                out, token, finish = outputs[rid], int(tokens[i]), step.finish[i]
-                if token >= 0 and not out.finish_reason:
-                    out.token_ids.append(token)
-                    delta = detoks[rid].add(token)
-                    out.text += delta.text
-                    if out.logprobs is not None and step.logprobs and step.logprobs[i] is not None:
-                        lp, top_ids, top_lps = step.logprobs[i]
-                        top = dict(zip(unpack_ids(top_ids).tolist(),
-                                       np.frombuffer(top_lps, "<f4").tolist(), strict=True))
-                        out.logprobs.append({"logprob": lp, "top": top})
-                    if delta.stopped:  # a stop string matched: end it here, as the server does
-                        finish = "stop"
-                        self.engine.abort(rid, "stop")
-                if finish and not out.finish_reason:
-                    out.finish_reason = finish
-                    out.text += detoks[rid].flush()
+            for update in self.engine.step():
+                text = texts[update.rid]
+                if text.finished:  # a stop string ended it; the engine had not seen the abort yet
+                    continue
+                out = outputs[update.rid]
+                out.token_ids += update.token_ids
+                if out.logprobs is not None and update.logprobs is not None:
+                    out.logprobs += [
+                        {"logprob": lp.logprob,
+                         "top": dict(zip(lp.top_ids.tolist(), lp.top_logprobs.tolist(), strict=True))}
+                        for lp in update.logprobs
+                    ]
+                delta = text.feed(update.token_ids, update.finish_reason)
+                out.text += delta.text
+                if delta.abort:  # a stop string matched: end it here, as the server does
+                    self.engine.abort(update.rid, "stop")
+                if delta.finish:
+                    out.finish_reason = delta.finish
                     bar.update(1)
         bar.close()
         return list(outputs.values())

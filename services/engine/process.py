@@ -1,16 +1,22 @@
-"""The engine process (`pipeserve engine`): the loop that wraps Engine in sockets.
+"""The engine process (`pipeserve engine`): the loop that wraps the Engine core in sockets.
 
 Binds `requests` (PULL EngineRequest from the tokenizers) and `control` (PULL Abort from the
-gateway and the detokenizer), connects `steps` (PUSH StepOutput to the detokenizer) and `errors`
-(PUSH RequestError and EngineInfo to the gateway). It binds only once the model is loaded, so
-an open port means ready.
+gateway and the detokenizer), connects `steps` (PUSH StepOutput to the detokenizer), `errors`
+(PUSH RequestError to the gateway) and `status` (PUSH EngineInfo to the gateway). It binds only
+once the model is loaded, so an open port means ready.
 
 Between two steps it drains everything queued on both inputs without blocking (a blocking poll
 only when idle, woken by input or the heartbeat), adds the requests, then applies the aborts: at
-a step boundary, after the adds they may refer to (the engine tombstones those that overtook
-their add through another path). Every step output carries the engine's counters. Idle, it
-sends an empty StepOutput every heartbeat (the detokenizer forwards its stats, proving the path
-alive); always, an EngineInfo (ModelInfo's data; the boot id tells the gateway of a restart).
+a step boundary, after the adds they may refer to. An abort for an id the engine has not seen
+overtook its add (through the tokenizers) and is kept as a tombstone for TOMBSTONE_TTL, so that
+the add ends at once. This loop owns everything the Engine core leaves out: the wire format (each
+step's updates become ONE columnar StepOutput carrying the engine's counters), the tombstones, and
+the clocks (the gateway's wall-clock arrival becomes monotonic here). Idle, it sends an empty
+StepOutput every heartbeat (the detokenizer forwards its stats, proving the path alive); always,
+an EngineInfo (ModelInfo's data; the boot id tells the gateway of a restart).
+
+Requests arrive validated (gateway: shape and sampling parameters; tokenizer: token-level limits),
+so a request the Engine's assertions reject is a bug upstream: it fails that request, INTERNAL.
 """
 
 from __future__ import annotations
@@ -21,49 +27,117 @@ import math
 import os
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from services import config as cfg
-from services.config import Addresses, EngineConfig
+from services.config import TOMBSTONE_TTL, Addresses, EngineConfig
+from services.engine.sequence import StepUpdate
 from services.messages import (
     MAX_MESSAGE_BYTES,
+    PROMPT_TAIL,
     Abort,
     EngineInfo,
     EngineRequest,
     Message,
     MessageError,
+    ModelInfo,
+    NewRequestInfo,
     RequestError,
+    StepLogprobs,
     StepOutput,
     decode,
     encode,
+    pack_floats,
+    pack_ids,
     unpack_ids,
 )
-from services.sampling_params import SamplingParams
 
 log = logging.getLogger("pipeserve.engine")
 
 HEARTBEAT = 0.5  # seconds
 MAX_DRAIN = 4096  # messages taken from one socket between two steps (bounded so steps keep coming)
+MAX_TOMBSTONES = 65536  # bounds memory under an abort flood; the oldest go first
+
+
+def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None) -> StepOutput:
+    """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
+    assert all(len(u.token_ids) <= 1 for u in updates), "StepOutput carries one token per row"
+    new = []
+    for u in updates:
+        if u.new:
+            seq, p = u.seq, u.seq.params
+            tail = pack_ids(seq.token_ids[max(0, seq.prompt_len - PROMPT_TAIL) : seq.prompt_len])
+            new.append(NewRequestInfo(seq.rid, seq.prompt_len, tail, list(p.stop), p.skip_special_tokens,
+                                      p.logprobs))
+    logprobs: list[StepLogprobs | None] | None = None
+    if any(u.logprobs for u in updates):
+        logprobs = [
+            StepLogprobs(u.logprobs[0].logprob, pack_ids(u.logprobs[0].top_ids),
+                         pack_floats(u.logprobs[0].top_logprobs)) if u.logprobs else None
+            for u in updates
+        ]
+    return StepOutput(
+        step=step,
+        rids=[u.seq.rid for u in updates],
+        tokens=pack_ids([u.token_ids[0] if u.token_ids else -1 for u in updates]),
+        finish=[u.finish_reason for u in updates],
+        new=new,
+        logprobs=logprobs,
+        stats=stats,
+    )
+
+
+class Tombstones:
+    """Aborts of ids the engine has not seen: rid -> expiry, kept in expiry order."""
+
+    def __init__(self, ttl: float = TOMBSTONE_TTL, limit: int = MAX_TOMBSTONES) -> None:
+        self.ttl, self.limit = ttl, limit
+        self._expiry: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        self.prune()
+        return len(self._expiry)
+
+    def add(self, rid: str) -> None:
+        self._expiry.pop(rid, None)  # re-inserted at the end: the dict stays in expiry order
+        self._expiry[rid] = time.monotonic() + self.ttl
+        self.prune()
+
+    def take(self, rid: str) -> bool:
+        """Whether a live tombstone for rid existed (it is consumed)."""
+        return self._expiry.pop(rid, 0.0) > time.monotonic()
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        while self._expiry and (len(self._expiry) > self.limit or next(iter(self._expiry.values())) <= now):
+            self._expiry.popitem(last=False)
 
 
 class EngineLoop:
     def __init__(
         self,
         engine: Any,
-        requests: zmq.Socket,
-        control: zmq.Socket,
-        steps: zmq.Socket,
-        errors: zmq.Socket,
+        requests: zmq.Socket[Any],
+        control: zmq.Socket[Any],
+        steps: zmq.Socket[Any],
+        errors: zmq.Socket[Any],
+        status: zmq.Socket[Any],
         heartbeat: float = HEARTBEAT,
     ) -> None:
         self.engine = engine
-        self.requests, self.control, self.steps, self.errors = requests, control, steps, errors
+        self.requests, self.control, self.steps = requests, control, steps
+        self.errors, self.status = errors, status
         self.heartbeat = heartbeat
         self.boot = time.time_ns()  # differs across restarts
-        self.info = dict(engine.model_info(), max_logprobs=engine.config.max_logprobs)
+        self.info = ModelInfo(**engine.model_info(), max_logprobs=engine.config.max_logprobs)
+        self.tombstones = Tombstones()
+        # Ids finished lately: an abort arriving after the finish must leave no tombstone, since the
+        # gateway frees the id on the finish and may reuse it at once.
+        self.recently_done: OrderedDict[str, None] = OrderedDict()
         self.poller = zmq.Poller()
         self.poller.register(requests, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
@@ -72,6 +146,10 @@ class EngineLoop:
     def run(self, should_stop: Callable[[], bool]) -> None:
         while not should_stop():
             self.once()
+
+    def stats(self) -> dict[str, int]:
+        stats: dict[str, int] = self.engine.stats()
+        return stats | {"tombstones": len(self.tombstones)}
 
     def once(self) -> None:
         """One iteration: wait (only when idle), drain inputs, step, heartbeat."""
@@ -96,26 +174,27 @@ class EngineLoop:
                     log.warning("dropped a %s message on the control socket", msg.TAG)
         for abort in aborts:
             for rid in abort.rids:
-                self.engine.abort(rid, abort.reason)
+                if not self.engine.abort(rid, abort.reason) and rid not in self.recently_done:
+                    self.tombstones.add(rid)
         stepped = False
         if self.engine.has_work():
-            out = self.engine.step()
-            out.stats = self.engine.stats()
-            if out.rids or out.new:
-                self.steps.send(encode(out))
+            updates = self.engine.step()
+            for u in updates:
+                if u.finish_reason:
+                    self.recently_done[u.seq.rid] = None
+            while len(self.recently_done) > MAX_TOMBSTONES:
+                self.recently_done.popitem(last=False)
+            if updates:
+                self.steps.send(encode(step_output(self.engine.step_count, updates, self.stats())))
                 stepped = True
         if time.monotonic() - self.last_beat >= self.heartbeat:
             self.last_beat = time.monotonic()
-            stats = self.engine.stats()
-            self.errors.send(encode(EngineInfo(boot=self.boot, info=self.info, stats=stats)))
+            stats = self.stats()
+            self.status.send(encode(EngineInfo(boot=self.boot, info=self.info, stats=stats)))
             if not stepped:
-                self.steps.send(
-                    encode(
-                        StepOutput(step=self.engine.step_count, rids=[], tokens=b"", finish=[], stats=stats)
-                    )
-                )
+                self.steps.send(encode(step_output(self.engine.step_count, [], stats)))
 
-    def _drain(self, sock: zmq.Socket) -> list[Message]:
+    def _drain(self, sock: zmq.Socket[Any]) -> list[Message]:
         out = []
         for _ in range(MAX_DRAIN):
             try:
@@ -128,18 +207,30 @@ class EngineLoop:
                 log.warning("dropped a malformed message: %s", exc)
         return out
 
+    def _fail(self, rid: str, code: str, message: str) -> None:
+        self.errors.send(encode(RequestError(rid=rid, code=code, message=message)))
+
     def _add(self, msg: EngineRequest) -> None:
         try:
-            params = SamplingParams.from_dict(msg.sampling)
             ids = unpack_ids(msg.prompt_ids).tolist()
-            # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
-            arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
-            self.engine.add(msg.rid, ids, params, msg.app, arrival)
-        except (ValueError, TypeError) as exc:  # MessageError is a ValueError
-            self.errors.send(encode(RequestError(rid=msg.rid, code="INVALID_ARGUMENT", message=str(exc))))
-        except Exception as exc:  # a bug on one request must not take the engine down
+        except MessageError as exc:
+            self._fail(msg.rid, "INVALID_ARGUMENT", f"prompt_ids: {exc}")
+            return
+        # Only the engine knows its own context and pool: a prompt they cannot hold is the client's.
+        problem = self.engine.capacity_problem(len(ids))
+        if problem is not None:
+            self._fail(msg.rid, "INVALID_ARGUMENT", problem)
+            return
+        # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
+        arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
+        self.recently_done.pop(msg.rid, None)
+        try:
+            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival)
+            if self.tombstones.take(msg.rid):  # its abort overtook it: it ends at the next step
+                self.engine.abort(msg.rid)
+        except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine
             log.exception("adding %s failed", msg.rid)
-            self.errors.send(encode(RequestError(rid=msg.rid, code="INTERNAL", message=f"engine: {exc}")))
+            self._fail(msg.rid, "INTERNAL", f"engine: {exc}")
 
 
 def engine_threads(config: EngineConfig) -> int:
@@ -178,18 +269,19 @@ def main(args: argparse.Namespace) -> int:
     requests, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
     for sock in (requests, control):
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
-    steps, errors = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    steps, errors, status = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
     try:
         requests.bind(addrs.requests)
         control.bind(addrs.control)
         steps.connect(addrs.steps)
         errors.connect(addrs.errors)
-        loop = EngineLoop(engine, requests, control, steps, errors, args.heartbeat)
+        status.connect(addrs.status)
+        loop = EngineLoop(engine, requests, control, steps, errors, status, args.heartbeat)
         log.info(
             "ready (pid %d): %s on %s; requests %s, control %s",
             os.getpid(),
-            loop.info.get("name"),
-            loop.info.get("device"),
+            loop.info.name,
+            loop.info.device,
             addrs.requests,
             addrs.control,
         )

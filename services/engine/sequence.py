@@ -1,9 +1,13 @@
-"""A request's state inside the engine."""
+"""A request's state inside the engine, and what a step reports of it. Transport-free: the engine
+process turns StepUpdates into wire messages, the offline LLM reads them directly."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from services.sampling_params import SamplingParams
 
@@ -29,7 +33,7 @@ class Sequence:
     reserved_pages: int = 0  # pages promised by admission (>= len(pages) while running)
     slot: int = -1  # row in the block table and the sampler's per-request buffers
     finish_reason: str = ""
-    announced: bool = False  # the detokenizer has been told about this request
+    announced: bool = False  # some step has reported this request (its first update is `new`)
     num_preemptions: int = 0
     predicted_len: int | None = None  # the `predicted` policy's reservation of output tokens
     first_scheduled: float | None = None
@@ -50,3 +54,28 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model: 1 when decoding, more while (re)prefilling."""
         return len(self.token_ids) - self.num_computed
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own, and the request's top-k alternatives (views into the
+    step's host arrays, not copies)."""
+
+    logprob: float
+    top_ids: np.ndarray[Any, np.dtype[Any]]  # int [k]
+    top_logprobs: np.ndarray[Any, np.dtype[np.float32]]  # float32 [k]
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """One request's part of one step."""
+
+    seq: Sequence  # prompt, params and app of the request; read `new` to know whether it is news
+    token_ids: list[int]  # generated this step: one, or none (it ended between steps)
+    finish_reason: str  # "" while running, else "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
+    new: bool = False  # the request's first update
+
+    @property
+    def rid(self) -> str:
+        return self.seq.rid
