@@ -3,7 +3,7 @@
 Starts the engine, the detokenizer, N tokenizer workers and the gateway as subprocesses wired
 through ipc:// sockets in a private temp dir, waits until the gateway's health says SERVING,
 then supervises: a process that dies is restarted (engine included), and the gateway is told at
-once (ProcessStatus on its `errors` socket) so that it ends the streams the death broke with
+once (ProcessStatus on its `status` socket) so that it ends the streams the death broke with
 UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. SIGINT/SIGTERM shut down
 in order: the gateway first (in-flight streams get --grace seconds to finish while the rest still
 runs), then the others. Children run in their own sessions (a terminal's Ctrl-C reaches only this
@@ -74,7 +74,7 @@ class Supervisor:
         self._status = self._zmq.socket(zmq.PUSH)
         self._status.setsockopt(zmq.LINGER, 0)
         self._status.setsockopt(zmq.SNDHWM, 64)
-        self._status.connect(addrs.errors)
+        self._status.connect(addrs.status)
 
     def spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(

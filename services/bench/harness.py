@@ -174,7 +174,6 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int) -> BatchTi
     """Add every prompt at once (ignore_eos, greedy, max_tokens=output_len), step until all finish and
     time each step. Raises if a request ended with a different number of tokens."""
     from services.engine import SamplingParams
-    from services.messages import unpack_ids
 
     preempted = engine.stats()["preemptions"]
     tag = next(_ids)
@@ -194,10 +193,10 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int) -> BatchTi
             timing.prefill_steps += 1
         else:
             timing.decode_step_s.append(elapsed)
-        for rid, token in zip(step.rids, unpack_ids(step.tokens).tolist(), strict=True):
-            if token >= 0:
-                generated[rid] += 1
-                if generated[rid] == 1:
+        for update in step:
+            if update.token_ids:
+                generated[update.rid] += 1
+                if generated[update.rid] == 1:
                     waiting_first -= 1
     short = {rid: n for rid, n in generated.items() if n != output_len}
     if short:

@@ -114,7 +114,7 @@ def run_engine(model_dir: str, work: Workload, batch_size: int) -> float:
         engine.add(str(i), prompt, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
     with tqdm(total=len(work.prompts), desc="pipeserve", leave=False) as bar:
         while engine.has_work():
-            if done := sum(1 for f in engine.step().finish if f):  # no bar call on most steps
+            if done := sum(1 for u in engine.step() if u.finish_reason):  # no bar call on most steps
                 bar.update(done)
     return time.perf_counter() - start
 

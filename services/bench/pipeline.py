@@ -54,13 +54,12 @@ from services.bench.report import (
 from services.bench.serve import Outcome, Planned, send
 from services.config import Addresses, EngineConfig, GatewayConfig
 from services.cpus import CpuSplit, cpu_split
-from services.messages import NewRequestInfo, pack_ids
+from services.engine.sequence import Sequence, StepUpdate
 from services.sampling_params import SamplingParams
 
 # The issue's ~20M Llama with the demo model's byte-level vocabulary (3 specials + 256 bytes).
 LLAMA_20M_BYTES = LLAMA_20M | {"vocab_size": 259, "num_hidden_layers": 7}
 TEXT = "the quick brown fox jumps over the lazy dog; "  # ASCII: one byte token per character
-PROMPT_TAIL = 8
 
 
 # ---- the synthetic token source (part 2) --------------------------------------------------------
@@ -72,6 +71,7 @@ class _Seq:
     produced: int = 0
     announced: bool = False
     finish: str = ""
+    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass
@@ -101,42 +101,40 @@ class SyntheticEngine:
             raise ValueError(f"request_id {rid!r} is already in flight")
         if not prompt_ids:
             raise ValueError("prompt is empty")
-        self.running[rid] = _Seq(rid, list(prompt_ids), params.max_tokens or 16)
+        self.running[rid] = _Seq(rid, list(prompt_ids), params.max_tokens or 16, params=params)
 
-    def abort(self, rid: str, reason: str = "abort") -> None:
+    def capacity_problem(self, prompt_len: int) -> str | None:
+        return None  # no context, no pool
+
+    def abort(self, rid: str, reason: str = "abort") -> bool:
         seq = self.running.pop(rid, None)
         if seq is not None:
             seq.finish = reason
             self.ended.append(seq)
+        return seq is not None or any(s.rid == rid for s in self.ended)
 
     def has_work(self) -> bool:
         return bool(self.running or self.ended)
 
-    def step(self) -> Any:
-        from services.messages import StepOutput
-
+    def step(self) -> list[StepUpdate]:
         rows = list(self.running.values())
         tokens = []
         for seq in rows:
-            tokens.append(seq.prompt[seq.produced % len(seq.prompt)])
+            tokens.append([seq.prompt[seq.produced % len(seq.prompt)]])
             seq.produced += 1
             if seq.produced >= seq.max_tokens:
                 seq.finish = "length"
                 del self.running[seq.rid]
         rows += self.ended
-        tokens += [-1] * len(self.ended)
+        tokens += [[] for _ in self.ended]
         self.ended = []
-        new = []
-        for seq in rows:
-            if not seq.announced:
-                seq.announced = True
-                new.append(
-                    NewRequestInfo(seq.rid, len(seq.prompt), pack_ids(seq.prompt[-PROMPT_TAIL:])).__dict__
-                )
+        updates = []
+        for seq, ids in zip(rows, tokens, strict=True):
+            request = Sequence(seq.rid, seq.prompt, len(seq.prompt), seq.params, 0.0)
+            updates.append(StepUpdate(request, ids, seq.finish, None, not seq.announced))
+            seq.announced = True
         self.step_count += 1
-        return StepOutput(
-            self.step_count, [s.rid for s in rows], pack_ids(tokens), [s.finish for s in rows], new
-        )
+        return updates
 
     def stats(self) -> dict[str, int]:
         return {
@@ -173,13 +171,17 @@ def serve_synthetic(model_dir: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
     addrs, ctx = Addresses(), zmq.Context()
-    requests, control, steps, errors = (ctx.socket(t) for t in (zmq.PULL, zmq.PULL, zmq.PUSH, zmq.PUSH))
+    requests, control, steps, errors, status = (
+        ctx.socket(t) for t in (zmq.PULL, zmq.PULL, zmq.PUSH, zmq.PUSH, zmq.PUSH)
+    )
     try:
         requests.bind(addrs.requests)
         control.bind(addrs.control)
         steps.connect(addrs.steps)
         errors.connect(addrs.errors)
-        EngineLoop(SyntheticEngine(info), requests, control, steps, errors).run(lambda: bool(stopping))
+        status.connect(addrs.status)
+        loop = EngineLoop(SyntheticEngine(info), requests, control, steps, errors, status)
+        loop.run(lambda: bool(stopping))
     finally:
         ctx.destroy(linger=500)
     return 0
@@ -255,8 +257,6 @@ def run_in_process(
     engine: Any, prompts: list[list[int]], output_len: int, tag: str
 ) -> tuple[list[RequestRecord], float]:
     """Add every prompt at t=0 and step to the end; one RequestRecord per request, chunk = step output."""
-    from services.messages import unpack_ids
-
     start = time.perf_counter()
     records: dict[str, RequestRecord] = {}
     for i, prompt in enumerate(prompts):
@@ -264,10 +264,10 @@ def run_in_process(
         records[rid] = RequestRecord(time.perf_counter(), prompt_tokens=len(prompt))
         engine.add(rid, prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     while engine.has_work():
-        out = engine.step()
+        updates = engine.step()
         now = time.perf_counter()
-        for rid, token in zip(out.rids, unpack_ids(out.tokens).tolist(), strict=True):
-            records[rid].add_chunk(now, int(token >= 0))
+        for update in updates:
+            records[update.rid].add_chunk(now, len(update.token_ids))
     end = max(r.chunk_times[-1] for r in records.values())
     return list(records.values()), end - start
 

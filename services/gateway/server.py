@@ -1,11 +1,13 @@
 """The gRPC gateway process (`pipeserve gateway`): owns client streams and request state.
 
 grpc.aio on uvloop; ZeroMQ (zmq.asyncio) to the rest of the pipeline. It binds `tokenize` (PUSH
-TokenizeRequest to the tokenizer workers), `deltas` (PULL TextDeltas from the detokenizer) and
-`errors` (PULL RequestError from tokenizers/engine, EngineInfo heartbeats from the engine,
+TokenizeRequest to the tokenizer workers), `deltas` (PULL TextDeltas from the detokenizer), `errors`
+(PULL RequestError from tokenizers/engine) and `status` (PULL EngineInfo heartbeats from the engine,
 ProcessStatus from the supervisor), and connects `control` (PUSH Abort to the engine).
 
-It does no CPU-heavy work: validate, assign ids, admit, route each delta to its stream. Deltas
+It does no CPU-heavy work: validate, assign ids, admit, route each delta to its stream. It is the
+one place a request's shape and sampling parameters are validated; the tokenizer checks only what
+needs the tokenizer (prompt length, vocabulary), and the engine trusts both. Deltas
 that arrive while a client is still reading land in its Stream's pending list, so a slow reader
 gets them coalesced into one message instead of an unbounded queue. Any way a call ends without
 its finish (cancel, deadline, Abort RPC, a pipeline failure) sends an Abort to the engine, and
@@ -39,19 +41,22 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services import config as cfg
-from services.config import Addresses, GatewayConfig
+from services.config import ABORTED_HOLD, Addresses, GatewayConfig
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
+    ChatMessage,
     EngineInfo,
     Message,
     MessageError,
+    ModelInfo,
     ProcessStatus,
     RequestError,
     TextDeltas,
     TokenizeRequest,
+    TokenLogprob,
     decode,
     encode,
     pack_ids,
@@ -79,7 +84,7 @@ OPTIONAL_SAMPLING = (
 MAX_REQUEST_ID_LEN = 256
 MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-ABORTED_TTL = 60.0  # an aborted id stays reserved this long at most, waiting for the engine's finish
+MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32; the tokenizer checks them against the vocabulary
 MONITOR_PERIOD = 0.1
 PIPELINE = ("engine", "detokenizer")  # processes whose death breaks every in-flight stream
 Failure = tuple[grpc.StatusCode, str]
@@ -102,7 +107,8 @@ class Stream:
     rid: str
     boot: int  # the engine incarnation it was admitted under
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: list[tuple[str, np.ndarray, Any]] = field(default_factory=list)  # (text, ids, logprobs)
+    # (text, ids, logprobs) per delta not yet written
+    pending: list[tuple[str, np.ndarray, list[pb.TokenLogprob] | None]] = field(default_factory=list)
     started: bool = False  # some output arrived: the engine has it
     finish: str = ""
     prompt_tokens: int = 0
@@ -140,14 +146,14 @@ class Stream:
         return response, last
 
 
-def token_logprobs(entries: list[dict[str, Any]]) -> list[pb.TokenLogprob]:
-    """The detokenizer's per-token {"token_id", "token", "logprob", "top": [{...}, ...]} as protobuf."""
+def token_logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    """The detokenizer's per-token logprobs as protobuf."""
     return [
         pb.TokenLogprob(
-            token_id=e["token_id"],
-            token=e["token"],
-            logprob=e["logprob"],
-            top=[pb.TopLogprob(**t) for t in e["top"]],
+            token_id=e.token_id,
+            token=e.token,
+            logprob=e.logprob,
+            top=[pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in e.top],
         )
         for e in entries
     ]
@@ -159,7 +165,7 @@ class Gateway(pb_grpc.GenerationServicer):
         self.streams: dict[str, Stream] = {}
         self.aborted: dict[str, float] = {}  # rid -> monotonic expiry
         self.outcomes: collections.Counter[str] = collections.Counter()
-        self.info: dict[str, Any] | None = None
+        self.info: ModelInfo | None = None
         self.boot = 0
         self.engine_stats: dict[str, int] = {}
         self.engine_seen = self.pipeline_seen = float("-inf")
@@ -186,6 +192,7 @@ class Gateway(pb_grpc.GenerationServicer):
         self.tokenize = socket(zmq.PUSH, self.addrs.tokenize, True)
         self.deltas = socket(zmq.PULL, self.addrs.deltas, True)
         self.errors = socket(zmq.PULL, self.addrs.errors, True)
+        self.status = socket(zmq.PULL, self.addrs.status, True)
         self.control = socket(zmq.PUSH, self.addrs.control, False)
         limit = self.config.max_request_bytes
         server = grpc.aio.server(
@@ -229,7 +236,8 @@ class Gateway(pb_grpc.GenerationServicer):
         await server.start()
         self._server = server
         self._tasks = [
-            asyncio.create_task(coro) for coro in (self._recv_deltas(), self._recv_errors(), self._monitor())
+            asyncio.create_task(coro)
+            for coro in (self._recv_deltas(), self._recv_errors(), self._recv_status(), self._monitor())
         ]
         if self.config.metrics_port is not None:
             registry = CollectorRegistry()
@@ -265,7 +273,7 @@ class Gateway(pb_grpc.GenerationServicer):
             self.outcomes[reject.code.name] += 1
             await context.abort(reject.code, reject.message)
         stream = self.streams[rid] = Stream(rid, self.boot)
-        # Both paths, as grpc.aio may not raise CancelledError into the handler (REFERENCE.md).
+        # Both paths: grpc.aio does not always raise CancelledError into the handler on a cancel.
         context.add_done_callback(lambda _: self._close(stream))
         try:
             await self.tokenize.send(encode(message))
@@ -304,7 +312,7 @@ class Gateway(pb_grpc.GenerationServicer):
         if self.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine has not reported yet")
         fields = pb.ModelInfoResponse.DESCRIPTOR.fields_by_name
-        return pb.ModelInfoResponse(**{k: v for k, v in self.info.items() if k in fields})
+        return pb.ModelInfoResponse(**{k: v for k, v in vars(self.info).items() if k in fields})
 
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, request: pb.GenerateRequest, rid: str) -> TokenizeRequest:
@@ -333,12 +341,11 @@ class Gateway(pb_grpc.GenerationServicer):
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
         )
-        info = self.info or {}
         try:
-            params.validate(max_logprobs=info.get("max_logprobs", 20))
+            params.validate(max_logprobs=self.info.max_logprobs if self.info else 20)
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        message = TokenizeRequest(rid=rid, sampling=params.to_dict(), app=request.app, arrival=time.time())
+        message = TokenizeRequest(rid=rid, sampling=params, app=request.app, arrival=time.time())
         if which is None:
             raise invalid("prompt is missing: set one of prompt, prompt_token_ids or messages")
         if which == "prompt":
@@ -349,9 +356,9 @@ class Gateway(pb_grpc.GenerationServicer):
             ids = np.asarray(request.prompt_token_ids.ids, dtype=np.int64)
             if not len(ids):
                 raise invalid("prompt_token_ids must not be empty")
-            vocab = info.get("vocab_size") or 2**31
-            if ids.max() >= vocab:
-                raise invalid(f"prompt_token_ids has id {int(ids.max())}, outside the vocabulary of {vocab}")
+            if ids.max() > MAX_TOKEN_ID:
+                raise invalid(f"prompt_token_ids has id {int(ids.max())}, above the largest token id "
+                              f"{MAX_TOKEN_ID}")
             message.prompt_ids = pack_ids(ids)
         else:
             chat = request.messages.messages
@@ -360,7 +367,7 @@ class Gateway(pb_grpc.GenerationServicer):
             for i, m in enumerate(chat):
                 if m.role not in CHAT_ROLES:
                     raise invalid(f"messages[{i}].role is {m.role!r}, not one of {', '.join(CHAT_ROLES)}")
-            message.messages = [{"role": m.role, "content": m.content} for m in chat]
+            message.messages = [ChatMessage(m.role, m.content) for m in chat]
         if rid in self.streams or rid in self.aborted:
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if not self.serving:
@@ -382,7 +389,7 @@ class Gateway(pb_grpc.GenerationServicer):
         stream.done = True
 
     def _abort_in_engine(self, rids: list[str]) -> None:
-        expiry = time.monotonic() + ABORTED_TTL
+        expiry = time.monotonic() + ABORTED_HOLD
         for rid in rids:
             self.aborted[rid] = expiry
         future = self.control.send(encode(Abort(rids=rids)))
@@ -438,10 +445,7 @@ class Gateway(pb_grpc.GenerationServicer):
             stream.started = True
             logprobs = None
             if msg.logprobs is not None and msg.logprobs[i] is not None:
-                try:
-                    logprobs = token_logprobs(msg.logprobs[i])
-                except (KeyError, TypeError, ValueError) as exc:
-                    log.warning("dropped malformed logprobs of %s: %s", rid, exc)
+                logprobs = token_logprobs(msg.logprobs[i])
             stream.pending.append((msg.text[i], ids[msg.offsets[i] : msg.offsets[i + 1]], logprobs))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.finish = msg.finish[i]
@@ -455,13 +459,19 @@ class Gateway(pb_grpc.GenerationServicer):
             msg = _decode(await self.errors.recv(), "errors")
             if isinstance(msg, RequestError):
                 self._on_request_error(msg)
-            elif isinstance(msg, EngineInfo):
+            elif msg is not None:
+                log.warning("dropped a %s message on the errors socket", msg.TAG)
+
+    async def _recv_status(self) -> None:
+        while True:
+            msg = _decode(await self.status.recv(), "status")
+            if isinstance(msg, EngineInfo):
                 self._on_engine_info(msg)
             elif isinstance(msg, ProcessStatus):
                 self._on_process(msg)
                 await self._update_health()  # now, not at the next monitor tick
             elif msg is not None:
-                log.warning("dropped a %s message on the errors socket", msg.TAG)
+                log.warning("dropped a %s message on the status socket", msg.TAG)
 
     def _on_request_error(self, msg: RequestError) -> None:
         stream = self.streams.get(msg.rid)

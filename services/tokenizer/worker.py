@@ -1,6 +1,10 @@
 """A tokenizer worker process: PULL TokenizeRequest from the gateway, PUSH EngineRequest (token ids
 only) to the engine, or RequestError to the gateway. Stateless: run as many as the load needs; they
-connect, the gateway and the engine bind."""
+connect, the gateway and the engine bind.
+
+It trusts the gateway's validation (request shape, sampling parameters) and checks only what needs
+the tokenizer: prompt length against the context, ids against the vocabulary, the chat template;
+max_tokens is clamped to what the context leaves."""
 
 from __future__ import annotations
 
@@ -9,22 +13,22 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from typing import Any
 
 import zmq
 
 from services.config import Addresses
 from services.messages import (
+    ChatMessage,
     EngineRequest,
     MessageError,
     RequestError,
     TokenizeRequest,
-    decode,
     encode,
     pack_ids,
     unpack_ids,
 )
-from services.sampling_params import SamplingParams
 from services.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -52,20 +56,14 @@ class Tokenizer:
             return RequestError(req.rid, "INTERNAL", f"tokenizer failed: {exc}")
 
     def prepare(self, req: TokenizeRequest) -> EngineRequest:
-        try:
-            params = SamplingParams.from_dict(req.sampling)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(f"sampling: {exc}") from exc
-        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
-        given = [name for name, value in (("prompt", req.prompt), ("messages", req.messages),
-                                          ("prompt_token_ids", req.prompt_ids)) if value is not None]
-        if len(given) != 1:
-            raise InvalidRequest(f"exactly one of prompt, messages, prompt_token_ids is required, "
-                                 f"got {given or 'none'}")
-        name = given[0]
+        """Token ids within the model's limits. The gateway validated the request's shape (one
+        non-empty input) and its sampling parameters; what needs the tokenizer is checked here."""
+        inputs = [(name, value) for name, value in (("prompt", req.prompt), ("messages", req.messages),
+                                                   ("prompt_token_ids", req.prompt_ids)) if value is not None]
+        assert len(inputs) == 1, f"the gateway sent {len(inputs)} inputs"
+        name = inputs[0][0]
         if req.prompt is not None:
-            ids = self._encode_prompt(req.prompt)
+            ids = self.tokenizer.encode(req.prompt)
         elif req.messages is not None:
             ids = self._encode_messages(req.messages)
         else:
@@ -74,29 +72,22 @@ class Tokenizer:
             raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
                                  f"context of {self.max_model_len} tokens")
         # Clamp to the context instead of rejecting: "as many tokens as fit" is what clients mean.
+        params = replace(req.sampling)
         params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         params.min_tokens = min(params.min_tokens, params.max_tokens)
-        return EngineRequest(req.rid, pack_ids(ids), params.to_dict(), req.app, req.arrival)
+        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival)
 
-    def _encode_prompt(self, prompt: str) -> list[int]:
-        if not prompt:
-            raise InvalidRequest("prompt must not be empty")
-        return self.tokenizer.encode(prompt)
-
-    def _encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not messages:
-            raise InvalidRequest("messages must not be empty")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
-                raise InvalidRequest(f"messages[{i}] must have a string role and a string content")
+    def _encode_messages(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages: this model has no chat template; send a prompt instead")
+        chat = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors, including the template's own raise_exception()
             raise InvalidRequest(f"messages: the chat template rejected them: {exc}") from exc
         # The template writes the special tokens (BOS included) itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def _check_ids(self, packed: bytes) -> list[int]:
         try:
@@ -109,16 +100,15 @@ class Tokenizer:
         if len(bad):
             raise InvalidRequest(f"prompt_token_ids: id {int(bad[0])} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
-        return ids.tolist()
+        result: list[int] = ids.tolist()
+        return result
 
 
 def serve(worker: Tokenizer, pull: zmq.Socket, requests: zmq.Socket, errors: zmq.Socket) -> None:
     while True:
         frame = pull.recv()
         try:
-            req = decode(frame)
-            if not isinstance(req, TokenizeRequest):
-                raise MessageError(f"expected a tokenize request, got {req.TAG!r}")
+            req = TokenizeRequest.decode(frame)
         except MessageError as exc:
             log.warning("dropping malformed message: %s", exc)
             continue
