@@ -21,6 +21,7 @@ BINDERS = {
     "tokenize": "gateway",
     "deltas": "gateway",
     "errors": "gateway",
+    "status": "gateway",
     "requests": "engine",
     "control": "engine",
     "steps": "detokenizer",

@@ -1,17 +1,24 @@
-"""Engine behaviour: aborts free everything, tombstones, validation, seeds, loader errors."""
+"""Engine behaviour: aborts free everything, plain step updates, validation at the LLM edge (the
+engine only asserts), seeds, loader errors, and the engine core's independence of the wire format."""
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from services.engine.engine import Engine
-from services.messages import unpack_ids
+from services.engine.llm import LLM
+from services.engine.sequence import StepUpdate, TokenLogprobs
 from services.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def drain(engine: Engine, limit: int = 10_000) -> dict[str, tuple[list[int], str]]:
@@ -20,16 +27,20 @@ def drain(engine: Engine, limit: int = 10_000) -> dict[str, tuple[list[int], str
     for _ in range(limit):
         if not engine.has_work():
             return out
-        step = engine.step()
-        for rid, tok, fin in zip(step.rids, unpack_ids(step.tokens).tolist(), step.finish, strict=True):
-            toks, reason = out.get(rid, ([], ""))
-            out[rid] = (toks + ([tok] if tok >= 0 else []), fin or reason)
+        for update in engine.step():
+            toks, reason = out.get(update.rid, ([], ""))
+            out[update.rid] = (toks + update.token_ids, update.finish_reason or reason)
     raise AssertionError("engine did not go idle")
 
 
 @pytest.fixture(scope="module")
-def engine(stories_dir) -> Engine:
-    return Engine(model=stories_dir, device="cpu", page_size=4, num_pages=64, max_num_batched_tokens=12)
+def llm(stories_dir) -> LLM:
+    return LLM(stories_dir, device="cpu", page_size=4, num_pages=64, max_num_batched_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def engine(llm) -> Engine:
+    return llm.engine
 
 
 def test_abort_at_random_points_returns_every_page(engine):
@@ -55,42 +66,44 @@ def test_abort_at_random_points_returns_every_page(engine):
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["requests"] == 0
 
 
-def test_abort_overtaking_its_add_is_remembered(engine):
-    engine.abort("late")
-    assert engine.stats()["tombstones"] >= 1
-    engine.add("late", [1, 5, 6], SamplingParams(max_tokens=5))
-    out = drain(engine)
-    assert out["late"] == ([], "abort")
-    assert engine.stats()["pages_used"] == 0
-
-
-def test_stale_tombstones_expire(engine, monkeypatch):
-    """An abort for an id the engine never saw (say, queued for a dead engine's request) must not end
-    a request that reuses the id much later."""
-    import services.engine.engine as engine_module
-
-    now = [1000.0]
-    monkeypatch.setattr(engine_module.time, "monotonic", lambda: now[0])
-    engine.abort("old")
-    engine.abort("older-still")
-    assert engine.stats()["tombstones"] == 2
-    now[0] += engine_module.TOMBSTONE_TTL + 1
-    assert engine.stats()["tombstones"] == 0
-    engine.abort("recent")
-    now[0] += 1
-    engine.add("old", [1, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
-    engine.add("recent", [1, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
-    out = drain(engine)
-    assert out["old"][1] == "length" and len(out["old"][0]) == 2
-    assert out["recent"] == ([], "abort")
-
-
-def test_abort_of_a_finished_request_leaves_no_tombstone(engine):
+def test_abort_of_an_unknown_or_finished_request_is_a_no_op(engine):
+    """Tombstones for aborts that overtake their add are the engine process's (test_pipeline_engine_loop)."""
+    assert engine.abort("never-seen") is False
     engine.add("done", [1, 5, 6], SamplingParams(max_tokens=2))
+    assert engine.abort("done") is True and engine.abort("done") is True  # idempotent
+    assert drain(engine)["done"] == ([], "abort")
+    assert engine.abort("done") is False and not engine.has_work()
+
+
+def test_step_updates_are_plain_per_request_results(engine):
+    engine.add("u", [1, 403, 407], SamplingParams(max_tokens=2, temperature=0.0, logprobs=3))
+    engine.add("v", [1, 403], SamplingParams(max_tokens=3, temperature=0.0))
+    first = engine.step()
+    assert all(isinstance(u, StepUpdate) for u in first)
+    assert [(u.rid, u.new, len(u.token_ids), u.finish_reason) for u in first] == [
+        ("u", True, 1, ""), ("v", True, 1, "")]
+    u, v = first
+    assert u.seq.prompt_len == 3 and u.seq.params.logprobs == 3 and v.logprobs is None
+    (lp,) = u.logprobs
+    assert isinstance(lp, TokenLogprobs) and lp.top_ids.shape == (3,) and lp.top_logprobs.dtype == np.float32
+    assert lp.top_ids[0] == u.token_ids[0] and lp.logprob == pytest.approx(float(lp.top_logprobs[0]), abs=1e-5)
+    engine.abort("v")
+    second = engine.step()  # the decode row first, then what ended between steps (no token)
+    assert [(x.rid, x.new, len(x.token_ids), x.finish_reason) for x in second] == [
+        ("u", False, 1, "length"), ("v", False, 0, "abort")]
+    assert not engine.has_work() and engine.requests == {}
+
+
+def test_engine_asserts_instead_of_validating(engine):
+    with pytest.raises(AssertionError):
+        engine.add("bad", [], SamplingParams())
+    with pytest.raises(AssertionError):
+        engine.add("bad", [1, 10_000], SamplingParams())
+    engine.add("dup", [1, 5], SamplingParams(max_tokens=3))
+    with pytest.raises(AssertionError, match="already in flight"):
+        engine.add("dup", [1, 5], SamplingParams(max_tokens=3))
     drain(engine)
-    before = engine.stats()["tombstones"]
-    engine.abort("done")
-    assert engine.stats()["tombstones"] == before
+    assert engine.requests == {}
 
 
 @pytest.mark.parametrize(
@@ -108,18 +121,12 @@ def test_abort_of_a_finished_request_leaves_no_tombstone(engine):
         (dict(), [1] * 600, "context"),
     ],
 )
-def test_bad_requests_raise_and_leave_the_engine_serving(engine, params, prompt, match):
+def test_bad_requests_raise_at_the_llm_and_leave_the_engine_serving(llm, params, prompt, match):
     with pytest.raises(ValueError, match=match):
-        engine.add("bad", prompt, SamplingParams(**params))
-    engine.add("good", [1, 5], SamplingParams(max_tokens=3, temperature=0.0))
-    assert drain(engine)["good"][1] == "length"
-
-
-def test_duplicate_in_flight_id_rejected(engine):
-    engine.add("dup", [1, 5], SamplingParams(max_tokens=3))
-    with pytest.raises(ValueError, match="already in flight"):
-        engine.add("dup", [1, 5], SamplingParams(max_tokens=3))
-    drain(engine)
+        llm.generate([[1, 5], prompt], SamplingParams(**params))
+    assert not llm.engine.has_work()  # validated up front: the good prompt was not added either
+    (out,) = llm.generate([[1, 5]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(engine):
@@ -159,8 +166,13 @@ def test_prompt_filling_the_pool_finishes_by_length(stories_dir):
     engine.add("big", [1] + [300] * 13, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     toks, reason = drain(engine)["big"]
     assert reason == "length" and 14 + len(toks) == 16
+    assert engine.max_prompt_len == 15 and "KV cache" in (engine.capacity_problem(20) or "")
+
+
+def test_llm_rejects_a_prompt_the_kv_pool_cannot_hold(stories_dir):
+    llm = LLM(stories_dir, device="cpu", page_size=4, num_pages=4)
     with pytest.raises(ValueError, match="KV cache"):
-        engine.add("huge", [1] * 20, SamplingParams())
+        llm.generate([[1] * 20])
 
 
 def test_loader_rejects_unknown_architecture_and_bad_tensors(stories_dir, tmp_path):
@@ -243,3 +255,34 @@ def test_last_layer_for_sampled_rows_only_matches_the_full_forward(stories_dir):
     assert rows.tolist() == [0, 1 + 13 - 1]  # the decode row, the end of "p"; not the partial chunk
     sampled = eng.model(ids, pos, meta, eng.pool.layers)
     torch.testing.assert_close(sampled, full.index_select(0, rows), atol=1e-5, rtol=1e-5)
+
+
+ENGINE_CORE = ["services/engine/engine.py", "services/engine/scheduler.py", "services/engine/runner.py",
+               "services/engine/sampler.py", "services/engine/sequence.py"]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports (absolute names; relative ones resolved against its package)."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_engine_core_does_not_know_the_wire_format():
+    files = [REPO / f for f in ENGINE_CORE]
+    for folder in ("services/engine/kv", "services/engine/model"):
+        files += sorted((REPO / folder).rglob("*.py"))
+    assert len(files) > len(ENGINE_CORE)
+    for path in files:
+        wire = {name for name in _imports(path) if name == "services.messages" or name.startswith(
+            ("services.messages.", "msgpack", "zmq"))}
+        assert not wire, f"{path.relative_to(REPO)} imports {sorted(wire)}"

@@ -1,5 +1,5 @@
 """Random and mutated msgpack messages at every bound ZeroMQ input of a live pipeline (engine
-requests and control, detokenizer steps, gateway deltas and errors): nothing crashes, nothing is
+requests and control, detokenizer steps, gateway deltas, errors and status): nothing crashes, nothing is
 left behind, and the pipeline still serves."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from services.messages import MESSAGE_TYPES, VERSION
 
 pytestmark = pytest.mark.timeout(120)
-SOCKETS = ("requests", "control", "steps", "deltas", "errors")
+SOCKETS = ("requests", "control", "steps", "deltas", "errors", "status")
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
                     st.text(max_size=8), st.binary(max_size=16))
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
@@ -25,7 +25,8 @@ mutated = st.builds(  # a known tag with random fields: the strict field checks 
     lambda tag, body: msgpack.packb({"v": VERSION, "t": tag, **body}, use_bin_type=True),
     st.sampled_from(sorted(MESSAGE_TYPES)),
     st.dictionaries(st.sampled_from(["rid", "rids", "tokens", "finish", "step", "new", "sampling",
-                                     "prompt_ids", "text", "offsets", "boot", "info", "process", "up"]),
+                                     "prompt_ids", "text", "offsets", "boot", "info", "process", "up",
+                                     "messages", "logprobs", "stats"]),
                     values, max_size=6))
 packed = values.map(lambda v: msgpack.packb(v, use_bin_type=True))
 frames = st.one_of(st.binary(max_size=256), packed, mutated)
