@@ -1,4 +1,5 @@
-"""The engine process loop around a recording fake engine, over real (inproc) ZeroMQ sockets."""
+"""The engine process loop around a recording fake engine, over real (inproc) ZeroMQ sockets: wire
+conversion of the engine's plain updates, tombstones, clocks, heartbeats on the status socket."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import zmq
 
-from services.engine.process import EngineLoop
+from services.config import ABORTED_HOLD, TOMBSTONE_TTL
+from services.engine import process
+from services.engine.process import EngineLoop, step_output
+from services.engine.sequence import Sequence, StepUpdate, TokenLogprobs
 from services.messages import (
+    PROMPT_TAIL,
     Abort,
     EngineInfo,
     EngineRequest,
@@ -19,6 +25,8 @@ from services.messages import (
     decode,
     encode,
     pack_ids,
+    unpack_floats,
+    unpack_ids,
 )
 from services.sampling_params import SamplingParams
 
@@ -31,11 +39,13 @@ class FakeConfig:
 
 
 class FakeEngine:
-    """Each running request gets one token per step until max_tokens."""
+    """Each running request gets one token (7) per step until max_tokens. Like Engine, it asserts
+    instead of validating; prompts longer than 10 ids do not fit."""
 
     def __init__(self) -> None:
         self.config = FakeConfig()
         self.calls: list[tuple] = []
+        self.requests: dict[str, Sequence] = {}
         self.left: dict[str, int] = {}
         self.ended: list[str] = []
         self.step_count = 0
@@ -43,34 +53,46 @@ class FakeEngine:
     def model_info(self) -> dict:
         return {"name": "fake", "context_length": 64, "vocab_size": 100, "eos_token_ids": [2]}
 
+    def capacity_problem(self, prompt_len: int) -> str | None:
+        return f"prompt has {prompt_len} tokens, more than the KV cache holds" if prompt_len > 10 else None
+
     def add(self, rid, prompt_ids, params, app="", arrival=None) -> None:
-        params.validate()
-        if max(prompt_ids) >= 100:
-            raise ValueError("prompt_token_ids must be in [0, 100)")
+        assert params.temperature >= 0, "unvalidated params"
         self.calls.append(("add", rid, prompt_ids, app, arrival))
+        self.requests[rid] = Sequence(rid, list(prompt_ids), len(prompt_ids), params, arrival or 0.0, app)
         self.left[rid] = params.max_tokens
 
-    def abort(self, rid, reason="abort") -> None:
+    def abort(self, rid, reason="abort") -> bool:
         self.calls.append(("abort", rid, reason))
+        if rid not in self.requests:
+            return False
         if self.left.pop(rid, None) is not None:
+            self.requests[rid].finish_reason = reason
             self.ended.append(rid)
+        return True
 
     def has_work(self) -> bool:
         return bool(self.left or self.ended)
 
-    def step(self) -> StepOutput:
+    def step(self) -> list[StepUpdate]:
         self.step_count += 1
         self.calls.append(("step",))
-        rids, tokens, finish = [], [], []
+        updates = []
         for rid in list(self.left):
             self.left[rid] -= 1
-            rids.append(rid), tokens.append(7), finish.append("" if self.left[rid] else "length")
+            seq = self.requests[rid]
+            seq.finish_reason = "" if self.left[rid] else "length"
+            updates.append(StepUpdate(seq, [7], seq.finish_reason, None, not seq.announced))
             if not self.left[rid]:
                 del self.left[rid]
-        for rid in self.ended:
-            rids.append(rid), tokens.append(-1), finish.append("abort")
+        updates += [StepUpdate(self.requests[rid], [], "abort", None, not self.requests[rid].announced)
+                    for rid in self.ended]
         self.ended = []
-        return StepOutput(step=self.step_count, rids=rids, tokens=pack_ids(tokens), finish=finish)
+        for u in updates:
+            u.seq.announced = True
+            if u.finish_reason:
+                del self.requests[u.rid]
+        return updates
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.left), "steps": self.step_count}
@@ -85,6 +107,7 @@ class Harness:
             ("control", zmq.PULL, zmq.PUSH),
             ("steps", zmq.PUSH, zmq.PULL),
             ("errors", zmq.PUSH, zmq.PULL),
+            ("status", zmq.PUSH, zmq.PULL),
         ):
             mine, theirs = self.ctx.socket(kind), self.ctx.socket(peer)
             mine.bind(f"inproc://{name}")
@@ -95,7 +118,7 @@ class Harness:
         self.loop = EngineLoop(self.engine, heartbeat=heartbeat, **socks)
 
     def request(self, rid: str, ids: list[int], arrival: float = 0.0, **sampling) -> None:
-        params = SamplingParams(**sampling).to_dict()
+        params = SamplingParams(**sampling)
         self.requests.send(
             encode(EngineRequest(rid=rid, prompt_ids=pack_ids(ids), sampling=params, arrival=arrival))
         )
@@ -105,6 +128,11 @@ class Harness:
         while sock.poll(50):
             out.append(decode(sock.recv()))
         return out
+
+    def settle(self) -> None:
+        """Let inproc messages land, then run one iteration."""
+        time.sleep(0.05)
+        self.loop.once()
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -119,7 +147,7 @@ def h():
 
 def test_drains_everything_queued_then_aborts_then_steps(h):
     h.loop.once()  # the first heartbeat
-    h.received(h.steps), h.received(h.errors)
+    h.received(h.steps), h.received(h.status)
     for i in range(5):
         h.request(f"r{i}", [1, 2], max_tokens=3)
     h.control.send(encode(Abort(rids=["r1", "ghost"], reason="stop")))
@@ -134,12 +162,14 @@ def test_drains_everything_queued_then_aborts_then_steps(h):
     assert h.engine.calls[5][2] == "stop"
     (out,) = h.received(h.steps)
     assert out.rids == ["r0", "r2", "r3", "r4", "r1"] and out.finish[-1] == "abort"
-    assert out.stats == {"running": 4, "steps": 1}  # every step carries the counters
+    assert unpack_ids(out.tokens).tolist() == [7, 7, 7, 7, -1]
+    assert [n.rid for n in out.new] == out.rids  # every request's first step announces it
+    assert out.stats == {"running": 4, "steps": 1, "tombstones": 1}  # every step carries the counters
     while h.engine.has_work():
         h.loop.once()
     outs = h.received(h.steps)
     assert [o.step for o in outs] == [2, 3] and outs[-1].finish == ["length"] * 4
-    assert outs[-1].stats["running"] == 0
+    assert outs[-1].stats["running"] == 0 and all(o.new == [] for o in outs)
 
 
 def test_busy_loop_never_blocks_on_input(h):
@@ -153,38 +183,41 @@ def test_busy_loop_never_blocks_on_input(h):
 
 
 def test_bad_and_malformed_requests_never_stop_the_loop(h):
-    h.request("bad", [1], temperature=-1.0)
-    h.request("vocab", [500])
+    h.request("unvalidated", [1], temperature=-1.0)  # the gateway's job: here an assertion, INTERNAL
+    h.request("long", list(range(11)))  # only the engine knows its pool: the client's error
     h.requests.send(b"\x93garbage")
     h.requests.send(encode(Abort(rids=["x"])))  # a valid message on the wrong socket
-    h.control.send(encode(EngineRequest(rid="y", prompt_ids=pack_ids([1]), sampling={})))
-    h.request("unknown", [1], max_tokens=1)
-    h.requests.send(encode(EngineRequest(rid="weird", prompt_ids=pack_ids([1]), sampling={"nope": 1})))
-    time.sleep(0.05)
-    h.loop.once()
-    errors = [m for m in h.received(h.errors) if isinstance(m, RequestError)]
+    h.control.send(encode(EngineRequest(rid="y", prompt_ids=pack_ids([1]), sampling=SamplingParams())))
+    h.requests.send(encode(EngineRequest(rid="odd", prompt_ids=b"\x01\x02\x03", sampling=SamplingParams())))
+    h.request("fine", [1], max_tokens=1)
+    h.settle()
+    errors = h.received(h.errors)
+    assert all(isinstance(e, RequestError) for e in errors)
     assert {e.rid: e.code for e in errors} == {
-        "bad": "INVALID_ARGUMENT",
-        "vocab": "INVALID_ARGUMENT",
-        "weird": "INVALID_ARGUMENT",
+        "unvalidated": "INTERNAL",
+        "long": "INVALID_ARGUMENT",
+        "odd": "INVALID_ARGUMENT",
     }
-    assert "temperature" in next(e.message for e in errors if e.rid == "bad")
-    assert "prompt_token_ids" in next(e.message for e in errors if e.rid == "vocab")
-    assert [c[1] for c in h.engine.calls if c[0] == "add"] == ["unknown"]
+    assert "KV cache" in next(e.message for e in errors if e.rid == "long")
+    assert [c[1] for c in h.engine.calls if c[0] == "add"] == ["fine"]  # the fake records after its assert
+    status = h.received(h.status)
+    assert status and all(isinstance(m, EngineInfo) for m in status)
 
 
-def test_idle_heartbeats_carry_info_and_stats():
+def test_idle_heartbeats_go_to_the_status_socket():
     h = Harness(heartbeat=0.2)
     try:
         start = time.monotonic()
         for _ in range(3):
             h.loop.once()
         assert 0.3 < time.monotonic() - start < 1.5  # idle: blocks until the next heartbeat is due
-        steps, infos = h.received(h.steps), h.received(h.errors)
-        assert len(steps) == 3 and all(s.rids == [] and s.stats == {"running": 0, "steps": 0} for s in steps)
+        steps, infos = h.received(h.steps), h.received(h.status)
+        assert len(steps) == 3 and all(
+            s.rids == [] and s.stats == {"running": 0, "steps": 0, "tombstones": 0} for s in steps)
         assert len(infos) == 3 and all(isinstance(i, EngineInfo) for i in infos)
-        assert infos[0].info["max_logprobs"] == 7 and infos[0].info["name"] == "fake"
+        assert infos[0].info.max_logprobs == 7 and infos[0].info.name == "fake"
         assert len({i.boot for i in infos}) == 1
+        assert h.received(h.errors) == []  # request failures only
     finally:
         h.close()
 
@@ -192,11 +225,83 @@ def test_idle_heartbeats_carry_info_and_stats():
 def test_wall_clock_arrival_becomes_monotonic(h):
     h.request("a", [1], arrival=time.time() - 2.0)
     h.request("b", [1])
-    time.sleep(0.05)
-    h.loop.once()
+    h.settle()
     adds = {c[1]: c[4] for c in h.engine.calls if c[0] == "add"}
     assert adds["a"] == pytest.approx(time.monotonic() - 2.0, abs=0.3)
     assert adds["b"] is None
+
+
+# -- tombstones: aborts that overtake their add ---------------------------------------------------
+
+def test_abort_overtaking_its_add_ends_it_at_once(h):
+    h.control.send(encode(Abort(rids=["late"])))
+    h.settle()
+    assert h.loop.stats()["tombstones"] == 1
+    h.request("late", [1, 5, 6], max_tokens=5)
+    h.settle()
+    (out,) = [s for s in h.received(h.steps) if s.rids]
+    assert (out.rids, unpack_ids(out.tokens).tolist(), out.finish) == (["late"], [-1], ["abort"])
+    assert [n.rid for n in out.new] == ["late"]  # announced, so the detokenizer reports the finish
+    assert h.loop.stats()["tombstones"] == 0 and not h.engine.has_work()
+
+
+def test_stale_tombstones_expire(h, monkeypatch):
+    """An abort for an id the engine never saw (say, queued for a dead engine's request) must not end
+    a request that reuses the id much later."""
+    now = [1000.0]
+    monkeypatch.setattr(process.time, "monotonic", lambda: now[0])
+    h.control.send(encode(Abort(rids=["old", "older-still"])))
+    h.settle()
+    assert h.loop.stats()["tombstones"] == 2
+    now[0] += TOMBSTONE_TTL + 1
+    assert h.loop.stats()["tombstones"] == 0
+    h.control.send(encode(Abort(rids=["recent"])))
+    h.settle()
+    now[0] += 1
+    h.request("old", [1, 5], max_tokens=2)
+    h.request("recent", [1, 5], max_tokens=2)
+    h.settle()
+    while h.engine.has_work():
+        h.loop.once()
+    finish = {rid: f for s in h.received(h.steps) for rid, f in zip(s.rids, s.finish, strict=True) if f}
+    assert finish == {"old": "length", "recent": "abort"}
+
+
+def test_abort_of_a_finished_request_leaves_no_tombstone(h):
+    h.request("done", [1, 5], max_tokens=1)
+    h.settle()
+    assert not h.engine.has_work()
+    h.control.send(encode(Abort(rids=["done"])))
+    h.settle()
+    assert h.loop.stats()["tombstones"] == 0
+
+
+def test_tombstones_are_dropped_before_the_gateway_frees_an_aborted_id():
+    assert TOMBSTONE_TTL < ABORTED_HOLD
+
+
+# -- wire conversion --------------------------------------------------------------------------------
+
+def test_step_output_is_the_wire_form_of_the_updates():
+    prompt = list(range(1, 13))
+    a = Sequence("a", prompt + [40], len(prompt), SamplingParams(stop=["x"], logprobs=2), 0.0)
+    b = Sequence("b", [5, 6], 2, SamplingParams(skip_special_tokens=False), 0.0)
+    c = Sequence("c", [9], 1, SamplingParams(), 0.0)
+    lp = TokenLogprobs(-0.25, np.array([40, 41]), np.array([-0.25, -1.5], dtype=np.float32))
+    updates = [StepUpdate(a, [40], "", [lp], new=True), StepUpdate(b, [7], "length", new=True),
+               StepUpdate(c, [], "abort")]
+    out = decode(encode(step_output(12, updates, {"running": 1})))
+    assert isinstance(out, StepOutput) and out.step == 12 and out.stats == {"running": 1}
+    assert (out.rids, unpack_ids(out.tokens).tolist(), out.finish) == (["a", "b", "c"], [40, 7, -1],
+                                                                      ["", "length", "abort"])
+    na, nb = out.new
+    assert (na.rid, na.prompt_len, unpack_ids(na.prompt_tail).tolist(), na.stop, na.logprobs) == (
+        "a", 12, prompt[-PROMPT_TAIL:], ["x"], 2)
+    assert (nb.rid, unpack_ids(nb.prompt_tail).tolist(), nb.skip_special_tokens) == ("b", [5, 6], False)
+    la, lb, lc = out.logprobs
+    assert lb is None and lc is None and la.logprob == -0.25
+    assert unpack_ids(la.top_ids).tolist() == [40, 41] and unpack_floats(la.top_logprobs).tolist() == [-0.25, -1.5]
+    assert step_output(3, [StepUpdate(c, [], "abort")]).logprobs is None  # nobody asked
 
 
 def test_engine_threads_leave_a_core_for_the_other_processes(monkeypatch):
