@@ -22,21 +22,28 @@ from services.detokenizer.incremental import (
     MAX_CONTEXT,
     Delta,
     IncrementalDetokenizer,
+    RequestText,
     StopMatcher,
     skipped_ids,
 )
 from services.detokenizer.worker import Detokenizer, Row
 from services.messages import (
+    PROMPT_TAIL,
     Abort,
     MessageError,
     NewRequestInfo,
+    StepLogprobs,
     StepOutput,
     TextDeltas,
+    TokenLogprob,
+    TopLogprob,
     decode,
     encode,
+    pack_floats,
     pack_ids,
     unpack_ids,
 )
+from services.sampling_params import SamplingParams
 from services.tokenizer.load import load_tokenizer
 from tests.conftest import REPO
 
@@ -286,14 +293,71 @@ def test_in_process_api(stories) -> None:
     assert d.add(out).text + d.flush() == ", there was a little girl named Lily."
 
 
+def test_request_text_is_the_one_stop_abort_flush_path(stories) -> None:
+    prompt = stories.encode("Once upon a time")
+    out = stories.encode(", there was a little girl named Lily.", add_special_tokens=False)[1:]
+    text = RequestText(IncrementalDetokenizer(stories, prompt, ["girl"]))
+    got = []
+    for t in out:
+        got.append(text.feed([t]))
+        if text.finished:
+            break
+    assert "".join(u.text for u in got) == ", there was a little "
+    assert [u.abort for u in got] == [False] * (len(got) - 1) + [True] and got[-1].finish == "stop"
+    assert text.completion_tokens == len(got) < len(out)  # the id that completed the stop string counts
+    text = RequestText(IncrementalDetokenizer(stories, prompt, ["Lily."]))  # the engine ended it first
+    updates = [text.feed([t], "length" if i == len(out) - 1 else "") for i, t in enumerate(out)]
+    assert updates[-1].finish == "stop" and not any(u.abort for u in updates)
+    text = RequestText(IncrementalDetokenizer(stories, prompt, ["Lily"]))
+    assert text.feed(out[:3]).text + text.feed([], "abort").text == ", there was"  # flushed at the end
+    assert text.finish == "abort"
+
+
+def test_llm_generate_and_the_detokenizer_process_give_the_same_text(stories_dir, stories) -> None:
+    """Both ends of the pipeline drive RequestText: the offline LLM from the engine's updates, the
+    detokenizer from their wire form. Stop strings (within and across tokens) and random byte-fallback
+    output (UTF-8 held and released) come out identical, finish reasons and token ids too."""
+    from services.engine.llm import LLM
+    from services.engine.process import step_output
+
+    llm = LLM(stories_dir, device="cpu", num_pages=64, max_num_seqs=8)
+    prompts = ["Once upon a time", "Lily and Tom", "One day", "The cat"]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, stop=["little"]),
+              SamplingParams(max_tokens=30, temperature=0.0, stop=["re wa", "ed "]),
+              SamplingParams(max_tokens=40, temperature=3.0, seed=7, skip_special_tokens=False),
+              SamplingParams(max_tokens=40, temperature=3.0, seed=11, stop=["\ufffd", "a"])]
+    offline = llm.generate(prompts, params)
+
+    engine, det = llm.engine, Detokenizer(stories)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add(f"w{i}", stories(prompt).input_ids, SamplingParams.from_dict(p.to_dict()))
+    text: dict[str, str] = {}
+    ids: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    while engine.has_work():
+        rows: dict[str, Row] = {}
+        wire = decode(encode(step_output(engine.step_count + 1, engine.step(), {})))
+        for rid in det.process(wire, rows):
+            engine.abort(rid, "stop")
+        deltas = det.deltas(rows)
+        for r, rid in enumerate(deltas.rids):
+            text[rid] = text.get(rid, "") + deltas.text[r]
+            ids.setdefault(rid, []).extend(unpack_ids(deltas.tokens)[deltas.offsets[r]:deltas.offsets[r + 1]])
+            finish[rid] = deltas.finish[r]
+    served = [(text[f"w{i}"], finish[f"w{i}"], [int(t) for t in ids[f"w{i}"]]) for i in range(len(prompts))]
+    assert served == [(o.text, o.finish_reason, o.token_ids) for o in offline]
+    assert [o.finish_reason for o in offline][:2] == ["stop", "stop"]
+    assert any(FFFD in o.text or o.finish_reason == "stop" for o in offline[2:])
+
+
 # -- the detokenizer's step -> deltas logic (no sockets) ----------------------------------------
 
-def new(rid: str, tok, prompt: str, **kw) -> dict:
+def new(rid: str, tok, prompt: str, **kw) -> NewRequestInfo:
     ids = tok.encode(prompt)
-    return NewRequestInfo(rid, len(ids), pack_ids(ids[-8:]), **kw).__dict__
+    return NewRequestInfo(rid, len(ids), pack_ids(ids[-PROMPT_TAIL:]), **kw)
 
 
-def step(n: int, rows: list[tuple[str, int, str]], new_: list[dict] = (), logprobs=None,
+def step(n: int, rows: list[tuple[str, int, str]], new_: list[NewRequestInfo] = (), logprobs=None,
          stats: dict | None = None) -> StepOutput:
     return StepOutput(n, [r for r, _, _ in rows], pack_ids([t for _, t, _ in rows]), [f for _, _, f in rows],
                       list(new_), logprobs, stats)
@@ -349,22 +413,26 @@ def test_heartbeat_is_forwarded(stories) -> None:
 def test_logprobs_carry_token_text(stories) -> None:
     det = Detokenizer(stories)
     there, lily = stories.convert_tokens_to_ids(["▁there", "▁Lily"])
-    row = [-0.5, pack_ids([there, lily]), np.array([-0.5, -1.5], "<f4").tobytes()]
+    row = StepLogprobs(-0.5, pack_ids([there, lily]), pack_floats([-0.5, -1.5]))
     msg, _ = run_steps(det, step(1, [("a", there, ""), ("b", lily, "")],
                                  [new("a", stories, "Hi", logprobs=2), new("b", stories, "Hi")], [row, None]))
-    assert msg.logprobs == [[{"token_id": there, "token": " there", "logprob": -0.5,
-                              "top": [{"token_id": there, "token": " there", "logprob": -0.5},
-                                      {"token_id": lily, "token": " Lily", "logprob": -1.5}]}], None]
+    assert msg.logprobs == [[TokenLogprob(there, " there", -0.5, [TopLogprob(there, " there", -0.5),
+                                                                  TopLogprob(lily, " Lily", -1.5)])], None]
 
 
 def test_malformed_steps_and_restart(stories) -> None:
     det = Detokenizer(stories)
     with pytest.raises(MessageError):
         det.process(StepOutput(1, ["a"], pack_ids([5, 6]), [""]), {})
-    bad_info = {"rid": "a", "prompt_len": "x"}
+    wire = msgpack.unpackb(encode(step(1, [("a", 300, "")], [new("a", stories, "Hi")])))
+    wire["new"][0]["prompt_len"] = "x"  # a nested field of the wrong type: the whole step is refused
+    with pytest.raises(MessageError, match=r"step.new\[0\].prompt_len"):
+        decode(msgpack.packb(wire))
+    bad_info = NewRequestInfo("a", 3, b"\x01\x02\x03")  # packed ids of 3 bytes
     msg, _ = run_steps(det, step(1, [("a", 300, "")], [bad_info, new("b", stories, "Hi")]))
     assert msg.rids == [] and list(det.requests) == ["b"]  # bad info dropped; rows without state too
-    msg, _ = run_steps(det, step(2, [("b", 300, "")], logprobs=[[1, 2]]))
+    bad_row = StepLogprobs(1.0, pack_ids([1, 2]), pack_floats([0.5]))
+    msg, _ = run_steps(det, step(2, [("b", 300, "")], logprobs=[bad_row]))
     assert msg.text and msg.logprobs is None  # b did not ask for logprobs: the bad row is not read
     run_steps(det, step(1, [], [new("c", stories, "Hi")]))  # step numbers went back: a new engine
     assert list(det.requests) == ["c"]
