@@ -24,11 +24,15 @@ from services.gateway.pb import generation_pb2 as pb
 from services.gateway.server import Gateway
 from services.messages import (
     Abort,
+    ChatMessage,
     EngineInfo,
+    ModelInfo,
     ProcessStatus,
     RequestError,
     TextDeltas,
     TokenizeRequest,
+    TokenLogprob,
+    TopLogprob,
     decode,
     encode,
     pack_ids,
@@ -38,15 +42,8 @@ from services.sampling_params import MAX_STOP_STRINGS
 
 pytestmark = pytest.mark.timeout(60)
 
-INFO = {
-    "name": "fake",
-    "context_length": 512,
-    "vocab_size": 512,
-    "eos_token_ids": [2],
-    "dtype": "float32",
-    "device": "cpu",
-    "max_logprobs": 5,
-}
+INFO = ModelInfo(name="fake", context_length=512, vocab_size=512, eos_token_ids=[2], dtype="float32",
+                 device="cpu", max_logprobs=5)
 
 
 def free_port() -> int:
@@ -82,6 +79,7 @@ class FakePipeline:
         self.tokenize = self._socket(zmq.PULL, self.addrs.tokenize)
         self.deltas = self._socket(zmq.PUSH, self.addrs.deltas)
         self.errors = self._socket(zmq.PUSH, self.addrs.errors)
+        self.status = self._socket(zmq.PUSH, self.addrs.status)
         self.control = self.zmq.socket(zmq.PULL)
         self.control.bind(self.addrs.control)
         self.boot = 1
@@ -101,10 +99,10 @@ class FakePipeline:
 
     def _heartbeats(self) -> None:
         """Engine (EngineInfo) and detokenizer (empty TextDeltas with stats) heartbeats, own sockets."""
-        errors, deltas = self._socket(zmq.PUSH, self.addrs.errors), self._socket(zmq.PUSH, self.addrs.deltas)
+        status, deltas = self._socket(zmq.PUSH, self.addrs.status), self._socket(zmq.PUSH, self.addrs.deltas)
         while not self._stop.wait(0.1):
             if self.beating.is_set():
-                errors.send(encode(EngineInfo(boot=self.boot, info=INFO, stats=dict(self.stats))))
+                status.send(encode(EngineInfo(boot=self.boot, info=INFO, stats=dict(self.stats))))
                 deltas.send(
                     encode(
                         TextDeltas(
@@ -119,7 +117,7 @@ class FakePipeline:
                         )
                     )
                 )
-        errors.close()
+        status.close()
         deltas.close()
 
     def run(self, coro: Any, timeout: float = 10) -> Any:
@@ -201,25 +199,10 @@ def test_stream_roundtrip_and_request_fields(fake):
     )
     req = fake.next_request()
     assert (req.rid, req.prompt, req.app) == ("r1", "Hello", "chat")
-    assert (
-        req.sampling["max_tokens"] == 7 and req.sampling["temperature"] == 0.7
-    )  # exact: doubles on the wire
-    assert (req.sampling["top_k"], req.sampling["seed"], req.sampling["stop"], req.sampling["logprobs"]) == (
-        5,
-        11,
-        ["."],
-        2,
-    )
-    assert req.sampling["top_p"] == 1.0  # unset fields take the defaults
-    top = {
-        "token_id": 7,
-        "token": "Hi",
-        "logprob": -0.1,
-        "top": [
-            {"token_id": 7, "token": "Hi", "logprob": -0.1},
-            {"token_id": 8, "token": "Ho", "logprob": -2.5},
-        ],
-    }
+    assert req.sampling.max_tokens == 7 and req.sampling.temperature == 0.7  # exact: doubles on the wire
+    assert (req.sampling.top_k, req.sampling.seed, req.sampling.stop, req.sampling.logprobs) == (5, 11, ["."], 2)
+    assert req.sampling.top_p == 1.0  # unset fields take the defaults
+    top = TokenLogprob(7, "Hi", -0.1, [TopLogprob(7, "Hi", -0.1), TopLogprob(8, "Ho", -2.5)])
     fake.send([("r1", "Hi", [7], "")], logprobs=[[top]])
     first = next(call)
     assert (first.request_id, first.text, list(first.token_ids), first.finish_reason) == ("r1", "Hi", [7], "")
@@ -244,7 +227,7 @@ def test_ids_and_chat_inputs_and_assigned_ids(fake):
     assert [c.request_id for c in call] == [req.rid]
     call = fake.client.stream([{"role": "user", "content": "hi"}])
     req = fake.next_request()
-    assert req.messages == [{"role": "user", "content": "hi"}]
+    assert req.messages == [ChatMessage("user", "hi")]
     fake.send([(req.rid, "", [], "stop")])
     assert [c.finish_reason for c in call] == ["stop"]
 
@@ -253,7 +236,7 @@ def test_ids_and_chat_inputs_and_assigned_ids(fake):
     "kwargs, field",
     [
         ({"prompt": ""}, "prompt"),
-        ({"prompt": [1, 512]}, "prompt_token_ids"),
+        ({"prompt": [1, 2**31]}, "prompt_token_ids"),  # not an int32; the vocabulary is the tokenizer's
         ({"prompt": []}, "prompt_token_ids"),
         ({"prompt": "x", "temperature": -1.0}, "temperature"),
         ({"prompt": "x", "top_p": 0.0}, "top_p"),
@@ -401,6 +384,8 @@ def test_malformed_messages_are_dropped(fake):
     fake.next_request()
     fake.deltas.send(b"\x00garbage")
     fake.errors.send(encode(Abort(rids=["m1"])))  # valid message, wrong socket
+    fake.status.send(encode(RequestError(rid="m1", code="INTERNAL", message="x")))  # errors only on `errors`
+    fake.errors.send(encode(ProcessStatus(process="engine", up=False)))  # status only on `status`
     fake.deltas.send(
         encode(
             TextDeltas(
@@ -460,21 +445,21 @@ def test_engine_down_fails_streams_until_it_is_back(fake):
     fake.next_request()
     fake.send([("k1", "a", [1], "")])
     next(call)
-    fake.errors.send(encode(ProcessStatus(process="engine", up=False)))
+    fake.status.send(encode(ProcessStatus(process="engine", up=False)))
     err = rpc_error(call)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "engine" in err.details()
     fake.wait(lambda: fake.client.health() == "NOT_SERVING")
     assert rpc_error(fake.client.stream("x")).code() == grpc.StatusCode.UNAVAILABLE
     assert fake.next_abort().rids == ["k1"]  # for its successor: adds still on the way get dropped
     fake.boot = 2
-    fake.errors.send(encode(ProcessStatus(process="engine", up=True)))
+    fake.status.send(encode(ProcessStatus(process="engine", up=True)))
     fake.client.wait_ready(5)
 
 
 def test_detokenizer_down_aborts_streams_in_the_engine(fake):
     call = fake.client.stream("x", request_id="z1")
     fake.next_request()
-    fake.errors.send(encode(ProcessStatus(process="detokenizer", up=False)))
+    fake.status.send(encode(ProcessStatus(process="detokenizer", up=False)))
     assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
     assert fake.next_abort().rids == ["z1"]
 
@@ -485,7 +470,7 @@ def test_tokenizer_down_fails_only_requests_without_output(fake):
     fake.next_request(), fake.next_request()
     fake.send([("t1", "a", [1], "")])
     assert next(started).text == "a"
-    fake.errors.send(encode(ProcessStatus(process="tokenizer-1", up=False)))
+    fake.status.send(encode(ProcessStatus(process="tokenizer-1", up=False)))
     assert rpc_error(waiting).code() == grpc.StatusCode.UNAVAILABLE
     assert fake.next_abort().rids == ["t2"]
     assert fake.client.health() == "SERVING"
