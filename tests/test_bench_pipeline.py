@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from services.bench.pipeline import SyntheticEngine
-from services.messages import unpack_ids
 from services.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,14 +22,13 @@ def test_synthetic_engine_echoes_prompts_to_max_tokens_and_aborts() -> None:
     engine.add("a", [5, 6, 7], SamplingParams(max_tokens=4))
     engine.add("b", [9], SamplingParams(max_tokens=1))
     first = engine.step()
-    assert first.rids == ["a", "b"] and unpack_ids(first.tokens).tolist() == [5, 9]
-    assert first.finish == ["", "length"] and [n["rid"] for n in first.new] == ["a", "b"]
+    assert [(u.rid, u.token_ids, u.finish_reason, u.new) for u in first] == [
+        ("a", [5], "", True), ("b", [9], "length", True)]
     second = engine.step()
-    assert second.rids == ["a"] and unpack_ids(second.tokens).tolist() == [6] and second.new == []
-    engine.abort("a")
-    engine.abort("gone")  # unknown: ignored
+    assert [(u.rid, u.token_ids, u.new) for u in second] == [("a", [6], False)]
+    assert engine.abort("a") and not engine.abort("gone")  # unknown: ignored
     third = engine.step()
-    assert third.rids == ["a"] and unpack_ids(third.tokens).tolist() == [-1] and third.finish == ["abort"]
+    assert [(u.rid, u.token_ids, u.finish_reason) for u in third] == [("a", [], "abort")]
     assert not engine.has_work() and engine.stats()["steps"] == 3
     with pytest.raises(ValueError):
         engine.add("c", [], SamplingParams())

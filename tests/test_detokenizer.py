@@ -10,7 +10,6 @@ import sys
 import time
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings

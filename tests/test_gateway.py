@@ -200,7 +200,8 @@ def test_stream_roundtrip_and_request_fields(fake):
     req = fake.next_request()
     assert (req.rid, req.prompt, req.app) == ("r1", "Hello", "chat")
     assert req.sampling.max_tokens == 7 and req.sampling.temperature == 0.7  # exact: doubles on the wire
-    assert (req.sampling.top_k, req.sampling.seed, req.sampling.stop, req.sampling.logprobs) == (5, 11, ["."], 2)
+    sampling = req.sampling
+    assert (sampling.top_k, sampling.seed, sampling.stop, sampling.logprobs) == (5, 11, ["."], 2)
     assert req.sampling.top_p == 1.0  # unset fields take the defaults
     top = TokenLogprob(7, "Hi", -0.1, [TopLogprob(7, "Hi", -0.1), TopLogprob(8, "Ho", -2.5)])
     fake.send([("r1", "Hi", [7], "")], logprobs=[[top]])

@@ -300,7 +300,8 @@ def test_step_output_is_the_wire_form_of_the_updates():
     assert (nb.rid, unpack_ids(nb.prompt_tail).tolist(), nb.skip_special_tokens) == ("b", [5, 6], False)
     la, lb, lc = out.logprobs
     assert lb is None and lc is None and la.logprob == -0.25
-    assert unpack_ids(la.top_ids).tolist() == [40, 41] and unpack_floats(la.top_logprobs).tolist() == [-0.25, -1.5]
+    assert unpack_ids(la.top_ids).tolist() == [40, 41]
+    assert unpack_floats(la.top_logprobs).tolist() == [-0.25, -1.5]
     assert step_output(3, [StepUpdate(c, [], "abort")]).logprobs is None  # nobody asked
 
 
