@@ -81,23 +81,22 @@ class Sampler:
         self.vocab_size = v
         self.device = torch.device(device)
         self.max_logprobs = max_logprobs
-        f32 = {"dtype": torch.float32, "device": self.device}
-        i64 = {"dtype": torch.int64, "device": self.device}
+        dev, f32, i64 = self.device, torch.float32, torch.int64
         # Device state, one row per slot. Greedy rows keep neutral sampling values (temperature 1,
         # no top-k/p/min-p) so mixed batches can run the random path over every row.
-        self.greedy = torch.zeros(n, dtype=torch.bool, device=self.device)
-        self.temperature = torch.ones(n, **f32)
-        self.top_k = torch.full((n,), v, **i64)
-        self.top_p = torch.ones(n, **f32)
-        self.min_p = torch.zeros(n, **f32)
-        self.repetition_penalty = torch.ones(n, **f32)
-        self.presence_penalty = torch.zeros(n, **f32)
-        self.frequency_penalty = torch.zeros(n, **f32)
-        self.seed = torch.zeros(n, **i64)
-        self.min_tokens = torch.zeros(n, **i64)
-        self.generated = torch.zeros(n, **i64)
+        self.greedy = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones(n, dtype=f32, device=dev)
+        self.top_k = torch.full((n,), v, dtype=i64, device=dev)
+        self.top_p = torch.ones(n, dtype=f32, device=dev)
+        self.min_p = torch.zeros(n, dtype=f32, device=dev)
+        self.repetition_penalty = torch.ones(n, dtype=f32, device=dev)
+        self.presence_penalty = torch.zeros(n, dtype=f32, device=dev)
+        self.frequency_penalty = torch.zeros(n, dtype=f32, device=dev)
+        self.seed = torch.zeros(n, dtype=i64, device=dev)
+        self.min_tokens = torch.zeros(n, dtype=i64, device=dev)
+        self.generated = torch.zeros(n, dtype=i64, device=dev)
         # Stop ids padded by repeating the row's first id, so a scatter writes one value per column.
-        self.stop_ids = torch.zeros(n, 4, **i64)
+        self.stop_ids = torch.zeros(n, 4, dtype=i64, device=dev)
         # [n, V] penalty state, allocated on the first request that uses a penalty.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -230,11 +229,12 @@ class Sampler:
         rep = self.repetition_penalty[slots_t, None]
         x = torch.where(self.prompt_mask[slots_t] | seen_output, torch.where(x > 0, x / rep, x * rep), x)
         # OpenAI presence / frequency penalties over output tokens only.
-        return (
+        penalized: torch.Tensor = (
             x
             - self.frequency_penalty[slots_t, None] * counts
             - self.presence_penalty[slots_t, None] * seen_output
         )
+        return penalized
 
     def _mask_stop_ids(self, x: torch.Tensor, slots_t: torch.Tensor) -> torch.Tensor:
         ids = self.stop_ids[slots_t]
