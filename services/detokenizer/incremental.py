@@ -11,8 +11,8 @@ keeps SentencePiece's leading spaces and joins byte-fallback pieces. Rules:
 - text is held back only while it can still become a stop string, and a stop string is never
   released: the request's text ends right before it;
 - skipped special tokens never enter the window, and a token that adds no text after some left
-  context is dropped from it, so a long run of such tokens costs O(1) each (sglang #13275 was
-  quadratic there). Without context a token may add no text only because the decoder strips a
+  context is dropped from it, so a long run of such tokens costs O(1) each (re-decoding a growing
+  window would be quadratic). Without context a token may add no text only because the decoder strips a
   leading space; it becomes the context instead.
 """
 
