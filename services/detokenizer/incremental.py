@@ -2,9 +2,9 @@
 offline `LLM.generate` both feed one `RequestText` per request (token ids in; text deltas, the stop
 string's end of the request, the flush at its finish out), so both produce the same text.
 
-The window (vLLM's prefix/read offsets): `ids[:read_offset]` is released left context whose decode
+The window (a read offset into the ids): `ids[:read_offset]` is released left context whose decode
 is `prefix_text`; each add decodes all of `ids` and releases what follows `prefix_text`. Ids left of
-the context are dropped, so vLLM's prefix offset is always 0 here. Decoding with a few context ids
+the context are dropped, so the window always starts at 0. Decoding with a few context ids
 keeps SentencePiece's leading spaces and joins byte-fallback pieces. Rules:
 - never retract: released text is never changed, even when the tokenizer re-decodes it;
 - a trailing U+FFFD may be half a character, so it is held, but for a bounded number of tokens;
