@@ -27,4 +27,5 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
     (special tokens, chat template)."""
     if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json: pipeserve needs a fast tokenizer")
-    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    return tokenizer
