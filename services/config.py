@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     group = parser.add_argument_group(cls.__name__)
     for f, hint in _field_hints(cls):
         flag = f"--{f.name.replace('_', '-')}"
-        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default is MISSING else f.default
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
                                else {"type": kind, "metavar": kind.__name__.upper()})
