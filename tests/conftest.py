@@ -1,5 +1,6 @@
-"""Shared test set-up: the Triton interpreter on machines without CUDA, paths into ../shared,
-and tiny random Hugging Face checkpoints built on the fly (nothing is downloaded)."""
+"""Shared test set-up: the Triton interpreter on machines without CUDA, the one place that locates
+the shared assets (stories260K, the traces), and tiny random Hugging Face checkpoints built on the
+fly (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# $PIPESERVE_SHARED, else a `shared` folder beside the checkout; exported so that the code under test
+# (bench's trace and model defaults) and its subprocesses look in the same place.
 SHARED = pathlib.Path(os.environ.get("PIPESERVE_SHARED", REPO.parent / "shared"))
+os.environ["PIPESERVE_SHARED"] = str(SHARED)
 STORIES = SHARED / "models" / "stories260K"
 TRACES = SHARED / "data" / "traces"
 
@@ -29,14 +33,14 @@ def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(scope="session")
 def stories_dir() -> str:
     if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260K not found at {STORIES} (set PIPESERVE_SHARED to the shared/ folder)")
+        pytest.skip(f"stories260K not found at {STORIES} (set PIPESERVE_SHARED to the assets folder)")
     return str(STORIES)
 
 
 @pytest.fixture(scope="session")
 def traces_dir() -> pathlib.Path:
     if not TRACES.is_dir():
-        pytest.skip(f"traces not found at {TRACES} (set PIPESERVE_SHARED to the shared/ folder)")
+        pytest.skip(f"traces not found at {TRACES} (set PIPESERVE_SHARED to the assets folder)")
     return TRACES
 
 

@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.bench import latency, throughput
-from services.bench.harness import preset_config, resolve_model
-from services.bench.machine import MachineRates, floor_cost, measure
-from services.bench.roofline import PRESETS, ModelShape, cost_model
+from bench import latency, throughput
+from bench.harness import preset_config, resolve_model
+from bench.machine import MachineRates, floor_cost, measure
+from bench.roofline import PRESETS, ModelShape, cost_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.pipeline import SyntheticEngine
+from bench.pipeline import SyntheticEngine
 from services.messages import unpack_ids
 from services.sampling_params import SamplingParams
 

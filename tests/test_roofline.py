@@ -1,4 +1,4 @@
-"""The roofline cost model against figures worked by hand (../shared/REFERENCE.md, "Speed of light")."""
+"""The roofline cost model against figures worked out by hand from the published shapes and datasheets."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.bench.gpus import GIB, GPU, GPUS, TB
-from services.bench.roofline import (
+from bench.gpus import GIB, GPU, GPUS, TB
+from bench.roofline import (
     PRESETS,
     ModelShape,
     cost_model,
@@ -20,11 +19,10 @@ from services.bench.roofline import (
     roofline,
     step_time,
 )
-from services.bench.workload import shared_dir
+from services import cli
+from tests.conftest import STORIES
 
 pytestmark = pytest.mark.timeout(60)
-
-STORIES = shared_dir() / "models" / "stories260K"
 
 H200 = GPU.get("H200")
 H200_MEASURED = H200.with_overrides(bandwidth=4.3 * TB)
@@ -263,7 +261,7 @@ def test_cli_rejects_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
 def test_report_helpers(tmp_path: Path) -> None:
     import numpy as np
 
-    from services.bench.report import Panel, cdf_series, fmt, machine_info, plot_panels, write_json
+    from bench.report import Panel, cdf_series, fmt, machine_info, plot_panels, write_json
 
     step = decode_step_cost(LLAMA2, H200, 1, 1)
     values = {"x": np.float32(0.5), "inf": math.inf, "arr": np.arange(3), "step": step, "p": tmp_path}

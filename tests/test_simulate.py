@@ -7,10 +7,9 @@ import random
 
 import pytest
 
-from services import cli
-from services.bench.gpus import GPU
-from services.bench.roofline import ModelShape, cost_model
-from services.bench.simulate import (
+from bench.gpus import GPU
+from bench.roofline import ModelShape, cost_model
+from bench.simulate import (
     LinearStepTime,
     RooflineStepTime,
     ServeSpec,
@@ -23,7 +22,8 @@ from services.bench.simulate import (
     simulate,
     train,
 )
-from services.bench.workload import TraceRequest
+from bench.workload import TraceRequest
+from services import cli
 
 pytestmark = pytest.mark.timeout(60)
 

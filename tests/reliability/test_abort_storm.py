@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import PHASES, abort_storm
+from bench.reliability import PHASES, abort_storm
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import run_bad_inputs
+from bench.reliability import run_bad_inputs
 
 pytestmark = pytest.mark.timeout(120)
 

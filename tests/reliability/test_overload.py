@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import overload
+from bench.reliability import overload
 from tests.reliability.conftest import start
 
 pytestmark = pytest.mark.timeout(150)

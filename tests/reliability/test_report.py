@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from services.bench.reliability import FaultResult, OverloadResult, StormResult, report_rows
-from services.bench.report import print_table, write_json
-from services.bench.soak import SoakResult, growth
+from bench.reliability import FaultResult, OverloadResult, StormResult, report_rows
+from bench.report import print_table, write_json
+from bench.soak import SoakResult, growth
 
 pytestmark = pytest.mark.timeout(30)
 

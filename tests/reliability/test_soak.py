@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.bench.soak import SHORT_THRESHOLD_MB_PER_MIN, default_threshold, growth, print_soak, soak
+from bench.soak import SHORT_THRESHOLD_MB_PER_MIN, default_threshold, growth, print_soak, soak
 
 pytestmark = pytest.mark.timeout(150)
 # The 60-s threshold, 3 MiB/min (SHORT_THRESHOLD_MB_PER_MIN). At the soak's 10 requests/s over 60 s,

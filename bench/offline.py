@@ -1,7 +1,7 @@
 """`pipeserve bench offline`: our engine vs HF transformers `generate` on the same model and the
 same trace-shaped requests, in the same run.
 
-Requests take their prompt and output lengths from ../shared/data/traces (N drawn at random from
+Requests take their prompt and output lengths from the shared traces (N drawn at random from
 both traces, scaled by one factor so the longest drawn fits the model's context); prompts are random
 token ids and every request generates exactly its trace output length (ignore_eos / min_new_tokens).
 HF runs static batches of `--batch-size` requests in arrival order (left-padded, each batch decodes
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from services.bench.report import machine_info, print_table, write_json
-from services.bench.workload import default_trace_paths, load_trace, shared_dir
+from bench.report import machine_info, print_table, write_json
+from bench.workload import default_trace_paths, load_trace, shared_dir
 from services.config import EngineConfig
 from services.cpus import engine_core_count
 
