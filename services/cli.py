@@ -43,7 +43,15 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
 
 def missing_bench_extra() -> list[str]:
     """The packages of the bench extra that cannot be imported here."""
-    return [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+    missing = []
+    for name in BENCH_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder that refuses it; a broken half-import
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
