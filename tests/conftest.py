@@ -24,6 +24,19 @@ STORIES = SHARED / "models" / "stories260K"
 TRACES = SHARED / "data" / "traces"
 
 
+def png_panels(path: pathlib.Path) -> int:
+    """How many panels bench.report.plot_panels drew into this PNG, from its IHDR size (each panel is
+    PANEL_INCHES x DPI pixels); fails when it is not a PNG of whole panels."""
+    from bench.report import DPI, PANEL_INCHES
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    panel_width, panel_height = round(PANEL_INCHES[0] * DPI), round(PANEL_INCHES[1] * DPI)
+    assert height == panel_height and width % panel_width == 0, (width, height)
+    return width // panel_width
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep the demo model out of the user's home directory."""
