@@ -36,6 +36,7 @@ def test_without_a_gpu_it_says_so(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiny_suite_checks_every_kernel(tmp_path):
     proc = run("--tiny", out=tmp_path)

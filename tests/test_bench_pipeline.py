@@ -15,6 +15,8 @@ from tests.conftest import png_panels
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(120)
 def test_short_run_prints_every_figure_and_writes_json(tmp_path: Path) -> None:

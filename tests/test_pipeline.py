@@ -27,6 +27,7 @@ from tests.deadlines import mid_generation_deadline
 MODEL = STORIES
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason=f"stories260K not found at {MODEL}"),
 ]

@@ -94,6 +94,7 @@ def test_tls_only(tmp_path, certificate):
     uvloop.run(scenario())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_up_serves_tls_and_checks_the_api_key(tmp_path, certificate):
     """`pipeserve up --tls-cert --tls-key --api-key`: the launcher's own health check speaks TLS (it
