@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from services.config import EngineConfig
 from services.cpus import engine_core_count
 
 # A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
-LLAMA_20M = {
+LLAMA_20M: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 512,
@@ -162,7 +163,8 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
     sched = Scheduler(
         pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16, lambda s: None, lambda s: None
     )
-    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests)  # metadata only
+    # Metadata only: no model and no sampler.
+    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests)  # type: ignore[arg-type]
     for i in range(num_requests):
         sched.add(Sequence(str(i), [5] * context, context, SamplingParams(max_tokens=10_000), 0.0))
     batch = sched.schedule()  # the prefill step, not timed

@@ -311,7 +311,7 @@ async def overload(
         alone = await asyncio.gather(*(_timed(client, i, max_tokens) for i in range(limit)))
         sustained = limit / (max(c.ms for c in alone) / 1e3)
         loop = asyncio.get_running_loop()
-        start, tasks = loop.time(), []
+        start, tasks = loop.time(), list[asyncio.Task[_Timed]]()
         while loop.time() - start < seconds:
             tasks.append(asyncio.create_task(_timed(client, len(tasks), max_tokens)))
             await asyncio.sleep(max(0.0, start + len(tasks) / (factor * sustained) - loop.time()))

@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -219,6 +220,7 @@ def simulate(requests: Sequence[TraceRequest], policy: AdmissionPolicy, step_tim
         sampled = batch.sampling()
         tokens = [EOS if s.num_output + 1 >= targets[s] else TOKEN for s in sampled]
         for seq in sched.postprocess(batch, sampled, tokens):
+            assert seq.first_scheduled is not None  # set when it was first scheduled, above
             queue_s.append(seq.first_scheduled - seq.arrival)
             del targets[seq]
         for seq in sampled:
@@ -440,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
     if args.capacity:
         result["capacity"] = {}
         for label in makers:
-            best, points = find_capacity(lambda r, label=label: run(label, r), rate, args.attainment,
+            best, points = find_capacity(partial(run, label), rate, args.attainment,
                                          args.tolerance, max_runs=30)
             result["capacity"][label] = {"rate": best, "points": points}
         print_capacity(result["capacity"], args.attainment, spec.slo)
