@@ -163,7 +163,8 @@ def test_serve_against_a_scripted_server(scripted, tmp_path: Path) -> None:
     assert requests[SHORT_LEN]["error"] == "got 5 tokens, asked for 6"
     for n, arrival in ((10, 0.0), (11, 0.4), (12, 0.6), (20, 0.3)):
         r = requests[n]
-        assert r["error"] is None and r["finish_reason"] == "length" and r["send_s"] >= arrival
+        # asyncio may fire a timer up to its clock resolution early: a millisecond's slack.
+        assert r["error"] is None and r["finish_reason"] == "length" and r["send_s"] >= arrival - 1e-3
         assert r["send_s"] - arrival < 0.15  # sent on the trace's clock
         assert r["arrival_s"] == pytest.approx(arrival, abs=1e-4) and r["max_tokens"] == r["output_tokens"]
         assert TTFT <= r["ttft_s"] < TTFT + 0.5
