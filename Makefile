@@ -9,13 +9,13 @@ PORT ?= 50051
 WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint venv proto clean
+.PHONY: serve test test-fast lint venv proto clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	# torch first, pinned, so pip takes the CPU build on disk instead of pulling CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,9 +32,13 @@ test: $(STAMP)
 	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker-compose >/dev/null 2>&1) || true)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy services
+	$(BIN)/mypy services bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -2,9 +2,9 @@
 times it against the torch equivalent (SDPA, cuBLAS bf16, torch._scaled_mm / torch._int_mm) and the
 roofline of this GPU (copy bandwidth and bf16 matmul rate measured in the same run).
 
-    python bench/kernels.py                # Llama-3-8B layer shapes (32 q heads, 8 kv heads, head_dim 128)
-    python bench/kernels.py --only decode,gemm_int8
-    python bench/kernels.py --tiny         # tiny shapes: a quick check (without a GPU: the interpreter)
+    python -m bench.kernels                # Llama-3-8B layer shapes (32 q heads, 8 kv heads, head_dim 128)
+    python -m bench.kernels --only decode,gemm_int8
+    python -m bench.kernels --tiny         # tiny shapes: a quick check (without a GPU: the interpreter)
 
 Writes bench/results/<gpu>/kernels.json and kernels.md. Timing: triton.testing.do_bench medians (the
 L2 cache is flushed before each launch). "% bw" = bytes the kernel must move / time / measured copy
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 NO_GPU = (
-    "bench/kernels.py: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was measured. "
+    "python -m bench.kernels: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was "
+    "measured. "
     "The suite times the Triton kernels on a GPU; on this machine their correctness is covered by "
-    "`pytest tests/test_kernels_*.py` (TRITON_INTERPRET=1), and `python bench/kernels.py --tiny` runs "
+    "`pytest tests/test_kernels_*.py` (TRITON_INTERPRET=1), and `python -m bench.kernels --tiny` runs "
     "this suite's checks at tiny shapes in the interpreter."
 )
 
@@ -81,7 +81,7 @@ class Scale:
     gemm_m: list[int]
     gemm_nk: list[tuple[int, int]]
     tokens: int  # row-wise kernels
-    targets: bool  # the targets apply to the full shapes only
+    targets: bool  # the speed targets apply to the full shapes only
 
     @staticmethod
     def full() -> Scale:
@@ -300,7 +300,7 @@ class Suite:
         from services.engine.kernels import gemm_int4, quant
 
         torch, s = self.torch, self.s
-        quantizers = {
+        quantizers: dict[str, Callable[[Any], Any]] = {
             "int8": lambda w: quant.quantize_weight_per_channel(w, torch.int8),
             "fp8": lambda w: quant.quantize_weight_per_channel(w, torch.float8_e4m3fn),
             "int4": gemm_int4.quantize_int4,
@@ -384,7 +384,7 @@ class Suite:
 
         def norm_quant(r: Result) -> None:
             fn = lambda: norm.rms_norm_quant(x, w, 1e-5, res, torch.int8)
-            q, sc, _ = fn()
+            q, sc = fn()[:2]
             # dequantized vs the unquantized norm: half an int8 step of the row max plus one bf16 step
             self.check(
                 r, q.float() * sc, ref_norm.rms_norm(x, w, 1e-5, res)[0].float(), tol=0.5 / 127 + 2**-7
@@ -465,7 +465,7 @@ class Suite:
             self.run(
                 f"store_kv[{kv or 'bf16'}]",
                 f"T={t} Hkv={s.hkv} D={s.head_dim}",
-                lambda r, kv=kv: store(r, kv),
+                partial(store, kv=kv),
             )
 
 
@@ -562,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     import triton.testing
 
-    from services.bench.machine import measure
-    from services.bench.report import machine_info, write_json
+    from bench.machine import measure
+    from bench.report import machine_info, write_json
 
     device = torch.device("cuda" if cuda else "cpu")
     rates = measure(device, torch.bfloat16, **({} if cuda else {"copy_bytes": 2**24, "matmul_n": 256}))

@@ -1,7 +1,7 @@
-"""Predicted-length KV allocation against `max` and `optimistic` (issue 6), in the serving simulator.
+"""Predicted-length KV allocation against `max` and `optimistic`, in the serving simulator.
 
-    python bench/predicted_kv.py             # the full comparison (~10 minutes on 2 busy cores)
-    python bench/predicted_kv.py --quick     # 1,000 requests: a smoke run
+    python -m bench.predicted_kv             # the full comparison (~10 minutes on 2 busy cores)
+    python -m bench.predicted_kv --quick     # 1,000 requests: a smoke run
 
 Llama-3-8B (bf16, 8k context) on the mixed Azure 2023 trace (conversation + code, one app tag per
 file). Clients ask max_tokens = min(2048, context - prompt); prompts beyond the context are dropped
@@ -9,7 +9,7 @@ and counted. The GPU is an H100-SXM by its roofline, given a set 4 GiB KV budget
 that memory, not compute, binds: TPOT stays far under its SLO and requests miss their SLO by queueing
 for KV. The predictor learns from the first half of the trace; the replay is the second half.
 
-Prints what the issue asks for: the predictor's held-out accuracy against a prompt-length-only
+Prints the predictor's held-out accuracy against a prompt-length-only
 baseline, the policies side by side at one rate, and the highest rate each sustains within the SLOs
 (>= 90% of requests with TTFT <= 2 s and TPOT <= 50 ms), then the ratios. Writes
 bench/results/cpu-sim/<date>-predicted-kv.json (the `pipeserve simulate` JSON) and its plots.
@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from services import cli
 
-from services import cli  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 # `predicted` checks the predicted KV peak over time; `predicted-reserve` has the pool promise each
 # request prompt + predicted output (the literal reservation), shown for comparison.

@@ -1,14 +1,21 @@
 """The `pipeserve` command. Each subcommand lives in its own module, imported only when used, so
 the gateway and tokenizer processes never import torch.
 
-A command module defines `add_arguments(parser)` and `main(args) -> int`.
+A command module defines `add_arguments(parser)` and `main(args) -> int`. The benchmark commands
+live in the top-level `bench` package and need the optional `pipeserve[bench]` extra (tables and
+plots); without it they say how to install it instead of failing with a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
+
+# What `pipeserve[bench]` adds to the serving dependencies (pyproject.toml).
+BENCH_EXTRA = ("matplotlib", "rich")
+INSTALL_BENCH = "pip install 'pipeserve[bench]'"
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.launcher", "start every process on this host and serve gRPC"),
@@ -17,21 +24,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("services.engine.process", "run the engine process"),
     "detokenizer": ("services.detokenizer.worker", "run the detokenizer process"),
     "generate": ("services.gateway.client", "stream a completion from a running server"),
-    "roofline": ("services.bench.roofline", "speed-of-light calculator for a model on a GPU"),
-    "simulate": ("services.bench.simulate", "replay a trace through the scheduler with a cost model"),
+    "roofline": ("bench.roofline", "speed-of-light calculator for a model on a GPU"),
+    "simulate": ("bench.simulate", "replay a trace through the scheduler with a cost model"),
     "bench": ("", "benchmarks; `pipeserve bench --help` lists them"),
 }
 
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
-    "offline": ("services.bench.offline", "engine vs HF generate on trace-shaped requests"),
-    "throughput": ("services.bench.throughput", "decode throughput by batch size"),
-    "latency": ("services.bench.latency", "prefill and decode latency tables"),
-    "serve": ("services.bench.serve", "streaming gRPC clients replaying a trace"),
-    "pipeline": ("services.bench.pipeline", "pipeline vs in-process, and gateway capacity"),
-    "quant": ("services.bench.quant", "quantization accuracy, memory and speed"),
-    "reliability": ("services.bench.reliability", "fault, overload and soak figures"),
-    "soak": ("services.bench.soak", "steady load for minutes: RSS of every process, KV pages"),
+    "offline": ("bench.offline", "engine vs HF generate on trace-shaped requests"),
+    "throughput": ("bench.throughput", "decode throughput by batch size"),
+    "latency": ("bench.latency", "prefill and decode latency tables"),
+    "serve": ("bench.serve", "streaming gRPC clients replaying a trace"),
+    "pipeline": ("bench.pipeline", "pipeline vs in-process, and gateway capacity"),
+    "quant": ("bench.quant", "quantization accuracy, memory and speed"),
+    "reliability": ("bench.reliability", "fault, overload and soak figures"),
+    "soak": ("bench.soak", "steady load for minutes: RSS of every process, KV pages"),
 }
+
+
+def missing_bench_extra() -> list[str]:
+    """The packages of the bench extra that cannot be imported here."""
+    missing = []
+    for name in BENCH_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder that refuses it; a broken half-import
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
@@ -48,7 +68,11 @@ def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
     if name not in table:
         print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(table[name][0])
+    module_name = table[name][0]
+    if module_name.startswith("bench.") and (missing := missing_bench_extra()):
+        print(f"{prog} {name} needs {', '.join(missing)}: {INSTALL_BENCH}", file=sys.stderr)
+        return 1
+    module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=table[name][1])
     module.add_arguments(parser)
     return int(module.main(parser.parse_args(rest)) or 0)

@@ -8,11 +8,16 @@ UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. SIGINT/SI
 in order: the gateway first (in-flight streams get --grace seconds to finish while the rest still
 runs), then the others. Children run in their own sessions (a terminal's Ctrl-C reaches only this
 process, which orders the shutdown) and die with it if it is killed (PR_SET_PDEATHSIG).
+
+`running()` is that start and stop without the supervision loop, for a benchmark that swaps in its
+own engine (bench/pipeline.py); services/local_cluster.py runs the whole of `pipeserve up` in a
+subprocess for tests and benchmarks, and finds its children through children_of().
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -22,7 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,6 +50,19 @@ RESTART_WINDOW = 60.0
 STOP_TIMEOUT = 10.0
 
 
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> subcommand ("engine", "tokenizer", ...) of a launcher's live (not zombie) children."""
+    out = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+            if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+                out[int(child)] = argv[3]  # python -c CHILD <subcommand> ...
+        except (FileNotFoundError, IndexError):
+            continue
+    return out
+
+
 def child_main(argv: list[str]) -> int:
     parent = int(os.environ["PIPESERVE_PARENT_PID"])
     if sys.platform == "linux":
@@ -61,7 +81,7 @@ def child_main(argv: list[str]) -> int:
 class Child:
     name: str  # "engine", "detokenizer", "tokenizer-0", ..., "gateway"
     argv: list[str]  # pipeserve subcommand and flags
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (e.g. PIPESERVE_CPUS)
 
@@ -192,6 +212,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
 
 
+@dataclass
+class Running:
+    supervisor: Supervisor
+    target: str  # host:port of the gateway, for clients on this host
+    run_dir: str  # the ipc sockets' directory
+    serving: bool  # the gateway said SERVING before the start-up timeout (or a signal)
+
+
+@contextlib.contextmanager
+def running(
+    engine: EngineConfig,
+    gateway: GatewayConfig,
+    workers: int,
+    startup_timeout: float,
+    stopping: list[int],
+    security: dict[str, Any] | None = None,
+    engine_argv: list[str] | None = None,
+) -> Iterator[Running]:
+    """Start every child wired through a private run dir and wait for SERVING; on exit stop them in
+    order (the gateway first, within gateway.grace) and remove the run dir. engine_argv replaces
+    the engine's subcommand (a benchmark's synthetic engine)."""
+    run_dir = tempfile.mkdtemp(prefix="pipeserve-")
+    addrs = Addresses.under(run_dir)
+    env = {
+        **os.environ,
+        **addrs.to_env(),
+        "PIPESERVE_MODEL": str(engine.model),
+        "PIPESERVE_PARENT_PID": str(os.getpid()),
+    }
+    children = plan(engine, gateway, workers)
+    if engine_argv is not None:
+        children[0].argv = engine_argv
+    supervisor = Supervisor(children, addrs, env)
+    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
+    target = f"{host}:{gateway.port}"
+    try:
+        for child in supervisor.children:
+            supervisor.spawn(child)
+        serving = wait_serving(target, supervisor, startup_timeout, stopping, **(security or {}))
+        yield Running(supervisor, target, run_dir, serving)
+    finally:
+        supervisor.stop(gateway.grace)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.tokenizer_workers < 1:
@@ -201,17 +266,6 @@ def main(args: argparse.Namespace) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-    run_dir = tempfile.mkdtemp(prefix="pipeserve-")
-    addrs = Addresses.under(run_dir)
-    env = {
-        **os.environ,
-        **addrs.to_env(),
-        "PIPESERVE_MODEL": engine.model,
-        "PIPESERVE_PARENT_PID": str(os.getpid()),
-    }
-    supervisor = Supervisor(plan(engine, gateway, args.tokenizer_workers), addrs, env)
-    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
-    target = f"{host}:{gateway.port}"
     # The gateway serves TLS only: the health check must speak it too, trusting the served certificate.
     security = (
         {"tls_root_cert": gateway.tls_cert, "tls_server_name": args.tls_server_name}
@@ -219,24 +273,18 @@ def main(args: argparse.Namespace) -> int:
         else {}
     )
     code = 1
-    try:
-        for child in supervisor.children:
-            supervisor.spawn(child)
-        if wait_serving(target, supervisor, args.startup_timeout, stopping, **security):
-            log.info(
-                "serving %s on %s:%d (ipc sockets in %s)", engine.model, gateway.host, gateway.port, run_dir
-            )
+    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security) as up:
+        if up.serving:
+            where = (engine.model, gateway.host, gateway.port, up.run_dir)
+            log.info("serving %s on %s:%d (ipc sockets in %s)", *where)
             code = 0
             while not stopping:
-                for child, status in supervisor.dead():
-                    if not supervisor.restart(child, status):
+                for child, status in up.supervisor.dead():
+                    if not up.supervisor.restart(child, status):
                         stopping.append(0)
                         code = 1
                 time.sleep(0.1)
         if stopping and stopping[0]:  # a signal, not a give-up
             log.info("%s: shutting down", signal.Signals(stopping[0]).name)
             code = 0
-    finally:
-        supervisor.stop(gateway.grace)
-        shutil.rmtree(run_dir, ignore_errors=True)
     return code

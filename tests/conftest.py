@@ -1,5 +1,6 @@
-"""Shared test set-up: the Triton interpreter on machines without CUDA, paths into ../shared,
-and tiny random Hugging Face checkpoints built on the fly (nothing is downloaded)."""
+"""Shared test set-up: the Triton interpreter on machines without CUDA, the one place that locates
+the shared assets (stories260K, the traces), and tiny random Hugging Face checkpoints built on the
+fly (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# $PIPESERVE_SHARED, else a `shared` folder beside the checkout; exported so that the code under test
+# (bench's trace and model defaults) and its subprocesses look in the same place.
 SHARED = pathlib.Path(os.environ.get("PIPESERVE_SHARED", REPO.parent / "shared"))
+os.environ["PIPESERVE_SHARED"] = str(SHARED)
 STORIES = SHARED / "models" / "stories260K"
 TRACES = SHARED / "data" / "traces"
+
+
+def png_panels(path: pathlib.Path) -> int:
+    """How many panels bench.report.plot_panels drew into this PNG, from its IHDR size (each panel is
+    PANEL_INCHES x DPI pixels); fails when it is not a PNG of whole panels."""
+    from bench.report import DPI, PANEL_INCHES
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    panel_width, panel_height = round(PANEL_INCHES[0] * DPI), round(PANEL_INCHES[1] * DPI)
+    assert height == panel_height and width % panel_width == 0, (width, height)
+    return width // panel_width
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,14 +46,14 @@ def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(scope="session")
 def stories_dir() -> str:
     if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"stories260K not found at {STORIES} (set PIPESERVE_SHARED to the shared/ folder)")
+        pytest.skip(f"stories260K not found at {STORIES} (set PIPESERVE_SHARED to the assets folder)")
     return str(STORIES)
 
 
 @pytest.fixture(scope="session")
 def traces_dir() -> pathlib.Path:
     if not TRACES.is_dir():
-        pytest.skip(f"traces not found at {TRACES} (set PIPESERVE_SHARED to the shared/ folder)")
+        pytest.skip(f"traces not found at {TRACES} (set PIPESERVE_SHARED to the assets folder)")
     return TRACES
 
 

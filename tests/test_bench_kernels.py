@@ -1,5 +1,5 @@
-"""bench/kernels.py (the GPU kernel suite): without a GPU it says so and measures nothing; with --tiny
-it runs every check at tiny shapes (the interpreter here) and writes its JSON and markdown."""
+"""`python -m bench.kernels` (the GPU kernel suite): without a GPU it says so and measures nothing;
+with --tiny it runs every check at tiny shapes (the interpreter here) and writes its JSON and markdown."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "kernels.py"
 GPU = Path("/dev/nvidia0").exists()
 
 
 def run(*args: str, out: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script decides
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(out)],
+        [sys.executable, "-m", "bench.kernels", *args, "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -37,6 +36,7 @@ def test_without_a_gpu_it_says_so(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiny_suite_checks_every_kernel(tmp_path):
     proc = run("--tiny", out=tmp_path)

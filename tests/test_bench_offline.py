@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from services.bench.offline import Workload
+from bench.offline import Workload
 from services.cli import main
 from services.config import EngineConfig
 from services.cpus import engine_core_count

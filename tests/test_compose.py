@@ -28,6 +28,7 @@ BINDERS = {
 }
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(60),
     pytest.mark.skipif(
         shutil.which("docker-compose") is None,

@@ -17,6 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(600)
 def test_every_kernel_compiles_for_sm90():

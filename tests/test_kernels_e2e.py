@@ -12,7 +12,7 @@ import pytest
 from services.engine import LLM, SamplingParams
 from services.engine.ops import TORCH_OPS, get_ops
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 OPTIONS = dict(device="cpu", dtype="float32", page_size=4, num_pages=48, max_num_batched_tokens=12)
 

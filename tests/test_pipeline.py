@@ -10,23 +10,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.gateway.client import AsyncClient, Client, Completion
+from services.gateway.client import AsyncClient, Completion
 from services.gateway.pb import generation_pb2 as pb
+from services.local_cluster import ROOT, LocalCluster
 from services.sampling_params import MAX_STOP_STRINGS
+from tests.conftest import STORIES
 from tests.deadlines import mid_generation_deadline
-from tests.test_gateway import free_port, scrape
 
-SHARED = Path(os.environ.get("PIPESERVE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-MODEL = SHARED / "models" / "stories260K"
-ROOT = Path(__file__).resolve().parents[1]
+MODEL = STORIES
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason=f"stories260K not found at {MODEL}"),
 ]
@@ -44,109 +45,12 @@ BASES = [
 SUFFIXES = ["", " and", ", 🐉", " 猫", ".", " with a 🌈", " happy", "!"]
 
 
-class Server:
-    def __init__(self, log_path: Path) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--model",
-                str(MODEL),
-                "--port",
-                str(self.port),
-                "--tokenizer-workers",
-                "3",
-                "--metrics-port",
-                str(self.metrics_port),
-                "--grace",
-                "20",
-                "--device",
-                "cpu",
-            ],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.client = Client(self.target)
-        self.health_seen: list[str] = []  # every status observed during start-up, in order
-        deadline = time.monotonic() + 90
-        while not self.health_seen or self.health_seen[-1] != "SERVING":
-            assert self.proc.poll() is None, f"pipeserve up exited:\n{self.tail()}"
-            assert time.monotonic() < deadline, f"not SERVING after 90 s:\n{self.tail()}"
-            status = self.client.health(timeout=1)
-            if not self.health_seen or status != self.health_seen[-1]:
-                self.health_seen.append(status)
-            time.sleep(0.05)
-        self.children_at_serving = self.children()
-
-    def tail(self) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text().splitlines()[-40:])
-
-    def children(self) -> dict[int, str]:
-        """pid -> subcommand of the launcher's live children."""
-        pid = self.proc.pid
-        out = {}
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
-                if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
-                    out[int(child)] = argv[3]  # python -c CHILD <subcommand> ...
-            except (FileNotFoundError, IndexError):
-                continue
-        return out
-
-    def pids(self, name: str) -> list[int]:
-        return sorted(pid for pid, sub in self.children().items() if sub == name)
-
-    def metrics(self) -> dict[str, float]:
-        return scrape(self.metrics_port)
-
-    def engine(self, name: str) -> float:
-        return self.metrics()[f'pipeserve_engine{{name="{name}"}}']
-
-    def wait(self, predicate, timeout: float = 20, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, f"{what} not reached in {timeout} s:\n{self.tail()}"
-            time.sleep(0.05)
-
-    def wait_idle(self) -> None:
-        def idle() -> bool:
-            m = self.metrics()
-            return (
-                m["pipeserve_gateway_inflight"] == 0
-                and m['pipeserve_engine{name="running"}'] == 0
-                and m['pipeserve_engine{name="waiting"}'] == 0
-                and m['pipeserve_engine{name="pages_used"}'] == 0
-            )
-
-        self.wait(idle, what="idle engine with every page free")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.client.close()
-        self.log.close()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("pipeserve") / "up.log")
-    yield srv
-    srv.stop()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three tokenizer workers (the kill tests need survivors); --grace 20 for the shutdown test."""
+    log_path = tmp_path_factory.mktemp("pipeserve") / "up.log"
+    with LocalCluster(log_path, str(MODEL), "--grace", "20", workers=3, startup=90) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

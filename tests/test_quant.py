@@ -233,7 +233,7 @@ def test_bench_quant_gpu_section_dry_run_on_the_cpu(stories_dir):
     """The GPU table's code path (engine step times, roofline floors, ratios to bf16) on a CPU."""
     import argparse
 
-    from services.bench import quant
+    from bench import quant
 
     parser = argparse.ArgumentParser()
     quant.add_arguments(parser)

@@ -15,7 +15,7 @@ from services.engine.quant import quantize_model
 from services.engine.quant.eval import logits_error, teacher_forced_logits
 from services.engine.quant.kernels import quant_kernels
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module", autouse=True)

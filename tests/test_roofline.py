@@ -1,4 +1,4 @@
-"""The roofline cost model against figures worked by hand (../shared/REFERENCE.md, "Speed of light")."""
+"""The roofline cost model against figures worked out by hand from the published shapes and datasheets."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.bench.gpus import GIB, GPU, GPUS, TB
-from services.bench.roofline import (
+from bench.gpus import GIB, GPU, GPUS, TB
+from bench.roofline import (
     PRESETS,
     ModelShape,
     cost_model,
@@ -20,11 +19,10 @@ from services.bench.roofline import (
     roofline,
     step_time,
 )
-from services.bench.workload import shared_dir
+from services import cli
+from tests.conftest import STORIES, png_panels
 
 pytestmark = pytest.mark.timeout(60)
-
-STORIES = shared_dir() / "models" / "stories260K"
 
 H200 = GPU.get("H200")
 H200_MEASURED = H200.with_overrides(bandwidth=4.3 * TB)
@@ -261,9 +259,10 @@ def test_cli_rejects_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_report_helpers(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
     import numpy as np
 
-    from services.bench.report import Panel, cdf_series, fmt, machine_info, plot_panels, write_json
+    from bench.report import Panel, Series, cdf_series, figure, fmt, machine_info, plot_panels, write_json
 
     step = decode_step_cost(LLAMA2, H200, 1, 1)
     values = {"x": np.float32(0.5), "inf": math.inf, "arr": np.arange(3), "step": step, "p": tmp_path}
@@ -278,6 +277,21 @@ def test_report_helpers(tmp_path: Path) -> None:
     ]  # fmt: skip
     cdf = cdf_series("ttft", [3.0, 1.0, 2.0, 4.0])
     assert list(cdf.x) == [1.0, 2.0, 3.0, 4.0] and list(cdf.y) == [0.25, 0.5, 0.75, 1.0]
-    png = plot_panels(tmp_path / "cdf.png", [Panel("fraction", [cdf], xlabel="TTFT s")], title="t")
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    panels = [
+        Panel("fraction", [cdf], xlabel="TTFT s"),
+        Panel("ms", [Series("a", [1, 2, 4], [3, 2, 1]), Series("b", [1, 2], [5, 6])], logx=True, logy=True),
+    ]
+    fig = figure(panels, title="t")
+    try:
+        left, right = fig.axes
+        assert (left.get_xlabel(), left.get_ylabel(), left.get_xscale()) == ("TTFT s", "fraction", "linear")
+        ((x, y),) = [line.get_data() for line in left.get_lines()]
+        assert list(x) == [1.0, 2.0, 3.0, 4.0] and list(y) == [0.25, 0.5, 0.75, 1.0]
+        assert (right.get_xscale(), right.get_yscale()) == ("log", "log")
+        assert [line.get_label() for line in right.get_lines()] == ["a", "b"]
+        assert [t.get_text() for t in right.get_legend().get_texts()] == ["a", "b"]
+        assert fig._suptitle.get_text() == "t"
+    finally:
+        plt.close(fig)
+    assert png_panels(plot_panels(tmp_path / "two.png", panels)) == 2
     assert {"host", "cpu_count", "python", "git_commit"} <= set(machine_info())

@@ -7,10 +7,9 @@ import random
 
 import pytest
 
-from services import cli
-from services.bench.gpus import GPU
-from services.bench.roofline import ModelShape, cost_model
-from services.bench.simulate import (
+from bench.gpus import GPU
+from bench.roofline import ModelShape, cost_model
+from bench.simulate import (
     LinearStepTime,
     RooflineStepTime,
     ServeSpec,
@@ -23,7 +22,9 @@ from services.bench.simulate import (
     simulate,
     train,
 )
-from services.bench.workload import TraceRequest
+from bench.workload import TraceRequest
+from services import cli
+from tests.conftest import png_panels
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,4 +131,4 @@ def test_cli_on_the_mixed_azure_trace(traces_dir, tmp_path, capsys):
     assert acc["predict_us"] > 0 and acc["keys"] > 0
     assert set(result["capacity"]) == {r["policy"] for r in result["runs"]}
     assert all(c["rate"] is None or c["rate"] > 0 for c in result["capacity"].values())
-    assert (tmp_path / "simulate.png").stat().st_size > 0 and (tmp_path / "capacity.png").stat().st_size > 0
+    assert png_panels(tmp_path / "simulate.png") == 2 and png_panels(tmp_path / "capacity.png") == 1

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import PHASES, abort_storm
+from bench.reliability import PHASES, abort_storm
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 def test_abort_storm_leaves_no_state(pipeline):

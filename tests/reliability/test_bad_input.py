@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import run_bad_inputs
+from bench.reliability import run_bad_inputs
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def test_bad_input_table(pipeline):

@@ -7,7 +7,7 @@ import pytest
 
 from tests.deadlines import mid_generation_deadline
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 def test_deadline_aborts_in_the_engine_within_one_step(pipeline):

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import overload
+from bench.reliability import overload
 from tests.reliability.conftest import start
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 LIMIT = 4
 
 

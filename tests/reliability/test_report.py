@@ -1,48 +1,87 @@
-"""`pipeserve bench reliability` prints every figure the issue's Report section lists (rendered here
-from the scenarios' own result types; `pipeserve bench reliability` runs them for real), and its JSON
-holds them all."""
+"""The figures `pipeserve bench reliability` reports, from known results: the RSS growth fit, and the
+report rows derived from the scenarios' result types (ratios, sums, leftovers), checked whole."""
 
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from services.bench.reliability import FaultResult, OverloadResult, StormResult, report_rows
-from services.bench.report import print_table, write_json
-from services.bench.soak import SoakResult, growth
+from bench.reliability import FaultResult, OverloadResult, StormResult, report_rows
+from bench.report import write_json
+from bench.soak import SoakResult, growth
 
 pytestmark = pytest.mark.timeout(30)
 
+TIMES = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 
-def figures() -> dict:
-    soak = SoakResult(60.0, 10.0, 8, 0.3, 1.0, requests={"completed": 700, "cancelled": 300},
-                      times=[0.0, 30.0, 60.0], rss_mb={"engine": [600.0, 601.0, 601.0]},
-                      pages_at_end=0.0, verdict="flat", requests_per_s=10.0,
-                      state_left={"gateway_inflight": 0.0, "pages_used": 0.0})
+
+def test_growth_fits_the_second_half_only() -> None:
+    # Warm-up noise in the first half; +1 MiB every 10 s from t = 30 s (the second half) on.
+    values = [500.0, 580.0, 560.0, 600.0, 601.0, 602.0, 603.0]
+    g = growth("engine", TIMES, values, threshold=1.0, requests_per_s=10.0)
+    assert g.slope_mb_per_min == pytest.approx(6.0)
+    assert g.kib_per_request == pytest.approx(6.0 * 1024 / (10.0 * 60))  # 10.24 KiB
+    assert (g.first_mb, g.last_mb, g.peak_mb, g.flat) == (500.0, 603.0, 603.0, False)
+    flat = growth("gateway", TIMES, [90.0, 99.0, 95.0, 95.0, math.nan, 95.0, 95.0], 1.0, 10.0)
+    assert flat.slope_mb_per_min == 0.0 and flat.flat  # a missed sample (NaN) is left out of the fit
+    assert math.isnan(growth("late", [0.0, 60.0], [1.0, 2.0], 1.0, 10.0).slope_mb_per_min)  # 1 point
+
+
+def figures() -> dict[str, Any]:
+    soak = SoakResult(60.0, 10.0, 8, 0.3, 1.0, requests={"completed": 450, "cancelled": 150},
+                      times=TIMES, rss_mb={"engine": [500.0, 580.0, 560.0, 600.0, 601.0, 602.0, 603.0]},
+                      pages_at_end=0.0, verdict="growing: engine", requests_per_s=10.0,
+                      state_left={"gateway_inflight": 0.0, "pages_used": 0.0})  # fmt: skip
     soak.growth = [growth("engine", soak.times, soak.rss_mb["engine"], 1.0, requests_per_s=10.0)]
     return {
         "bad_input": {"tried": 41, "passed": 40, "failed": [], "state_left": {"pages_used": 0.0}},
         "abort_storm": StormResult(1000, {"decode": 250}, {"CANCELLED": 700, "completed": 300}, 9.0,
-                                   {"pages_used": 0.0, "tombstones": 0.0}),
-        "overload": OverloadResult(4, 7.0, 69.5, 208, 18, 190, 4.5, 31.0, 4.4, 5.6, {}),
+                                   {"pages_used": 0.0, "tombstones": 2.0}),  # fmt: skip
+        "overload": OverloadResult(4, 7.0, 70.0, 210, 18, 190, 4.5, 31.0, 4.4, 5.6, {"CANCELLED": 2}),
         "overload_state_left": {"pages_used": 0.0},
         "soak": soak,
-        "faults": [FaultResult("engine", 16, {"UNAVAILABLE": 15, "HUNG": 1}, 0.3,
-                               ["NOT_SERVING", "SERVING"], True, True)],
-    }
+        "faults": [
+            FaultResult("engine", 16, {"UNAVAILABLE": 15, "HUNG": 1}, 0.25, ["NOT_SERVING", "SERVING"],
+                        True, True),
+            FaultResult("tokenizer", 16, {"OK": 12, "UNAVAILABLE": 4}, 0.5, ["SERVING"], True, True),
+        ],
+    }  # fmt: skip
 
 
-def test_report_has_every_figure(tmp_path, capsys):
-    rows = report_rows(figures())
-    text = "\n".join(" | ".join(row) for row in rows)
-    for expected in ("cases tried / passed | 41 / 40", "1,000 / 700 / 300", "state left | none",
-                     "refused", "4.5 / 31.0 ms", "4.4 / 5.6 ms", "RSS engine | 600.0 -> 601.0 MiB",
-                     "+0.00 MiB/min", "verdict | flat (threshold 1 MiB/min", "1 SIGKILLs / 1 of 16",
-                     "NOT_SERVING -> SERVING"):
-        assert expected in text, (expected, text)
-    print_table("pipeserve bench reliability", ["scenario", "figure", "value"], rows)
-    assert "streams hung" in capsys.readouterr().out
+def test_report_rows_are_derived_from_the_results() -> None:
+    rows = {(scenario, figure): value for scenario, figure, value in report_rows(figures())}
+    assert rows[("bad input", "cases tried / passed")] == "41 / 40"
+    assert rows[("bad input", "state left")] == "none"  # only zeros
+    assert rows[("abort storm", "streams / cancelled / completed")] == "1,000 / 700 / 300"
+    assert rows[("abort storm", "state left")] == "tombstones 2"  # the non-zero counts only
+    assert rows[("overload", "offered")] == (
+        "210 calls at 70.0/s (10.0x the sustained 7.0/s, --max-inflight 4)"
+    )
+    assert rows[("overload", "admitted / refused / other")] == "18 / 190 / {'CANCELLED': 2}"
+    assert rows[("overload", "refusal latency p50 / max")] == "4.5 / 31.0 ms"
+    assert rows[("soak", "RSS engine")] == (
+        "500.0 -> 603.0 MiB, +6.00 MiB/min (2nd half), +10.24 KiB/request"
+    )
+    assert rows[("soak", "verdict")] == (
+        "growing: engine (threshold 1 MiB/min; 60 s, 600 requests at 10.0/s)"
+    )
+    # Hung streams summed over the faults; each fault's own line.
+    assert rows[("faults", "injected / streams hung")] == "2 SIGKILLs / 1 of 32"
+    assert rows[("faults", "SIGKILL engine")] == (
+        "{'UNAVAILABLE': 15, 'HUNG': 1}, broken streams ended in 0.25 s, "
+        "health NOT_SERVING -> SERVING, restarted True, serves after True"
+    )
+
+
+def test_json_holds_every_result(tmp_path: Path) -> None:
     data = json.loads(write_json(tmp_path / "reliability.json", figures()).read_text())
-    assert data["soak"]["growth"][0]["slope_mb_per_min"] == 0.0
-    assert data["faults"][0]["outcomes"] == {"UNAVAILABLE": 15, "HUNG": 1}
+    assert data["soak"]["growth"][0]["slope_mb_per_min"] == pytest.approx(6.0)
+    assert data["faults"][1] == {
+        "process": "tokenizer", "streams": 16, "outcomes": {"OK": 12, "UNAVAILABLE": 4},
+        "seconds_to_end": 0.5, "health": ["SERVING"], "restarted": True, "serves_after": True,
+    }  # fmt: skip
+    assert data["overload"]["other"] == {"CANCELLED": 2}

@@ -16,12 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.bench.reliability import GENERATE, ROOT
+from bench.reliability import GENERATE
 from services.config import Addresses, GatewayConfig
 from services.gateway.client import AsyncClient, Client, build_request
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.server import Gateway
+from services.local_cluster import ROOT
 from tests.reliability.conftest import start
 from tests.test_gateway import FakePipeline
 
@@ -93,6 +94,7 @@ def test_tls_only(tmp_path, certificate):
     uvloop.run(scenario())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_up_serves_tls_and_checks_the_api_key(tmp_path, certificate):
     """`pipeserve up --tls-cert --tls-key --api-key`: the launcher's own health check speaks TLS (it

@@ -3,7 +3,7 @@ tokenizer, the detokenizer and the engine in turn while 16 streams run: every st
 or UNAVAILABLE) within 5 s, none hangs, the supervisor restarts the process, health goes NOT_SERVING
 (pipeline processes) and back to SERVING, and new requests succeed. tests/test_pipeline.py covers the
 single-stream cases and the tokenizer's lost queue; this adds load and the time bound. The scenario
-is services.bench.reliability.fault_under_load, which `pipeserve bench reliability` reports."""
+is bench.reliability.fault_under_load, which `pipeserve bench reliability` reports."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from services.bench.reliability import FAULT_PROCESSES, fault_under_load
+from bench.reliability import FAULT_PROCESSES, fault_under_load
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("name", FAULT_PROCESSES)

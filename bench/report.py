@@ -146,17 +146,20 @@ class Panel:
     logy: bool = False
 
 
-def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], title: str = "") -> Path:
-    """Draw panels side by side into a PNG, creating parent directories."""
+PANEL_INCHES = (6.4, 4.8)  # width, height of one panel
+DPI = 120
+
+
+def figure(panels: Sequence[Panel], title: str = "") -> Any:
+    """A matplotlib Figure with the panels side by side (close it with matplotlib.pyplot.close)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
+    width, height = PANEL_INCHES
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), height), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         for s in panel.series:
             ax.plot(
@@ -176,7 +179,18 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], title: st
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], title: str = "") -> Path:
+    """Draw panels side by side into a PNG (PANEL_INCHES x DPI pixels each), creating parent
+    directories."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = figure(panels, title)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 

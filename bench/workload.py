@@ -14,9 +14,9 @@ import numpy as np
 
 
 def shared_dir() -> Path:
-    """$PIPESERVE_SHARED, else the `shared` directory beside the repository."""
+    """Models and traces: $PIPESERVE_SHARED, else a `shared` folder beside the checkout."""
     env = os.environ.get("PIPESERVE_SHARED")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
 
 
 def default_trace_paths() -> list[Path]:

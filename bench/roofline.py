@@ -55,8 +55,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from services.bench.gpus import GIB, GPU, GPUS, TB
-from services.bench.report import Panel, Series, plot_panels, print_table, write_json
+from bench.gpus import GIB, GPU, GPUS, TB
+from bench.report import Panel, Series, plot_panels, print_table, write_json
 from services.config import EngineConfig
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from services.bench.harness import Bench, add_engine_arguments, open_bench, pct, run_batch, synthetic_prompts
-from services.bench.report import Panel, Series, plot_panels, print_table, write_json
+from bench.harness import Bench, add_engine_arguments, open_bench, pct, run_batch, synthetic_prompts
+from bench.report import Panel, Series, plot_panels, print_table, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

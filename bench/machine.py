@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from services.bench.gpus import GPU
-from services.bench.roofline import CostModel, ModelShape, cost_model
+from bench.gpus import GPU
+from bench.roofline import CostModel, ModelShape, cost_model
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ at ~20M) that is engine-bound on a CPU:
 - throughput: the same requests (random prompts of --input-len, greedy, ignore_eos, --output-len
   tokens each), all sent at once, run (a) in this process through Engine.step() and (b) through
   gateway + tokenizers + engine + detokenizer (services.launcher's processes) by --concurrency
-  streaming gRPC clients of services/bench/serve.py. Output tokens/s both ways and their ratio.
+  streaming gRPC clients of bench/serve.py. Output tokens/s both ways and their ratio.
 - added TTFT at low load: --ttft-requests requests one after another, both ways; the added TTFT
   is the difference of the medians.
 Part 2, gateway capacity: the engine process is replaced by SyntheticEngine (this module, a
@@ -16,7 +16,7 @@ high-water mark blocks the send). With --capacity-streams concurrent streams of
 --capacity-output-len tokens, the client-side output tokens/s is what the detokenizer, the gateway
 and the gRPC clients sustain together; tokens per streamed message shows the gateway coalescing.
 
-Times are the client's (services/bench/metrics.py); both parts also record the load average,
+Times are the client's (bench/metrics.py); both parts also record the load average,
 since this machine is shared. Every figure is printed; --json writes them, --out a PNG.
 """
 
@@ -27,9 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import socket
 import statistics
 import tempfile
 import time
@@ -40,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from services.bench.metrics import RequestRecord, summarize
-from services.bench.offline import LLAMA_20M
-from services.bench.report import (
+from bench.metrics import RequestRecord, summarize
+from bench.offline import LLAMA_20M
+from bench.report import (
     Panel,
     Series,
     cdf_series,
@@ -51,13 +49,14 @@ from services.bench.report import (
     print_table,
     write_json,
 )
-from services.bench.serve import Outcome, Planned, send
+from bench.serve import Outcome, Planned, send
 from services.config import Addresses, EngineConfig, GatewayConfig
 from services.cpus import CpuSplit, cpu_split
 from services.engine.sequence import Sequence, StepUpdate
+from services.local_cluster import free_port
 from services.sampling_params import SamplingParams
 
-# The issue's ~20M Llama with the demo model's byte-level vocabulary (3 specials + 256 bytes).
+# A ~20M-parameter Llama with the demo model's byte-level vocabulary (3 specials + 256 bytes).
 LLAMA_20M_BYTES = LLAMA_20M | {"vocab_size": 259, "num_hidden_layers": 7}
 TEXT = "the quick brown fox jumps over the lazy dog; "  # ASCII: one byte token per character
 
@@ -188,40 +187,17 @@ def serve_synthetic(model_dir: str) -> int:
 
 
 # ---- the pipeline's processes -------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def pipeline(engine: EngineConfig, workers: int, synthetic: bool, timeout: float = 300.0) -> Iterator[str]:
     """Start the launcher's processes (the engine or the synthetic one); yield the gRPC target."""
-    from services.launcher import Supervisor, plan, wait_serving
+    from services.launcher import running
 
     gateway = GatewayConfig(port=free_port(), grace=1.0)
-    run_dir = tempfile.mkdtemp(prefix="pipeserve-bench-")
-    addrs = Addresses.under(run_dir)
-    env = {
-        **os.environ,
-        **addrs.to_env(),
-        "PIPESERVE_MODEL": str(engine.model),
-        "PIPESERVE_PARENT_PID": str(os.getpid()),
-    }
-    children = plan(engine, gateway, workers)
-    if synthetic:
-        children[0].argv = ["bench", "pipeline", "--serve-synthetic", str(engine.model)]
-    supervisor = Supervisor(children, addrs, env)
-    target = f"127.0.0.1:{gateway.port}"
-    try:
-        for child in children:
-            supervisor.spawn(child)
-        if not wait_serving(target, supervisor, timeout, []):
+    engine_argv = ["bench", "pipeline", "--serve-synthetic", str(engine.model)] if synthetic else None
+    with running(engine, gateway, workers, timeout, [], engine_argv=engine_argv) as up:
+        if not up.serving:
             raise RuntimeError("the pipeline did not become SERVING")
-        yield target
-    finally:
-        supervisor.stop(grace=1.0)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        yield up.target
 
 
 async def streams(
@@ -581,7 +557,7 @@ def main(args: argparse.Namespace) -> int:
     if args.serve_synthetic:
         return serve_synthetic(args.serve_synthetic)
     logging.basicConfig(level=logging.WARNING)
-    from services.bench.offline import random_checkpoint
+    from bench.offline import random_checkpoint
     from services.engine.model.demo import save_byte_tokenizer
 
     load: dict[str, Any] = {"start": os.getloadavg()}

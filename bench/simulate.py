@@ -9,7 +9,7 @@ signature plugs in.
 
 Policies: max, optimistic, predicted (future-peak admission) and predicted-reserve (the pool
 promises prompt + predicted output to each request); see services/engine/kv/predicted.py.
-A run reports per policy the serving metrics of services/bench/metrics.py (throughput, TTFT / TPOT
+A run reports per policy the serving metrics of bench/metrics.py (throughput, TTFT / TPOT
 / e2e percentiles, goodput and SLO attainment), preemptions and recomputed tokens, KV reserved vs
 allocated vs holding tokens (time-weighted), and queueing time. `--capacity` searches, per policy,
 the highest request rate whose SLO attainment stays at or above a target. The `predicted` policy's
@@ -37,14 +37,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from services.bench.gpus import GIB, GPU
-from services.bench.metrics import SLO, RequestRecord, stats, summarize
-from services.bench.report import (
+from bench.gpus import GIB, GPU
+from bench.metrics import SLO, RequestRecord, stats, summarize
+from bench.report import (
     Panel,
     Series,
     cdf_series,
@@ -53,8 +54,8 @@ from services.bench.report import (
     print_table,
     write_json,
 )
-from services.bench.roofline import KV_DTYPES, WEIGHT_DTYPES, CostModel, ModelShape, cost_model
-from services.bench.workload import TraceRequest, default_trace_paths, load_trace
+from bench.roofline import KV_DTYPES, WEIGHT_DTYPES, CostModel, ModelShape, cost_model
+from bench.workload import TraceRequest, default_trace_paths, load_trace
 from services.config import EngineConfig
 from services.engine.kv.policy import AdmissionPolicy, make_policy
 from services.engine.kv.pool import KVPool
@@ -80,7 +81,7 @@ class StepTime(Protocol):
 @dataclass(frozen=True)
 class RooflineStepTime:
     cost: CostModel
-    efficiency: float = 0.8  # achieved fraction of the floor (REFERENCE.md: ~60-90% at batch 1)
+    efficiency: float = 0.8  # achieved fraction of the floor (~60-90% at batch 1 is typical)
     overhead_s: float = 0.0  # per step: scheduling, launches
 
     def __call__(self, decode_contexts: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float:
@@ -219,6 +220,7 @@ def simulate(requests: Sequence[TraceRequest], policy: AdmissionPolicy, step_tim
         sampled = batch.sampling()
         tokens = [EOS if s.num_output + 1 >= targets[s] else TOKEN for s in sampled]
         for seq in sched.postprocess(batch, sampled, tokens):
+            assert seq.first_scheduled is not None  # set when it was first scheduled, above
             queue_s.append(seq.first_scheduled - seq.arrival)
             del targets[seq]
         for seq in sampled:
@@ -328,7 +330,7 @@ def find_capacity(run: Callable[[float], Replay], start: float, target: float,
 
 # -- CLI ----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", help="CSV file(s), comma-separated; default: all of ../shared, mixed")
+    parser.add_argument("--trace", help="CSV file(s), comma-separated; default: every shared trace, mixed")
     parser.add_argument("--policy", default="max,optimistic,predicted",
                         help=f"a comma list of {', '.join(POLICIES)}")
     parser.add_argument("--model", default="llama-3-8b", help="roofline preset or HF config path")
@@ -385,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
 
     paths = [Path(p) for p in args.trace.split(",")] if args.trace else default_trace_paths()
     if not paths:
-        raise SystemExit("pipeserve simulate: no trace given and none found in ../shared/data/traces")
+        raise SystemExit("pipeserve simulate: no trace given and none found in $PIPESERVE_SHARED/data/traces")
     trace = load_trace(paths)
     split = trace[0].arrival + args.start * (trace[-1].arrival - trace[0].arrival)
     history = [r for r in trace if r.arrival < split and fits(r, spec)]
@@ -440,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
     if args.capacity:
         result["capacity"] = {}
         for label in makers:
-            best, points = find_capacity(lambda r, label=label: run(label, r), rate, args.attainment,
+            best, points = find_capacity(partial(run, label), rate, args.attainment,
                                          args.tolerance, max_runs=30)
             result["capacity"][label] = {"rate": best, "points": points}
         print_capacity(result["capacity"], args.attainment, spec.slo)

@@ -1,9 +1,9 @@
 """`pipeserve bench reliability`: fault, overload, abort-storm and bad-input figures of a real pipeline.
 
 Starts `pipeserve up` (stories260K or any --model; the demo model when none), then runs each scenario
-against it over gRPC and prints what the issue asks to see: cases tried and passed, streams aborted
+against it over gRPC and prints cases tried and passed, streams aborted
 and state left, overload refusals and their latency, RSS growth per process (a short soak, see
-services/bench/soak.py), faults injected and streams hung (last: it kills processes). Overload runs
+bench/soak.py), faults injected and streams hung (last: it kills processes). Overload runs
 on a second pipeline started with a small --max-inflight. tests/reliability/ runs the same scenarios
 with smaller sizes and asserts on them.
 """
@@ -16,167 +16,23 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.bench.report import machine_info, print_table, write_json
-from services.gateway.client import AsyncClient, Client, build_request
+from bench.report import machine_info, print_table, write_json
+from bench.workload import shared_dir
+from services.gateway.client import AsyncClient, build_request
 from services.gateway.pb import generation_pb2 as pb
+from services.local_cluster import LocalCluster
 
-ROOT = Path(__file__).resolve().parents[2]
 GENERATE = "/pipeserve.v1.Generation/Generate"
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog", "Tom had a red ball"]
-STATE = ("running", "waiting", "pages_used", "requests", "tombstones", "detok_requests")
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-# ---- a pipeline under test ------------------------------------------------------------------
-class Pipeline:
-    """`pipeserve up` in a subprocess, with probes into its processes and its metrics."""
-
-    def __init__(
-        self,
-        log_path: Path,
-        model: str | None,
-        *flags: str,
-        workers: int = 2,
-        startup: float = 120.0,
-        security: dict[str, Any] | None = None,
-    ) -> None:
-        """flags go to `pipeserve up`; security to the Client (TLS, API key) when the flags need it."""
-        self.port, self.metrics_port = free_port(), free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        argv = [
-            *(["--model", model] if model else []),
-            "--device",
-            "cpu",
-            "--port",
-            str(self.port),
-            "--metrics-port",
-            str(self.metrics_port),
-            "--tokenizer-workers",
-            str(workers),
-            *flags,
-        ]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", *argv],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.security = security or {}
-        self.client = Client(self.target, **self.security)
-        self.wait(lambda: self.client.health(timeout=1) == "SERVING", startup, "SERVING")
-
-    def tail(self, lines: int = 40) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
-
-    def wait(self, predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pipeserve up exited while waiting for {what}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not reached in {timeout} s:\n{self.tail()}")
-            time.sleep(0.05)
-
-    def children(self) -> dict[int, str]:
-        """pid -> subcommand ("engine", "tokenizer", ...) of the launcher's live children."""
-        pid, out = self.proc.pid, {}
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
-                if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
-                    out[int(child)] = argv[3]  # python -c CHILD <subcommand> ...
-            except (FileNotFoundError, IndexError):
-                continue
-        return out
-
-    def pids(self, name: str) -> list[int]:
-        return sorted(pid for pid, sub in self.children().items() if sub == name)
-
-    def processes(self) -> dict[str, int]:
-        """Every process of the pipeline by name: launcher, engine, detokenizer, gateway and
-        tokenizer-0..N-1 (numbered in pid order, i.e. start order)."""
-        out, tokenizers = {"launcher": self.proc.pid}, 0
-        for pid, sub in sorted(self.children().items()):
-            if sub == "tokenizer":
-                sub, tokenizers = f"tokenizer-{tokenizers}", tokenizers + 1
-            out[sub] = pid
-        return out
-
-    def rss_mb(self) -> dict[str, float]:
-        """Resident memory of each process (see processes()), in MiB, read from /proc."""
-        out: dict[str, float] = {}
-        for name, pid in self.processes().items():
-            try:
-                out[name] = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_BYTES / 2**20
-            except (FileNotFoundError, IndexError):
-                continue
-        return out
-
-    def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
-        return {
-            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.decode().splitlines()
-            if line and not line.startswith("#")
-        }
-
-    def state(self) -> dict[str, float]:
-        """Every per-request count the pipeline holds: gateway streams and aborted ids awaiting the
-        engine, engine requests/pages/tombstones, detokenizer states (as last reported)."""
-        m = self.metrics()
-        return {
-            "gateway_inflight": m["pipeserve_gateway_inflight"],
-            "gateway_aborting": m["pipeserve_gateway_aborting"],
-            **{name: m.get(f'pipeserve_engine{{name="{name}"}}', math.nan) for name in STATE},
-        }
-
-    def wait_clean(self, timeout: float = 30.0) -> dict[str, float]:
-        """Until no request state is left anywhere (the last state seen, all zeros)."""
-        last: dict[str, float] = {}
-
-        def clean() -> bool:
-            last.update(self.state())
-            return not any(last.values())
-
-        try:
-            self.wait(clean, timeout, "no request state left")
-        except TimeoutError as exc:
-            raise TimeoutError(f"request state left: {last}") from exc
-        return last
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.client.close()
-        self.log.close()
-        return self.proc.returncode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -455,7 +311,7 @@ async def overload(
         alone = await asyncio.gather(*(_timed(client, i, max_tokens) for i in range(limit)))
         sustained = limit / (max(c.ms for c in alone) / 1e3)
         loop = asyncio.get_running_loop()
-        start, tasks = loop.time(), []
+        start, tasks = loop.time(), list[asyncio.Task[_Timed]]()
         while loop.time() - start < seconds:
             tasks.append(asyncio.create_task(_timed(client, len(tasks), max_tokens)))
             await asyncio.sleep(max(0.0, start + len(tasks) / (factor * sustained) - loop.time()))
@@ -502,7 +358,9 @@ class FaultResult:
         return self.outcomes.get("HUNG", 0)
 
 
-async def fault_under_load(pipe: Pipeline, name: str, streams: int = 16, max_tokens: int = 48) -> FaultResult:
+async def fault_under_load(
+    pipe: LocalCluster, name: str, streams: int = 16, max_tokens: int = 48
+) -> FaultResult:
     """SIGKILL the first `name` process while `streams` streams run (4 of them already producing).
     Streams the fault did not break (a tokenizer's started ones) run to completion."""
     async with AsyncClient(pipe.target, **pipe.security) as client:
@@ -555,7 +413,7 @@ async def fault_under_load(pipe: Pipeline, name: str, streams: int = 16, max_tok
 # ---- report ---------------------------------------------------------------------------------
 def default_model() -> str | None:
     """stories260K from the shared folder when it is there (PIPESERVE_SHARED), else None: the demo model."""
-    model = Path(os.environ.get("PIPESERVE_SHARED", ROOT.parent / "shared")) / "models" / "stories260K"
+    model = shared_dir() / "models" / "stories260K"
     return str(model) if (model / "config.json").is_file() else None
 
 
@@ -564,7 +422,7 @@ def _left(state: dict[str, float]) -> str:
 
 
 def report_rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(scenario, figure, value) rows: every figure the issue's Report section asks for."""
+    """(scenario, figure, value) rows: every figure the report shows."""
     bad, storm, over, soak = (figures[k] for k in ("bad_input", "abort_storm", "overload", "soak"))
     faults: list[FaultResult] = figures["faults"]
     outcomes = storm.outcomes
@@ -646,7 +504,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from services.bench.soak import plot_soak, soak  # soak.py builds on this module
+    from bench.soak import plot_soak, soak  # soak.py builds on this module
 
     figures: dict[str, Any] = {
         "machine": machine_info(),
@@ -654,7 +512,7 @@ def main(args: argparse.Namespace) -> int:
         "load_average_before": os.getloadavg(),
     }
     with tempfile.TemporaryDirectory(prefix="pipeserve-reliability-") as tmp:
-        pipe = Pipeline(Path(tmp) / "up.log", args.model)
+        pipe = LocalCluster(Path(tmp) / "up.log", args.model)
         try:
             results = asyncio.run(run_bad_inputs(pipe.target))
             figures["bad_input"] = {
@@ -672,7 +530,8 @@ def main(args: argparse.Namespace) -> int:
             ]
         finally:
             pipe.stop()
-        over = Pipeline(Path(tmp) / "overload.log", args.model, "--max-inflight", str(args.overload_limit))
+        limit = ("--max-inflight", str(args.overload_limit))
+        over = LocalCluster(Path(tmp) / "overload.log", args.model, *limit)
         try:
             figures["overload"] = asyncio.run(
                 overload(over.target, args.overload_limit, seconds=args.overload_seconds)

@@ -1,7 +1,7 @@
 """`pipeserve bench quant`: what each quantization configuration costs in accuracy and buys in memory
 and speed, against the unquantized model in the same run.
 
-CPU section (always; stories260K from ../shared by default, torch backend), per configuration:
+CPU section (always; the shared stories260K by default, torch backend), per configuration:
   ppl, ppl_delta_pct: teacher-forced perplexity on a generated children's-story text (quant/eval.py)
       through the engine's model and a paged KV cache of the configuration's dtype, and its change;
   logits_rel_err: relative RMS error of every position's logits against the unquantized model's;
@@ -16,7 +16,7 @@ GPU section (when CUDA is available; --gpu-model, Llama-2-7B shape with random w
 triton backend): per configuration and batch size (--gpu-batch), the engine's median decode step time
 (one run: the GPU is not shared) over --gpu-output-len steps of prompts of --gpu-input-len tokens, its
 ratio to bf16 at the same batch, and the roofline floor of that weight/KV format
-(services/bench/roofline.py, lm_head kept in bf16, bandwidth measured in the same run) as a % of the
+(bench/roofline.py, lm_head kept in bf16, bandwidth measured in the same run) as a % of the
 measured time (100 = at the floor).
 
 Configurations: `none` (the reference), `kv-int8`, `kv-fp8`, `w8a8-int8`, `w8a8-fp8`, `w4a16`, `nf4`,
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bench.report import machine_info, print_table, write_json
+from bench.report import machine_info, print_table, write_json
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ PROMPTS = ["Once upon a time", "Lily and Tom went to the park", "The little dog 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: stories260K in ../shared)")
+    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: the shared stories260K)")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--stories", type=int, default=40, help="stories in the held-out text (~150 tokens)")
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced sequence")
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_model() -> str:
-    from services.bench.workload import shared_dir
+    from bench.workload import shared_dir
 
     return os.path.join(shared_dir(), "models", "stories260K")
 
@@ -120,7 +120,7 @@ def decode_tokens_per_s(llm: Any, batch: int, prompt: list[int], tokens: int,
                         repeats: int = 3) -> tuple[float, float]:  # fmt: skip
     """(decode tokens/s, decode step seconds) of one batch of identical requests, after a warm-up: the
     fastest of `repeats` runs' median steps (other work on a shared machine only ever slows a run)."""
-    from services.bench.harness import run_batch
+    from bench.harness import run_batch
 
     run_batch(llm.engine, [prompt] * batch, 2)
     step = min(statistics.median(run_batch(llm.engine, [prompt] * batch, tokens).decode_step_s)
@@ -173,7 +173,7 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
 
 def gpu_roofline(rates: Any) -> Any:
     """The datasheet entry of this GPU (when known) with the bandwidth measured in this run."""
-    from services.bench.gpus import GPUS
+    from bench.gpus import GPUS
 
     key = "".join(c for c in rates.device.lower() if c.isalnum())
     known = [g for n, g in GPUS.items() if "".join(c for c in n.lower() if c.isalnum()) in key]
@@ -187,9 +187,9 @@ def gpu_section(args: argparse.Namespace, device: str = "cuda", backend: str = "
     import numpy as np
     import torch
 
-    from services.bench.harness import resolve_model
-    from services.bench.machine import measure
-    from services.bench.roofline import ModelShape, cost_model
+    from bench.harness import resolve_model
+    from bench.machine import measure
+    from bench.roofline import ModelShape, cost_model
 
     rates = measure(device, torch.bfloat16)
     gpu = gpu_roofline(rates)
@@ -228,7 +228,7 @@ GPU_COLUMNS = [("setup", "setup"), ("batch", "batch"), ("step_ms", "step ms"), (
 
 
 def markdown_table(columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -> str:
-    from services.bench.report import fmt
+    from bench.report import fmt
 
     lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(row[key]) for key, _ in columns) + " |" for row in rows]

@@ -1,14 +1,14 @@
 """`pipeserve bench serve`: streaming gRPC clients against a running gateway (`pipeserve up`).
 
 Workload, one of:
-- a trace replay (default): ../shared/data/traces (or --trace files) at their real arrival times
+- a trace replay (default): the shared traces (or --trace files) at their real arrival times
   divided by --rate-scale, prompt and output lengths scaled to the served model's context
-  (services/bench/workload.py);
+  (bench/workload.py);
 - --rate R: gamma arrivals at R requests/s (Poisson at --burstiness 1), lengths from the traces in
   order, or fixed with --input-len and --output-len.
 --num-requests and --duration cut the workload. Every request is synthetic prompt_token_ids of its
 prompt length, greedy, ignore_eos, max_tokens = its output length, sent at its arrival time whatever
-is still in flight (an open loop). The metrics are those of services/bench/metrics.py, from this
+is still in flight (an open loop). The metrics are those of bench/metrics.py, from this
 client's clock; the JSON fields are in docs/benchmarks.md.
 """
 
@@ -27,8 +27,8 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-from services.bench.metrics import SLO, RequestRecord, summarize
-from services.bench.report import (
+from bench.metrics import SLO, RequestRecord, summarize
+from bench.report import (
     Panel,
     Series,
     cdf_series,
@@ -37,7 +37,7 @@ from services.bench.report import (
     print_table,
     write_json,
 )
-from services.bench.workload import default_trace_paths, gamma_arrivals, load_trace
+from bench.workload import default_trace_paths, gamma_arrivals, load_trace
 from services.gateway.client import DEFAULT_TARGET, AsyncClient
 
 
@@ -54,7 +54,7 @@ class Planned:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="gateway host:port")
     parser.add_argument("--trace", nargs="+", metavar="CSV",
-                        help="trace files (default: every CSV in ../shared/data/traces)")
+                        help="trace files (default: every CSV in $PIPESERVE_SHARED/data/traces)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="replay the trace this many times faster")
     parser.add_argument("--rate", type=float, default=None,
@@ -85,7 +85,7 @@ def plan(args: argparse.Namespace, context: int) -> list[Planned]:
     else:
         paths = args.trace or default_trace_paths()
         if not paths:
-            raise ValueError("no trace files: pass --trace, or set PIPESERVE_SHARED to the shared/ folder")
+            raise ValueError("no trace files: pass --trace, or set PIPESERVE_SHARED to the assets folder")
         window = None if args.rate is not None else args.duration
         trace = load_trace(paths, context, args.rate_scale, window, args.num_requests)
         lengths = [(r.prompt_tokens, r.output_tokens, r.app) for r in trace]

@@ -4,7 +4,7 @@ this machine's roofline floor, synthetic prompts, and timing one batch step by s
 
 Requests are synthetic token ids with ignore_eos and greedy sampling, so every run generates exactly
 the tokens asked for. The floor is the roofline cost model on rates measured in the same run
-(services/bench/machine.py); "% of roofline" is floor time / measured time x 100 (100 = at the floor).
+(bench/machine.py); "% of roofline" is floor time / measured time x 100 (100 = at the floor).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from services.bench.machine import MachineRates, floor_cost, measure
-from services.bench.report import machine_info
-from services.bench.roofline import PRESETS, CostModel, ModelShape
+from bench.machine import MachineRates, floor_cost, measure
+from bench.report import machine_info
+from bench.roofline import PRESETS, CostModel, ModelShape
 
 _ids = itertools.count()
 

@@ -1,7 +1,7 @@
 """`pipeserve bench offline`: our engine vs HF transformers `generate` on the same model and the
 same trace-shaped requests, in the same run.
 
-Requests take their prompt and output lengths from ../shared/data/traces (N drawn at random from
+Requests take their prompt and output lengths from the shared traces (N drawn at random from
 both traces, scaled by one factor so the longest drawn fits the model's context); prompts are random
 token ids and every request generates exactly its trace output length (ignore_eos / min_new_tokens).
 HF runs static batches of `--batch-size` requests in arrival order (left-padded, each batch decodes
@@ -23,18 +23,19 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from services.bench.report import machine_info, print_table, write_json
-from services.bench.workload import default_trace_paths, load_trace, shared_dir
+from bench.report import machine_info, print_table, write_json
+from bench.workload import default_trace_paths, load_trace, shared_dir
 from services.config import EngineConfig
 from services.cpus import engine_core_count
 
 # A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
-LLAMA_20M = {
+LLAMA_20M: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 512,
@@ -162,7 +163,8 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
     sched = Scheduler(
         pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16, lambda s: None, lambda s: None
     )
-    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests)  # metadata only
+    # Metadata only: no model and no sampler.
+    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests)  # type: ignore[arg-type]
     for i in range(num_requests):
         sched.add(Sequence(str(i), [5] * context, context, SamplingParams(max_tokens=10_000), 0.0))
     batch = sched.schedule()  # the prefill step, not timed
