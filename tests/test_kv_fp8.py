@@ -22,11 +22,12 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
+from services.engine.backend.reference import apply_rope
 from services.engine.kv import pool as kv_pool
-from services.engine.ops import AttentionMetadata
-from services.engine.ops.kv_quant import dequantize_kv, key_means, rope_mean
-from services.engine.ops.rope import apply_rope, rope_cache
-from services.engine.quant.eval import logits_error, teacher_forced_logits
+from services.engine.kv.metadata import AttentionMetadata
+from services.engine.kv.quant import dequantize_kv, key_means, rope_mean
+from services.engine.model.accuracy import logits_error, teacher_forced_logits
+from services.engine.model.rope import rope_cache
 
 pytestmark = pytest.mark.timeout(120)
 

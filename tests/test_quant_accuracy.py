@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.quant.eval import (
+from services.engine.model.accuracy import (
     logits_error,
     perplexity,
     story_text,

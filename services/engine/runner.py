@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
-from services.engine.ops import AttentionMetadata
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence

@@ -1,6 +1,6 @@
-"""Dynamic per-token activation quantization (int8 / fp8 e4m3, one fp32 scale per row, no
-calibration) and per-output-channel weight quantization, with their torch references. The jit
-helpers here are the one place the kernels turn fp32 into int8 / fp8 codes."""
+"""int8 / fp8 codes in Triton: the jit helpers every quantizing kernel turns fp32 into codes with
+(rounding as services/engine/quant_formats.py), and dynamic per-token activation quantization
+(one fp32 scale per row, no calibration)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.kv_quant import QMAX, safe_inverse
-from services.engine.ops.kv_quant import to_codes as to_codes_ref
+from services.engine.quant_formats import QMAX
 
 from .common import pow2
 
-FP8 = torch.float8_e4m3fn
 QuantOut = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -90,14 +88,3 @@ def per_token_quant(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOu
             num_warps=4,
         )
     return q, scale
-
-
-def per_token_quant_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
-    scale = x.float().abs().amax(-1, keepdim=True) / QMAX[dtype]
-    return to_codes_ref(x.float() * safe_inverse(scale), dtype), scale
-
-
-def quantize_weight_per_channel(w: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
-    """Linear weight [N, K] -> (codes [N, K], fp32 scale [N]): one symmetric scale per output channel."""
-    q, scale = per_token_quant_ref(w, dtype)
-    return q, scale[:, 0]

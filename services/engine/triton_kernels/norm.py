@@ -1,7 +1,7 @@
 """RMSNorm kernels: plain, fused with the residual add, and fused with dynamic per-token int8 / fp8
 quantization of the output (PPL.LLM: the next GEMM's input is quantized where it is produced, one
-pass, no calibration). One program per row; the reference rounds like HF, so the kernel does too
-(sum and normalized value rounded to the activation dtype)."""
+pass, no calibration). One program per row, rounding like HF (sum and normalized value rounded to
+the activation dtype), as the reference backend does."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.kv_quant import QMAX
-from services.engine.ops.norm import rms_norm as rms_norm_ref
+from services.engine.quant_formats import QMAX
 
 from .common import pow2, tl_dtype
-from .quant import QuantOut, inverse, per_token_quant_ref, to_codes
+from .quantize import QuantOut, inverse, to_codes
 
 
 @triton.jit
@@ -113,7 +112,7 @@ def _launch(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of ops.norm.rms_norm: norm(x), or (norm(x + residual), x + residual)."""
+    """The rms_norm op: norm(x), or (norm(x + residual), x + residual)."""
     out, res_out, _, _ = _launch(x, weight, eps, residual, None)
     return out if residual is None else (out, res_out)
 
@@ -129,17 +128,3 @@ def rms_norm_quant(
     when a residual is given."""
     _, res_out, q, scale = _launch(x, weight, eps, residual, quant_dtype)
     return (q, scale) if residual is None else (q, scale, res_out)
-
-
-def rms_norm_quant_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    quant_dtype: torch.dtype = torch.int8,
-) -> QuantOut | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of rms_norm_quant."""
-    if residual is None:
-        return per_token_quant_ref(rms_norm_ref(x, weight, eps), quant_dtype)
-    out, res_out = rms_norm_ref(x, weight, eps, residual)
-    return (*per_token_quant_ref(out, quant_dtype), res_out)

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
-from services.engine.model.llama import LlamaForCausalLM
-from services.engine.ops import AttentionMetadata
+
+from .llama import LlamaForCausalLM
 
 NAMES = ["Lily", "Tom", "Sue", "Ben", "Mia", "Max", "Anna", "Sam", "Lucy", "Tim", "Zoe", "Jack"]
 ANIMALS = ["dog", "cat", "bird", "bunny", "frog", "duck", "bear", "fish", "mouse", "puppy"]

@@ -1,5 +1,5 @@
 """SiLU-and-mul of the fused gate/up projection, plain and fused with dynamic per-token int8 / fp8
-quantization of its output (the down projection's W8A8 input). Rounds like the torch reference:
+quantization of its output (the down projection's W8A8 input). Rounds like the reference backend:
 silu(gate) to the activation dtype, then the product."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.activation import silu_and_mul as silu_and_mul_ref
-from services.engine.ops.kv_quant import QMAX
+from services.engine.quant_formats import QMAX
 
 from .common import pow2
-from .quant import QuantOut, inverse, per_token_quant_ref, to_codes
+from .quantize import QuantOut, inverse, to_codes
 
 
 @triton.jit
@@ -63,7 +62,7 @@ def _silu_and_mul_quant_kernel(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of ops.activation.silu_and_mul: [T, 2I] -> [T, I]."""
+    """The silu_and_mul op: [T, 2I] -> [T, I]."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -95,7 +94,3 @@ def silu_and_mul_quant(x: torch.Tensor, quant_dtype: torch.dtype = torch.int8) -
             num_warps=8,
         )
     return q, scale
-
-
-def silu_and_mul_quant_ref(x: torch.Tensor, quant_dtype: torch.dtype = torch.int8) -> QuantOut:
-    return per_token_quant_ref(silu_and_mul_ref(x), quant_dtype)

@@ -63,7 +63,7 @@ def _rope_kernel(
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
-    """Triton version of ops.rope.apply_rope: q [T, Hq, D], k [T, Hkv, D] rotated in place."""
+    """The apply_rope op: q [T, Hq, D], k [T, Hkv, D] rotated in place."""
     tokens = q.shape[0]
     if tokens == 0:
         return
