@@ -17,9 +17,10 @@ Quantized activations are (codes, fp32 scale [T, 1]).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from functools import cache
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -116,7 +117,15 @@ class Backend:
     fp8_gemm: ScaledGemm
     w4a16_gemm: W4A16Gemm
 
+    @classmethod
+    def collect(cls, name: str, *namespaces: Mapping[str, Any]) -> Backend:
+        """The backend whose every op is the function of the op's name in the first namespace (a
+        module's vars()) that defines one."""
+        ops = {op: next(ns[op] for ns in namespaces if op in ns) for op in OP_NAMES}
+        return cls(name, **ops)
 
+
+OP_NAMES = tuple(f.name for f in fields(Backend) if f.name != "name")
 BACKEND_NAMES = ("reference", "cpu", "torch", "triton")
 
 

@@ -162,18 +162,6 @@ def w4a16_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return (a.float() @ dequantize_4bit(qweight, scales, zeros).T).to(a.dtype)
 
 
-BACKEND = Backend(
-    name="reference",
-    store_kv=store_kv,
-    decode_attention=decode_attention,
-    prefill_attention=prefill_attention,
-    rms_norm=rms_norm,
-    apply_rope=apply_rope,
-    silu_and_mul=silu_and_mul,
-    per_token_quant=per_token_quant,
-    rms_norm_quant=rms_norm_quant,
-    silu_and_mul_quant=silu_and_mul_quant,
-    int8_gemm=scaled_gemm,
-    fp8_gemm=scaled_gemm,
-    w4a16_gemm=w4a16_gemm,
-)
+int8_gemm = fp8_gemm = scaled_gemm
+
+BACKEND = Backend.collect("reference", vars())

@@ -35,7 +35,7 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, group: int = GROUP) -> tupl
     d = x.shape[-1]
     if d % group:
         raise ValueError(f"head_dim {d} is not a multiple of the KV quantization group {group}")
-    xg = x.float().unflatten(-1, (d // group, group))
+    xg = x.float().reshape(*x.shape[:-1], d // group, group)
     scale = (xg.abs().amax(-1) / QMAX[dtype]).to(torch.float16)
     return to_codes(xg * safe_inverse(scale)[..., None], dtype).flatten(-2), scale
 
@@ -43,7 +43,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, group: int = GROUP) -> tupl
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q [..., D], scale [..., D // group] -> fp32 [..., D]."""
     groups = scale.shape[-1]
-    return (q.float().unflatten(-1, (groups, q.shape[-1] // groups)) * scale.float()[..., None]).flatten(-2)
+    grouped = q.float().reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
+    return (grouped * scale.float()[..., None]).flatten(-2)
 
 
 def rope_mean(x: torch.Tensor, cos_sin: torch.Tensor, horizon: torch.Tensor) -> torch.Tensor:

@@ -60,13 +60,16 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # Quantized caches store keys less their sequence's mean (softmax(q.k) is unchanged by it).
-        m = None if cache.k_means is None else key_means(k, cache.k_means, cache.seq_of_page, meta, cos_sin)
+        m = None
+        if cache.k_means is not None and cache.seq_of_page is not None:
+            m = key_means(k, cache.k_means, cache.seq_of_page, meta, cos_sin)
         self.backend.apply_rope(q, k, positions, cos_sin)
         if m is not None:
             k = k - m.to(k.dtype)
         scales = cache.scale_kwargs()
         self.backend.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
         if rows is not None:
+            assert meta.sample_block_tables is not None and meta.sample_seq_lens is not None
             out = self.backend.decode_attention(
                 q.index_select(0, rows),
                 cache.k,
@@ -78,7 +81,8 @@ class Attention(nn.Module):
                 meta.sample_max_seq_len or None,
                 **scales,
             )
-            return self.o_proj(out.reshape(-1, self.q_size))
+            projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
+            return projected
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
@@ -108,7 +112,8 @@ class Attention(nn.Module):
                 **scales,
                 new_kv=(k[nd:], v[nd:]),
             )
-        return self.o_proj(out.reshape(t, self.q_size))
+        projected = self.o_proj(out.reshape(t, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -120,7 +125,8 @@ class MLP(nn.Module):
         self.act_fn: Callable[[torch.Tensor], Any] = backend.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -183,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         meta.sample_rows [R, hidden] for those rows. Then the last layer keeps only them after
         writing its K/V: no other row's output is ever read, and that layer's attention, o_proj and
         MLP are most of a prefill row's share of it."""
-        x = self.embed_tokens(input_ids)
+        x: torch.Tensor = self.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
             x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)

@@ -15,6 +15,7 @@ activation tensor, no fusion.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from services.engine.backend import Backend, get_backend
 from services.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
 from services.engine.quantization.linear import W8A8_DTYPES, W4A16Linear, W8A8Linear
 
-from .llama import LlamaForCausalLM
+from .llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str 
         backend = model.backend
     elif isinstance(backend, str):
         backend = get_backend(backend)
-    for layer in model.layers:
+    for layer in cast(list[DecoderLayer], model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         names: list[tuple[nn.Module, str]] = [(attn, "qkv_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
         names += [(attn, "o_proj")] if o_proj else []

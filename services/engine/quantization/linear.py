@@ -29,6 +29,9 @@ class QuantAct(NamedTuple):
 
 
 class W8A8Linear(nn.Module):
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
     def __init__(self, linear: nn.Linear, quant_dtype: torch.dtype, backend: Backend,
                  per_tensor: bool = False) -> None:
         super().__init__()
@@ -61,6 +64,10 @@ class W8A8Linear(nn.Module):
 
 
 class W4A16Linear(nn.Module):
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bias: torch.Tensor | None
     def __init__(self, linear: nn.Linear, fmt: str, backend: Backend) -> None:
         super().__init__()
         packed = quantize_4bit(linear.weight.detach(), fmt)

@@ -1,5 +1,8 @@
 """What the decode and prefill attention kernels share: the online-softmax loop over paged keys and
 the launch-time constants that configure it."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import compute_dtype, dot_precision
-from .kv_cache import load_kv_tile, token_offsets
+from .kv_cache import PagedKV, load_kv_tile, paged_kv, token_offsets
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window of a layer without one
@@ -48,10 +51,14 @@ def attend(acc, m_i, l_i, q, q_pos, cache, table, kv_head, d, lo, hi, window, sm
     return acc, m_i, l_i
 
 
-def compute_kwargs(dtype: torch.dtype) -> dict[str, Any]:
-    """The dot operand dtype and precision constexprs for activations of `dtype`."""
-    compute = compute_dtype(dtype)
-    return {"COMPUTE": compute, "PRECISION": dot_precision(compute)}
+def kernel_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> tuple[PagedKV, dict[str, Any]]:
+    """The cache argument and the constexprs shared by both attention kernels: the cache's (PAGE_SIZE,
+    QUANT, QGROUP) and the dot operand dtype and precision for q's dtype (COMPUTE, PRECISION)."""
+    assert q.stride(-1) == 1
+    cache, layout = paged_kv(k_cache, v_cache, k_scale, v_scale)
+    compute = compute_dtype(q.dtype)
+    return cache, {**layout, "COMPUTE": compute, "PRECISION": dot_precision(compute)}
 
 
 def window_arg(sliding_window: int | None) -> int:

@@ -1,5 +1,8 @@
 """What every kernel launcher needs: interpreter detection, dtype mapping, tile sizes and an autotune
 wrapper that falls back to one fixed config under TRITON_INTERPRET=1 (autotune needs a GPU driver)."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def dot_precision(compute: tl.dtype) -> str:
 
 
 def pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, triton.next_power_of_2(n))
+    return max(minimum, int(triton.next_power_of_2(n)))
 
 
 @cache
@@ -68,7 +71,9 @@ class Fixed:
         self.fn = fn
         self.config = config
 
-    def __getitem__(self, grid: Callable[[dict[str, Any]], tuple[int, ...]] | tuple[int, ...]) -> Callable:
+    def __getitem__(
+        self, grid: Callable[[dict[str, Any]], tuple[int, ...]] | tuple[int, ...]
+    ) -> Callable[..., Any]:
         def launch(*args: Any, **kwargs: Any) -> Any:
             meta = {**dict(zip(self.fn.arg_names, args, strict=False)), **kwargs, **self.config.kwargs}
             resolved = grid(meta) if callable(grid) else grid
@@ -159,7 +164,7 @@ def split_k_for(m: int, n: int, k: int, device: torch.device, min_k_per_split: i
     if m > 64 or interpreting():
         return 1
     tiles = triton.cdiv(n, 64)
-    return max(1, min(8, triton.cdiv(2 * sm_count(device), tiles), k // min_k_per_split))
+    return max(1, min(8, int(triton.cdiv(2 * sm_count(device), tiles)), k // min_k_per_split))
 
 
 def gemm_grid(meta: dict[str, Any]) -> tuple[int, int]:

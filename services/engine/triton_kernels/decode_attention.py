@@ -8,6 +8,9 @@ tokens at a time gathered through the block table, dequantizing an int8 / fp8 ca
 Stage 2, grid (batch, q head): merge the partial outputs by their log-sum-exp. With one split stage 1
 writes the output directly.
 """
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -15,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, attend, compute_kwargs, window_arg
+from .attention import LOG2E, attend, kernel_inputs, window_arg
 from .common import interpreting, pow2, sm_count
-from .kv_cache import paged_kv
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 MAX_SPLITS = 16
@@ -101,7 +103,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_len: int, device: torch.de
     """Enough (batch x kv head x split) programs to fill the GPU a few times over, never splits
     shorter than MIN_SPLIT_TOKENS of the longest possible context."""
     by_len = max(1, max_len // MIN_SPLIT_TOKENS)
-    by_occupancy = triton.cdiv(4 * sm_count(device), max(1, batch * num_kv_heads))
+    by_occupancy = int(triton.cdiv(4 * sm_count(device), max(1, batch * num_kv_heads)))
     return max(1, min(MAX_SPLITS, by_len, by_occupancy))
 
 
@@ -126,8 +128,7 @@ def decode_attention(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    cache, layout = paged_kv(k_cache, v_cache, k_scale, v_scale)
-    assert q.stride(-1) == 1
+    cache, consts = kernel_inputs(q, k_cache, v_cache, k_scale, v_scale)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if num_splits is None:
@@ -144,7 +145,7 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_H=pow2(group, 16),
         BLOCK_N=16 if interpreting() else 64, BLOCK_D=block_d, num_warps=4, num_stages=2,
-        **layout, **compute_kwargs(q.dtype),
+        **consts,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](

@@ -4,6 +4,9 @@ loop, group-wise along K (group 128). Two code books:
 - nf4: w = NF4[q] * absmax, the 16 normal-float levels of QLoRA looked up in a table.
 Packing and levels: services/engine/quant_formats.py (qweight int32 [K // 8, N], scales [K // group,
 N] in the activation dtype, zeros uint8 [K // group, N])."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 

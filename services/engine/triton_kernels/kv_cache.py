@@ -5,6 +5,9 @@ Cache [P, S, Hkv, D]; int8 / fp8 caches carry a scale [P, S, Hkv, D // QGROUP] i
 and its torch quantizer: services/engine/kv/quant.py). Negative slots are skipped (padding rows).
 A kernel receives the whole cache as one `PagedKV` argument (tensors and strides).
 """
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ FlashAttention-2 forward, grid (query block, sequence, q head): each program run
 over BLOCK_N keys at a time. Key blocks that every row of the query block sees in full skip the mask;
 only the blocks crossing the diagonal or the window edge pay for it.
 """
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -13,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, attend, compute_kwargs, window_arg
+from .attention import LOG2E, attend, kernel_inputs, window_arg
 from .common import interpreting, pow2
-from .kv_cache import paged_kv
 
 
 @triton.jit
@@ -106,8 +108,7 @@ def prefill_attention(
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    cache, layout = paged_kv(k_cache, v_cache, k_scale, v_scale)
-    assert q.stride(-1) == 1
+    cache, consts = kernel_inputs(q, k_cache, v_cache, k_scale, v_scale)
     block_m, block_n, num_warps, num_stages = _tiles(head_dim)
     grid = (triton.cdiv(max_q_len, block_m), seq_lens.shape[0], num_heads)
     _prefill_kernel[grid](
@@ -115,6 +116,6 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=pow2(head_dim, 16), num_warps=num_warps, num_stages=num_stages,
-        **layout, **compute_kwargs(q.dtype),
+        **consts,
     )  # fmt: skip
     return out
