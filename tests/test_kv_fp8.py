@@ -1,4 +1,4 @@
-"""Key smoothing of the quantized KV caches (services/engine/ops/kv_quant.key_means): int8/fp8 caches
+"""Key smoothing of the quantized KV caches (services/engine/kv/quant.key_means): int8/fp8 caches
 store each key less its sequence's mean key m, set once by the sequence's first chunk.
 
 - m is the mean of the first chunk's keys before RoPE taken to its mean over the horizon (exact).
