@@ -183,7 +183,7 @@ class Suite:
 
     # -- paged KV --------------------------------------------------------------------------------
     def paged(self, batch: int, ctx: int, kv: str | None) -> dict[str, Any]:
-        from services.engine.ops.kv_quant import KV_QUANT_DTYPES, quantize_kv
+        from services.engine.kv.quant import KV_QUANT_DTYPES, quantize_kv
 
         torch, s = self.torch, self.s
         pages = -(-ctx // s.page_size)
@@ -208,7 +208,7 @@ class Suite:
 
     def contiguous_kv(self, c: dict[str, Any], batch: int, ctx: int) -> tuple[Any, Any]:
         """[B, Hkv, ctx, D] bf16 copies of the paged cache for SDPA."""
-        from services.engine.ops.attention import gather_pages
+        from services.engine.backend.cpu import gather_pages
 
         k = gather_pages(c["k_cache"], c["block_tables"], ctx, c["scales"].get("k_scale")).to(self.dtype)
         v = gather_pages(c["v_cache"], c["block_tables"], ctx, c["scales"].get("v_scale")).to(self.dtype)
@@ -216,8 +216,8 @@ class Suite:
 
     # -- cases -----------------------------------------------------------------------------------
     def decode(self) -> None:
-        from services.engine.kernels.decode_attention import decode_attention
-        from services.engine.ops import attention as ref
+        from services.engine.backend import cpu as ref
+        from services.engine.triton_kernels.decode_attention import decode_attention
 
         torch, s = self.torch, self.s
         times: dict[tuple[int, int, str], float] = {}
@@ -253,13 +253,13 @@ class Suite:
                         self.target(r, ">= 1.45x the bf16 kernel", r.extra["speedup_vs_bf16_kernel"] >= 1.45)
 
     def _splits(self, batch: int, ctx: int) -> int:
-        from services.engine.kernels.decode_attention import num_splits_for
+        from services.engine.triton_kernels.decode_attention import num_splits_for
 
         return num_splits_for(batch, self.s.hkv, ctx, self.device)
 
     def prefill(self) -> None:
-        from services.engine.kernels.prefill_attention import prefill_attention
-        from services.engine.ops import attention as ref
+        from services.engine.backend import cpu as ref
+        from services.engine.triton_kernels.prefill_attention import prefill_attention
 
         torch, s = self.torch, self.s
         for q_len, ctx in s.prefill:
@@ -297,14 +297,14 @@ class Suite:
             self.run("prefill_attention", f"q_len={q_len} ctx={ctx} page={s.page_size}", body)
 
     def gemms(self, formats: list[str]) -> None:
-        from services.engine.kernels import gemm_int4, quant
+        from services.engine.quantization import weights
 
         torch, s = self.torch, self.s
         quantizers: dict[str, Callable[[Any], Any]] = {
-            "int8": lambda w: quant.quantize_weight_per_channel(w, torch.int8),
-            "fp8": lambda w: quant.quantize_weight_per_channel(w, torch.float8_e4m3fn),
-            "int4": gemm_int4.quantize_int4,
-            "nf4": gemm_int4.quantize_nf4,
+            "int8": lambda w: weights.quantize_per_channel(w, torch.int8),
+            "fp8": lambda w: weights.quantize_per_channel(w, torch.float8_e4m3fn),
+            "int4": weights.quantize_int4,
+            "nf4": weights.quantize_nf4,
         }
         for n, k in s.gemm_nk:
             w = self.randn(n, k, std=0.02)
@@ -325,28 +325,28 @@ class Suite:
     def _gemm(
         self, fmt: str, x: Any, packed: tuple[Any, ...], n: int, bf16_ms: float | None, r: Result
     ) -> None:
-        from services.engine.kernels import gemm_fp8, gemm_int4, gemm_int8, quant
-        from services.engine.quant.kernels import quant_kernels
+        from services.engine.backend import get_backend, reference
+        from services.engine.triton_kernels import gemm_w4a16, gemm_w8a8, quantize
 
         torch = self.torch
         m, k = x.shape
         if fmt in ("int8", "fp8"):
             qw, sw = packed
-            a, sa = quant.per_token_quant(x, qw.dtype)
-            gemm = gemm_int8.int8_gemm if fmt == "int8" else gemm_fp8.fp8_gemm
+            a, sa = quantize.per_token_quant(x, qw.dtype)
+            gemm = gemm_w8a8.int8_gemm if fmt == "int8" else gemm_w8a8.fp8_gemm
             fn = lambda: gemm(a, sa, qw, sw, None, torch.bfloat16)
-            self.check(r, fn(), gemm_int8.scaled_mm_ref(a, sa, qw, sw, None, torch.float32))
+            self.check(r, fn(), reference.scaled_gemm(a, sa, qw, sw, None, torch.float32))
             weight_bytes = n * k
             # The torch backend's quantized GEMM: torch._int_mm / torch._scaled_mm plus the scaling.
-            torch_gemm = getattr(quant_kernels("torch"), f"{fmt}_gemm")
-            self.baseline(r, f"torch {fmt} (services.engine.quant)", lambda: torch_gemm(a, sa, qw, sw))
+            torch_gemm = getattr(get_backend("cpu"), f"{fmt}_gemm")
+            self.baseline(r, f"torch {fmt} (services.engine.backend.cpu)", lambda: torch_gemm(a, sa, qw, sw))
         else:
             qw, scales, *zeros = packed
             z = zeros[0] if zeros else None
-            fn = lambda: gemm_int4.w4a16_gemm(x, qw, scales, z)
-            self.check(r, fn(), gemm_int4.w4a16_gemm_ref(x.float(), qw, scales, z))
+            fn = lambda: gemm_w4a16.w4a16_gemm(x, qw, scales, z)
+            self.check(r, fn(), reference.w4a16_gemm(x.float(), qw, scales, z))
             weight_bytes = n * k / 2 + scales.numel() * 2 + (0 if z is None else z.numel())
-            self.baseline(r, "torch dequantize + matmul", lambda: gemm_int4.w4a16_gemm_ref(x, qw, scales, z))
+            self.baseline(r, "torch dequantize + matmul", lambda: reference.w4a16_gemm(x, qw, scales, z))
         r.ms = self.time(fn)
         self.rate(r, weight_bytes + m * (k + n) * 2, flops=2 * m * n * k)
         self._gemm_targets(r, m, weight_bytes, bf16_ms, {"int8": 1.3, "fp8": 1.5}.get(fmt))
@@ -364,12 +364,10 @@ class Suite:
             self.target(r, f">= {speedup}x cuBLAS bf16", r.extra["speedup_vs_cublas_bf16"] >= speedup)
 
     def rowwise(self) -> None:
-        from services.engine.kernels import activation, kv_store, norm, quant, rope
-        from services.engine.ops import activation as ref_act
-        from services.engine.ops import attention as ref_attn
-        from services.engine.ops import norm as ref_norm
-        from services.engine.ops import rope as ref_rope
-        from services.engine.ops.kv_quant import dequantize_kv
+        from services.engine.backend import cpu, reference
+        from services.engine.kv.quant import dequantize_kv
+        from services.engine.model.rope import rope_cache
+        from services.engine.triton_kernels import activation, kv_cache, norm, quantize, rope
 
         torch, s = self.torch, self.s
         t, h, inter = s.tokens, s.hidden, s.intermediate
@@ -377,68 +375,68 @@ class Suite:
 
         def norm_plain(r: Result) -> None:
             fn = lambda: norm.rms_norm(x, w, 1e-5, res)
-            self.check(r, fn()[0], ref_norm.rms_norm(x, w, 1e-5, res)[0])
+            self.check(r, fn()[0], cpu.rms_norm(x, w, 1e-5, res)[0])
             r.ms = self.time(fn)
             self.rate(r, t * h * 2 * 4)
-            self.baseline(r, "torch eager", lambda: ref_norm.rms_norm(x, w, 1e-5, res))
+            self.baseline(r, "torch eager", lambda: cpu.rms_norm(x, w, 1e-5, res))
 
         def norm_quant(r: Result) -> None:
             fn = lambda: norm.rms_norm_quant(x, w, 1e-5, res, torch.int8)
             q, sc = fn()[:2]
             # dequantized vs the unquantized norm: half an int8 step of the row max plus one bf16 step
             self.check(
-                r, q.float() * sc, ref_norm.rms_norm(x, w, 1e-5, res)[0].float(), tol=0.5 / 127 + 2**-7
+                r, q.float() * sc, cpu.rms_norm(x, w, 1e-5, res)[0].float(), tol=0.5 / 127 + 2**-7
             )
             r.ms = self.time(fn)
             self.rate(r, t * h * (2 * 3 + 1) + t * 4)
-            self.baseline(r, "torch eager", lambda: norm.rms_norm_quant_ref(x, w, 1e-5, res, torch.int8))
+            self.baseline(r, "torch eager", lambda: cpu.rms_norm_quant(x, w, 1e-5, res, torch.int8))
             self.target(r, ">= 80% bw", r.pct_bandwidth is not None and r.pct_bandwidth >= 80)
 
         gate_up = self.randn(t, 2 * inter)
 
         def silu(r: Result) -> None:
             fn = lambda: activation.silu_and_mul(gate_up)
-            self.check(r, fn(), ref_act.silu_and_mul(gate_up.float()))
+            self.check(r, fn(), cpu.silu_and_mul(gate_up.float()))
             r.ms = self.time(fn)
             self.rate(r, t * inter * 2 * 3)
-            self.baseline(r, "torch eager", lambda: ref_act.silu_and_mul(gate_up))
+            self.baseline(r, "torch eager", lambda: cpu.silu_and_mul(gate_up))
 
         def silu_quant(r: Result) -> None:
             fn = lambda: activation.silu_and_mul_quant(gate_up, torch.int8)
             q, sc = fn()
-            self.check(r, q.float() * sc, ref_act.silu_and_mul(gate_up).float(), tol=0.5 / 127 + 2**-7)
+            self.check(r, q.float() * sc, cpu.silu_and_mul(gate_up).float(), tol=0.5 / 127 + 2**-7)
             r.ms = self.time(fn)
             self.rate(r, t * inter * (2 * 2 + 1) + t * 4)
-            self.baseline(r, "torch eager", lambda: activation.silu_and_mul_quant_ref(gate_up, torch.int8))
+            self.baseline(r, "torch eager", lambda: cpu.silu_and_mul_quant(gate_up, torch.int8))
 
         def per_token(r: Result) -> None:
-            fn = lambda: quant.per_token_quant(x, torch.int8)
+            fn = lambda: quantize.per_token_quant(x, torch.int8)
             q, sc = fn()
-            want_q, want_sc = quant.per_token_quant_ref(x, torch.int8)
+            want_q, want_sc = reference.per_token_quant(x, torch.int8)
             r.max_rel_err = float((q.int() - want_q.int()).abs().max())  # in int8 steps
             r.ok = r.max_rel_err <= 1 and bool(torch.allclose(sc, want_sc, rtol=1e-6))
             r.ms = self.time(fn)
             self.rate(r, t * h * 3 + t * 4)
-            self.baseline(r, "torch eager", lambda: quant.per_token_quant_ref(x, torch.int8))
+            self.baseline(r, "torch eager", lambda: reference.per_token_quant(x, torch.int8))
 
-        cos_sin = ref_rope.rope_cache(s.head_dim, 8192, 500000.0, None, self.device)
+        cos_sin = rope_cache(s.head_dim, 8192, 500000.0, None, self.device)
         positions = torch.randint(0, 8192, (t,), generator=self.gen, device=self.device)
 
         def rotary(r: Result) -> None:
             q, k = self.randn(t, s.hq, s.head_dim), self.randn(t, s.hkv, s.head_dim)
             q2, k2 = q.float(), k.float()
             rope.apply_rope(q, k, positions, cos_sin)
-            ref_rope.apply_rope(q2, k2, positions, cos_sin)
+            cpu.apply_rope(q2, k2, positions, cos_sin)
             self.check(r, torch.cat([q.flatten(), k.flatten()]), torch.cat([q2.flatten(), k2.flatten()]))
             r.ms = self.time(lambda: rope.apply_rope(q, k, positions, cos_sin))
             self.rate(r, t * (s.hq + s.hkv) * s.head_dim * 2 * 2)
-            self.baseline(r, "torch eager", lambda: ref_rope.apply_rope(q, k, positions, cos_sin))
+            self.baseline(r, "torch eager", lambda: cpu.apply_rope(q, k, positions, cos_sin))
 
         def store(r: Result, kv: str | None) -> None:
             c = self.paged(1, t, kv)
             kn, vn = self.randn(t, s.hkv, s.head_dim), self.randn(t, s.hkv, s.head_dim)
             slots = torch.randperm(t, generator=self.gen, device=self.device)
-            fn = lambda: kv_store.store_kv(kn, vn, c["k_cache"], c["v_cache"], slots, **c["scales"])
+            fn = lambda: kv_cache.store_kv(kn, vn, c["k_cache"], c["v_cache"], slots, **c["scales"])
             fn()
             rows = c["k_cache"].view(-1, s.hkv, s.head_dim)[slots]
             if kv is not None:
@@ -452,7 +450,7 @@ class Suite:
             self.baseline(
                 r,
                 "torch index_copy_",
-                lambda: ref_attn.store_kv(kn, vn, c["k_cache"], c["v_cache"], slots, *c["scales"].values()),
+                lambda: reference.store_kv(kn, vn, c["k_cache"], c["v_cache"], slots, *c["scales"].values()),
             )
 
         self.run("rms_norm+residual", f"T={t} H={h}", norm_plain)

@@ -107,7 +107,7 @@ def default_model() -> str:
 def open_llm(model: str, setup: Setup, **options: Any):
     """An LLM running `setup` (the trade-off rows are quantized here, after loading)."""
     from services.engine import LLM
-    from services.engine.quant import quantize_model
+    from services.engine.model.quantize import quantize_model
 
     llm = LLM(model, **setup.engine_options, **options)
     if setup.per_tensor or setup.o_proj:
@@ -133,8 +133,8 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
 
     from services.engine import SamplingParams
     from services.engine.kv.pool import kv_bytes_per_token
-    from services.engine.quant import eval as qeval
-    from services.engine.quant import weight_bytes
+    from services.engine.model import accuracy as qeval
+    from services.engine.model.quantize import weight_bytes
 
     torch.set_num_threads(args.cpu_threads)
     model = args.model or default_model()

@@ -11,7 +11,7 @@ from typing import Any
 
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
 PREDICTOR_MODES = ("peak", "reserve")
-BACKENDS = ("torch", "triton")
+BACKENDS = ("cpu", "triton", "reference", "torch")  # torch: the cpu backend's former name
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.engine.ops import attention as ref_attn
+from services.engine.backend import reference
 
 # Bound on max|out - ref| / max|ref| per output dtype. bf16 is loose: the interpreter truncates
 # fp32 -> bf16 instead of rounding, so one bf16 step (2**-7 relative) can separate out from ref.
@@ -127,5 +127,5 @@ def paged_kv(
         scale_shape = (*shape[:-1], head_dim // group)
         k_scale = poison_(torch.empty(scale_shape, dtype=torch.float16))
         v_scale = poison_(torch.empty(scale_shape, dtype=torch.float16))
-    ref_attn.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return PagedKV(k_cache, v_cache, k_scale, v_scale, tables, torch.tensor(seq_lens, dtype=torch.int32))

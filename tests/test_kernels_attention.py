@@ -1,4 +1,4 @@
-"""Triton paged-attention kernels (store_kv, decoding, prefill) against the torch reference on fresh
+"""Triton paged-attention kernels (store_kv, decoding, prefill) against the reference backend on fresh
 random inputs: ragged lengths, page boundaries, page sizes 1 and 16, single tokens, GQA 1/4/8,
 sliding windows, split-KV, head_dim 8 and 64, bf16/fp16/fp32, int8 and fp8 KV caches. Outputs and
 unused cache slots are poisoned; NaN never passes. Runs under TRITON_INTERPRET=1 without a GPU."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kernels import decode_attention as dk
-from services.engine.kernels import kv_store
-from services.engine.kernels import prefill_attention as pk
-from services.engine.ops import attention as ref
-from services.engine.ops.kv_quant import dequantize_kv, quantize_kv
+from services.engine.backend import reference as ref
+from services.engine.kv.quant import dequantize_kv, quantize_kv
+from services.engine.triton_kernels import decode_attention as dk
+from services.engine.triton_kernels import kv_cache
+from services.engine.triton_kernels import prefill_attention as pk
 from tests.kernel_utils import (
     INT8_POISON,
     assert_close,
@@ -70,7 +70,7 @@ def test_store_kv_matches_reference(dtype, kv_dtype, page_size, num_kv_heads, he
     k = torch.randn(len(slots_with_pad), num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(len(slots_with_pad), num_kv_heads, head_dim, generator=gen).to(dtype)
     caches = []
-    for impl, slot_arg in ((ref.store_kv, slots), (kv_store.store_kv, slots_with_pad)):
+    for impl, slot_arg in ((ref.store_kv, slots), (kv_cache.store_kv, slots_with_pad)):
         cache_dtype = kv_dtype or dtype
         kc, vc = (
             poison_(torch.empty(shape, dtype=cache_dtype)),
@@ -219,7 +219,7 @@ def test_prefill_empty_batch():
 def test_cache_layout_errors_are_clear():
     kv = paged_kv([4], 16, 1, 16, F32, I8, seeded(8))
     with pytest.raises(ValueError, match="both k_scale and v_scale"):
-        kv_store.store_kv(
+        kv_cache.store_kv(
             torch.zeros(1, 1, 16),
             torch.zeros(1, 1, 16),
             kv.k_cache,
@@ -230,4 +230,4 @@ def test_cache_layout_errors_are_clear():
         )
     odd_scale = torch.zeros(*kv.k_cache.shape[:-1], 3, dtype=F16)
     with pytest.raises(ValueError, match="pow2 groups"):
-        kv_store.kv_quant_group(kv.k_cache, odd_scale)
+        kv_cache.paged_kv(kv.k_cache, kv.v_cache, odd_scale, odd_scale)

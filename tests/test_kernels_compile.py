@@ -73,19 +73,18 @@ def _compile_everything() -> dict:  # runs in the child process
     JITFunction.run = compile_only
     Autotuner.run = every_config
 
-    from services.engine.kernels import (
+    from services.engine.model.rope import rope_cache
+    from services.engine.triton_kernels import (
         activation,
         decode_attention,
-        gemm_fp8,
-        gemm_int4,
-        gemm_int8,
-        kv_store,
+        gemm_w4a16,
+        gemm_w8a8,
+        kv_cache,
         norm,
         prefill_attention,
-        quant,
+        quantize,
         rope,
     )
-    from services.engine.ops.rope import rope_cache
 
     bf16, i8, fp8 = torch.bfloat16, torch.int8, torch.float8_e4m3fn
     cases = []
@@ -131,7 +130,7 @@ def _compile_everything() -> dict:  # runs in the child process
         cases.append(
             (
                 f"store_kv kv={kv}",
-                lambda c=cache, s=scales: kv_store.store_kv(
+                lambda c=cache, s=scales: kv_cache.store_kv(
                     torch.zeros(3, 8, 128, dtype=bf16),
                     torch.zeros(3, 8, 128, dtype=bf16),
                     c,
@@ -185,7 +184,7 @@ def _compile_everything() -> dict:  # runs in the child process
             "silu_and_mul_quant fp8",
             lambda: activation.silu_and_mul_quant(torch.zeros(4, 2 * 14336, dtype=bf16), fp8),
         ),
-        ("per_token_quant", lambda: quant.per_token_quant(x, i8)),
+        ("per_token_quant", lambda: quantize.per_token_quant(x, i8)),
         (
             "rope",
             lambda: rope.apply_rope(
@@ -203,7 +202,7 @@ def _compile_everything() -> dict:  # runs in the child process
         cases.append(
             (
                 f"int8 gemm M={m}",
-                lambda a=a8, sa=sa, sw=sw, sk=split_k: gemm_int8.int8_gemm(
+                lambda a=a8, sa=sa, sw=sw, sk=split_k: gemm_w8a8.int8_gemm(
                     a, sa, torch.zeros(n, k, dtype=i8), sw, torch.zeros(n, dtype=bf16), split_k=sk
                 ),
             )
@@ -211,7 +210,7 @@ def _compile_everything() -> dict:  # runs in the child process
         cases.append(
             (
                 f"fp8 gemm M={m}",
-                lambda a=af, sa=sa, sw=sw, sk=split_k: gemm_fp8.fp8_gemm(
+                lambda a=af, sa=sa, sw=sw, sk=split_k: gemm_w8a8.fp8_gemm(
                     a, sa, torch.zeros(n, k, dtype=fp8), sw, split_k=sk
                 ),
             )
@@ -220,7 +219,7 @@ def _compile_everything() -> dict:  # runs in the child process
             cases.append(
                 (
                     f"w4a16 M={m} nf4={zeros is None}",
-                    lambda z=zeros, mm=m, sk=split_k: gemm_int4.w4a16_gemm(
+                    lambda z=zeros, mm=m, sk=split_k: gemm_w4a16.w4a16_gemm(
                         torch.zeros(mm, k, dtype=bf16),
                         torch.zeros(k // 8, n, dtype=torch.int32),
                         torch.ones(k // 128, n, dtype=bf16),

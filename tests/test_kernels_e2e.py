@@ -1,4 +1,4 @@
-"""The Triton backend end to end: get_ops("triton") swaps in kernels with the references' signatures,
+"""The Triton backend end to end: get_backend("triton") holds kernels with the reference's signatures,
 and LLM(..., backend="triton") under the interpreter produces the same greedy tokens as
 backend="torch" on a 2-layer random Llama (head_dim 64) and on stories260K (head_dim 8), with the
 int8 KV cache off and on. Small pools: the interpreter copies every tensor argument's storage."""
@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 from services.engine import LLM, SamplingParams
-from services.engine.ops import TORCH_OPS, get_ops
+from services.engine.backend import Backend, get_backend
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -18,18 +18,13 @@ OPTIONS = dict(device="cpu", dtype="float32", page_size=4, num_pages=48, max_num
 
 
 def test_triton_ops_keep_the_reference_signatures():
-    ops = get_ops("triton")
+    ops, reference = get_backend("triton"), get_backend("reference")
     assert ops.name == "triton"
-    for name in (
-        "store_kv",
-        "decode_attention",
-        "prefill_attention",
-        "rms_norm",
-        "apply_rope",
-        "silu_and_mul",
-    ):
-        kernel, ref = getattr(ops, name), getattr(TORCH_OPS, name)
-        assert kernel is not ref and kernel.__module__.startswith("services.engine.kernels")
+    for name in Backend.__dataclass_fields__:
+        if name == "name":
+            continue
+        kernel, ref = getattr(ops, name), getattr(reference, name)
+        assert kernel is not ref and kernel.__module__.startswith("services.engine.triton_kernels")
         want = list(inspect.signature(ref).parameters.items())
         got = list(inspect.signature(kernel).parameters.items())
         assert [(p, v.kind, v.default) for p, v in got[: len(want)]] == [

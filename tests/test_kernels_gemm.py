@@ -8,8 +8,11 @@ import pytest
 import torch
 import triton
 
-from services.engine.kernels import gemm_fp8, gemm_int4, gemm_int8, quant
-from services.engine.kernels.common import Fixed, interpreting
+from services.engine import quant_formats
+from services.engine.backend import reference as ref
+from services.engine.quantization.weights import quantize_int4, quantize_nf4, quantize_per_channel
+from services.engine.triton_kernels import gemm_w4a16, gemm_w8a8
+from services.engine.triton_kernels.common import Fixed, interpreting
 from tests.kernel_utils import (
     assert_close,
     poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)
@@ -42,15 +45,15 @@ def test_w8a8_gemm(qdtype, m, n, k, out_dtype, with_bias, split_k):
     x = torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, m)[:, None]
     w = torch.randn(n, k, generator=gen) * 0.05
     bias = torch.randn(n, generator=gen).to(out_dtype) if with_bias else None
-    a, a_scale = quant.per_token_quant_ref(x, qdtype)
-    qw, w_scale = quant.quantize_weight_per_channel(w, qdtype)
-    gemm = gemm_int8.int8_gemm if qdtype == I8 else gemm_fp8.fp8_gemm
+    a, a_scale = ref.per_token_quant(x, qdtype)
+    qw, w_scale = quantize_per_channel(w, qdtype)
+    gemm = gemm_w8a8.int8_gemm if qdtype == I8 else gemm_w8a8.fp8_gemm
     out = gemm(a, a_scale, qw, w_scale, bias, out_dtype, split_k=split_k)
     assert out.dtype == out_dtype
     assert_close(out, exact_w8a8(a, a_scale, qw, w_scale, bias), out_dtype)
     # The reference used by the torch backend agrees too, and the quantized GEMM approximates x @ w.T.
     assert_close(
-        gemm_int8.scaled_mm_ref(a, a_scale, qw, w_scale, bias, F32), exact_w8a8(a, a_scale, qw, w_scale, bias)
+        ref.scaled_gemm(a, a_scale, qw, w_scale, bias, F32), exact_w8a8(a, a_scale, qw, w_scale, bias)
     )
     dense = x @ w.T + (0 if bias is None else bias.float())
     rel = (out.double() - dense).abs().max() / dense.abs().max()
@@ -61,25 +64,25 @@ def test_w8a8_gemm(qdtype, m, n, k, out_dtype, with_bias, split_k):
 def test_w8a8_other_tiles(monkeypatch):
     """A second tile shape (rows and columns padded differently, several K steps per split)."""
     monkeypatch.setattr(
-        gemm_int8._int8_kernel,
+        gemm_w8a8._KERNELS[I8],
         "config",
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 1}),
     )
-    assert isinstance(gemm_int8._int8_kernel, Fixed)
+    assert isinstance(gemm_w8a8._KERNELS[I8], Fixed)
     gen = seeded(3)
     a = torch.randint(-127, 128, (33, 200), generator=gen, dtype=I8)
     w = torch.randint(-127, 128, (17, 200), generator=gen, dtype=I8)
     sa, sw = torch.rand(33, 1, generator=gen), torch.rand(17, generator=gen)
     for split_k in (1, 2):
-        out = gemm_int8.int8_gemm(a, sa, w, sw, None, F32, split_k=split_k)
+        out = gemm_w8a8.int8_gemm(a, sa, w, sw, None, F32, split_k=split_k)
         assert_close(out, exact_w8a8(a, sa, w, sw, None))
 
 
 def test_pack_int4_roundtrip():
     codes = torch.randint(0, 16, (24, 64), generator=seeded(5))
-    packed = gemm_int4.pack_int4(codes)
+    packed = quant_formats.pack_int4(codes)
     assert packed.dtype == torch.int32 and packed.shape == (8, 24)
-    assert torch.equal(gemm_int4.unpack_int4(packed), codes)
+    assert torch.equal(quant_formats.unpack_int4(packed), codes)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -87,15 +90,16 @@ def test_pack_int4_roundtrip():
 def test_4bit_quantizers_error_bounds(dtype, group):
     w = (torch.randn(16, 256, generator=seeded(group)) * 0.02).to(dtype)
     w[0, :group] = 0  # a constant group: no NaN, exact zeros
-    qw, scales, zeros = gemm_int4.quantize_int4(w, group)
+    qw, scales, zeros = quantize_int4(w, group)
     assert scales.shape == zeros.shape == (256 // group, 16) and scales.dtype == dtype
-    deq = gemm_int4.dequantize_4bit(qw, scales, zeros)
+    deq = quant_formats.dequantize_4bit(qw, scales, zeros)
     step = scales.float().T.repeat_interleave(group, 1)
     assert torch.isfinite(deq).all() and (deq[0, :group] == 0).all()
     assert ((deq - w.float()).abs() <= 0.5 * step * 1.01 + 1e-7).all()
-    qn, absmax = gemm_int4.quantize_nf4(w, group)
-    deq = gemm_int4.dequantize_4bit(qn, absmax)
-    biggest_gap = max(b - a for a, b in zip(gemm_int4.NF4_LEVELS, gemm_int4.NF4_LEVELS[1:], strict=False))
+    qn, absmax = quantize_nf4(w, group)
+    deq = quant_formats.dequantize_4bit(qn, absmax)
+    levels = quant_formats.NF4_LEVELS
+    biggest_gap = max(b - a for a, b in zip(levels, levels[1:], strict=False))
     bound = absmax.float().T.repeat_interleave(group, 1) * biggest_gap / 2
     assert torch.isfinite(deq).all() and ((deq - w.float()).abs() <= bound * 1.01 + 1e-7).all()
 
@@ -115,12 +119,12 @@ def test_w4a16_gemm(nf4, m, n, k, group, dtype, split_k):
     a = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     if nf4:
-        qw, scales = gemm_int4.quantize_nf4(w, group)
+        qw, scales = quantize_nf4(w, group)
         zeros = None
     else:
-        qw, scales, zeros = gemm_int4.quantize_int4(w, group)
-    out = gemm_int4.w4a16_gemm(a, qw, scales, zeros, split_k=split_k)
+        qw, scales, zeros = quantize_int4(w, group)
+    out = gemm_w4a16.w4a16_gemm(a, qw, scales, zeros, split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
-    exact = a.double() @ gemm_int4.dequantize_4bit(qw, scales, zeros).double().T
+    exact = a.double() @ quant_formats.dequantize_4bit(qw, scales, zeros).double().T
     assert_close(out, exact, dtype)
-    assert_close(gemm_int4.w4a16_gemm_ref(a, qw, scales, zeros), exact, dtype)
+    assert_close(ref.w4a16_gemm(a, qw, scales, zeros), exact, dtype)

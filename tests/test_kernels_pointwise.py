@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kernels import activation, norm, quant, rope
-from services.engine.ops import activation as ref_act
-from services.engine.ops import norm as ref_norm
-from services.engine.ops import rope as ref_rope
-from services.engine.ops.kv_quant import QMAX
+from services.engine.backend import reference as ref
+from services.engine.model.rope import rope_cache
+from services.engine.quant_formats import QMAX
+from services.engine.triton_kernels import activation, norm, quantize, rope
 from tests.kernel_utils import (
     INT8_POISON,
     REL_TOL,
@@ -53,9 +52,9 @@ def test_rms_norm(dtype, shape):
     res = torch.randn(shape, generator=gen).to(dtype)
     w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
     x0, res0 = x.clone(), res.clone()
-    assert_close(norm.rms_norm(x, w, 1e-6), ref_norm.rms_norm(x.float(), w.float(), 1e-6), dtype)
+    assert_close(norm.rms_norm(x, w, 1e-6), ref.rms_norm(x.float(), w.float(), 1e-6), dtype)
     out, new_res = norm.rms_norm(x, w, 1e-6, res)
-    want, want_res = ref_norm.rms_norm(x, w, 1e-6, res)
+    want, want_res = ref.rms_norm(x, w, 1e-6, res)
     assert_close(out, want.float(), dtype)
     assert_close(new_res, want_res.float(), dtype)
     assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
@@ -66,7 +65,7 @@ def test_rms_norm_promotes_like_the_reference():
     w = torch.rand(32, generator=seeded(3))  # fp32 weight, bf16 activations -> fp32 output
     out = norm.rms_norm(x, w, 1e-5)
     assert out.dtype == F32
-    assert_close(out, ref_norm.rms_norm(x, w, 1e-5), BF16)
+    assert_close(out, ref.rms_norm(x, w, 1e-5), BF16)
 
 
 @pytest.mark.parametrize("qdtype", [I8, FP8])
@@ -80,14 +79,14 @@ def test_rms_norm_quant(dtype, qdtype, shape):
     res[0] = 0
     w = torch.randn(shape[-1], generator=gen).to(dtype)
     q, scale = norm.rms_norm_quant(x, w, 1e-6, quant_dtype=qdtype)
-    check_quantized(q, scale, ref_norm.rms_norm(x, w, 1e-6), dtype, qdtype)
+    check_quantized(q, scale, ref.rms_norm(x, w, 1e-6), dtype, qdtype)
     assert (scale[0] == 0).all() and (q[0].float() == 0).all()
     q, scale, new_res = norm.rms_norm_quant(x, w, 1e-6, res, qdtype)
-    want, want_res = ref_norm.rms_norm(x, w, 1e-6, res)
+    want, want_res = ref.rms_norm(x, w, 1e-6, res)
     check_quantized(q, scale, want, dtype, qdtype)
     assert_close(new_res, want_res.float(), dtype)
     if dtype != BF16:  # exact codes (bf16 rounding differs in the interpreter)
-        want_q, want_scale, _ = norm.rms_norm_quant_ref(x, w, 1e-6, res, qdtype)
+        want_q, want_scale, _ = ref.rms_norm_quant(x, w, 1e-6, res, qdtype)
         assert torch.equal(q.float(), want_q.float())
         torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
 
@@ -98,7 +97,7 @@ def test_silu_and_mul(dtype, shape):
     x = torch.randn(shape, generator=seeded(shape[-1])).to(dtype)
     out = activation.silu_and_mul(x)
     assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
-    assert_close(out, ref_act.silu_and_mul(x.double()), dtype)
+    assert_close(out, ref.silu_and_mul(x.double()), dtype)
 
 
 @pytest.mark.parametrize("qdtype", [I8, FP8])
@@ -107,9 +106,9 @@ def test_silu_and_mul(dtype, shape):
 def test_silu_and_mul_quant(dtype, qdtype, shape):
     x = torch.randn(shape, generator=seeded(3 * shape[-1])).to(dtype)
     q, scale = activation.silu_and_mul_quant(x, qdtype)
-    check_quantized(q, scale, ref_act.silu_and_mul(x), dtype, qdtype)
+    check_quantized(q, scale, ref.silu_and_mul(x), dtype, qdtype)
     # exp differs in the last bit between Triton and torch: codes may differ by a rounding step
-    want_q, want_scale = activation.silu_and_mul_quant_ref(x, qdtype)
+    want_q, want_scale = ref.silu_and_mul_quant(x, qdtype)
     torch.testing.assert_close(scale, want_scale, rtol=2 * REL_TOL[dtype], atol=0)
     if qdtype == I8:
         assert (q.int() - want_q.int()).abs().max() <= 1
@@ -120,9 +119,9 @@ def test_silu_and_mul_quant(dtype, qdtype, shape):
 def test_per_token_quant(dtype, qdtype):
     x = torch.randn(5, 5000, generator=seeded(11)).to(dtype) * torch.logspace(-2, 2, 5)[:, None].to(dtype)
     x[2] = 0
-    q, scale = quant.per_token_quant(x, qdtype)
+    q, scale = quantize.per_token_quant(x, qdtype)
     check_quantized(q, scale, x, dtype, qdtype)
-    want_q, want_scale = quant.per_token_quant_ref(x, qdtype)
+    want_q, want_scale = ref.per_token_quant(x, qdtype)
     assert torch.equal(q.float(), want_q.float())  # no rounding of x itself: bit-exact in every dtype
     torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
 
@@ -141,7 +140,7 @@ def test_rope_in_place(dtype, heads, head_dim, rot_dim, tokens):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    cos_sin = ref_rope.rope_cache(rot_dim, 128, 10000.0, scaling)
+    cos_sin = rope_cache(rot_dim, 128, 10000.0, scaling)
     # q and k as strided views of one fused qkv row, as the model produces them.
     qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
@@ -149,7 +148,7 @@ def test_rope_in_place(dtype, heads, head_dim, rot_dim, tokens):
     positions = torch.randint(0, 128, (tokens,), generator=gen)
     v_before = qkv[:, (hq + hkv) * head_dim :].clone()
     want_q, want_k = q.double(), k.double()
-    ref_rope.apply_rope(want_q, want_k, positions, cos_sin.double())
+    ref.apply_rope(want_q, want_k, positions, cos_sin.double())
     rope.apply_rope(q, k, positions, cos_sin)
     assert_close(q, want_q, dtype)
     assert_close(k, want_k, dtype)
@@ -170,7 +169,7 @@ def test_code_rounding_matches_torch_on_ties(qdtype):
     )
     vals = torch.cat([vals, -vals])
     row = torch.cat([torch.tensor([QMAX[qdtype]]), vals])[None].clamp(-QMAX[qdtype], QMAX[qdtype])
-    q, scale = quant.per_token_quant(row, qdtype)
-    want_q, want_scale = quant.per_token_quant_ref(row, qdtype)
+    q, scale = quantize.per_token_quant(row, qdtype)
+    want_q, want_scale = ref.per_token_quant(row, qdtype)
     assert scale.item() == want_scale.item() == 1.0
     assert torch.equal(q.float(), want_q.float())

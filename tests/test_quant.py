@@ -9,22 +9,20 @@ import pytest
 import torch
 from torch import nn
 
-from services.engine.kernels.gemm_int8 import scaled_mm_ref
-from services.engine.kernels.quant import per_token_quant_ref
+from services.engine.backend import get_backend, reference
 from services.engine.kv.pool import kv_bytes_per_token
+from services.engine.model.accuracy import logits_error, teacher_forced_logits
 from services.engine.model.llama import RMSNorm
 from services.engine.model.loader import load_model
-from services.engine.ops import get_ops
-from services.engine.ops.norm import rms_norm
-from services.engine.quant import quantize_model, weight_bytes
-from services.engine.quant.eval import logits_error, teacher_forced_logits
-from services.engine.quant.fused import QuantRMSNorm, SiluMulQuant
-from services.engine.quant.kernels import quant_kernels
-from services.engine.quant.linear import QuantAct, W4A16Linear, W8A8Linear
-from services.engine.quant.weights import group_size, padded_in_features, quantize_4bit
+from services.engine.model.quantize import quantize_model, weight_bytes
+from services.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
+from services.engine.quantization.linear import QuantAct, W4A16Linear, W8A8Linear
+from services.engine.quantization.weights import group_size, padded_in_features, quantize_4bit
 
 pytestmark = pytest.mark.timeout(120)
-TORCH = quant_kernels("torch")
+TORCH = get_backend("cpu")
+rms_norm, per_token_quant_ref = TORCH.rms_norm, reference.per_token_quant
+scaled_mm_ref = reference.scaled_gemm
 FP8 = torch.float8_e4m3fn
 
 
@@ -104,11 +102,11 @@ def test_w8a8_linear_runs_real_int8_fp8_gemms(dtype):
 
 def test_fused_norm_and_activation_quantize_what_the_unfused_path_would():
     torch.manual_seed(0)
-    norm = RMSNorm(64, 1e-5, get_ops("torch"))
+    norm = RMSNorm(64, 1e-5, TORCH)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     x, residual = torch.randn(6, 64), torch.randn(6, 64)
-    fused = QuantRMSNorm(norm, torch.int8, TORCH)
+    fused = QuantRMSNorm(norm.weight, norm.eps, torch.int8, TORCH)
     act, new_residual = fused(x, residual)
     out, expected_residual = rms_norm(x, norm.weight, 1e-5, residual)
     q, s = per_token_quant_ref(out, torch.int8)
@@ -122,7 +120,7 @@ def test_fused_norm_and_activation_quantize_what_the_unfused_path_would():
 
 @pytest.fixture(scope="module")
 def stories_model(stories_dir):
-    return lambda: load_model(stories_dir, get_ops("torch"), torch.device("cpu"), torch.float32, 512)[0]
+    return lambda: load_model(stories_dir, TORCH, torch.device("cpu"), torch.float32, 512)[0]
 
 
 @pytest.mark.parametrize("method", ["w8a8-int8", "w8a8-fp8", "w4a16", "nf4"])
@@ -197,10 +195,10 @@ def test_per_token_and_per_channel_scales_beat_per_tensor_under_activation_outli
     channels = torch.tensor([5, 40, 77, 100])
 
     def model(method: str = "none", per_tensor: bool = False):
-        m = load_model(path, get_ops("torch"), torch.device("cpu"), torch.float32, 256)[0]
+        m = load_model(path, TORCH, torch.device("cpu"), torch.float32, 256)[0]
         return quantize_model(_with_outliers(m, 100.0, channels), method, "torch", per_tensor=per_tensor)
 
-    float_model = load_model(path, get_ops("torch"), torch.device("cpu"), torch.float32, 256)[0]
+    float_model = load_model(path, TORCH, torch.device("cpu"), torch.float32, 256)[0]
     ref = teacher_forced_logits(float_model, seqs)
     assert logits_error(teacher_forced_logits(model(), seqs), ref) < 1e-5  # same function in float
     err = {pt: logits_error(teacher_forced_logits(model("w8a8-int8", pt), seqs), ref) for pt in (False, True)}

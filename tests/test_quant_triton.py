@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
+from services.engine.backend import get_backend
+from services.engine.model.accuracy import logits_error, teacher_forced_logits
 from services.engine.model.loader import load_model
-from services.engine.ops import get_ops
-from services.engine.quant import quantize_model
-from services.engine.quant.eval import logits_error, teacher_forced_logits
-from services.engine.quant.kernels import quant_kernels
+from services.engine.model.quantize import quantize_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -33,9 +32,9 @@ def test_triton_quantized_model_matches_the_torch_path(stories_dir, method):
     for backend in ("torch", "triton"):
         # Attention, RoPE and norms on torch for both: their kernels have their own tests (and the
         # engine test below); this one isolates the quantized GEMMs and fused quantization.
-        model = load_model(stories_dir, get_ops("torch"), torch.device("cpu"), torch.float32, 512)[0]
+        model = load_model(stories_dir, get_backend("torch"), torch.device("cpu"), torch.float32, 512)[0]
         quantize_model(model, method, backend)
-        assert model.layers[0].mlp.down_proj.kernels is quant_kernels(backend)
+        assert model.layers[0].mlp.down_proj.backend is get_backend(backend)
         logits[backend] = teacher_forced_logits(model, seqs)
     # Same codes, same scales: only the accumulation order differs (int8 sums are exact).
     assert logits_error(logits["triton"], logits["torch"]) < 1e-5

@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from services.config import EngineConfig
+from services.engine.backend import get_backend
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
 from services.engine.model.demo import ensure_demo_model
 from services.engine.model.loader import load_model, resolve_dtype
-from services.engine.ops import get_ops
-from services.engine.quant import quantize_model
+from services.engine.model.quantize import quantize_model
 from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler
@@ -63,7 +63,7 @@ class Engine:
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
         self.model, self.model_config = load_model(
-            self.model_dir, get_ops(backend), self.device, self.dtype, self.max_model_len
+            self.model_dir, get_backend(backend), self.device, self.dtype, self.max_model_len
         )
         self.backend = backend
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory

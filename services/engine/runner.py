@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
-from services.engine.ops import AttentionMetadata
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -186,6 +186,7 @@ class ModelRunner:
         out = self.sampler.sample(logits, flat.sample_slots, self._stage("sample_slots", flat.sample_slots))
         result = StepResult(out.tokens.tolist())  # the one intended sync of the step
         if out.logprobs is not None:
+            assert out.top_ids is not None and out.top_logprobs is not None
             result.logprobs = out.logprobs.cpu().numpy()
             result.top_ids = out.top_ids.cpu().numpy()
             result.top_logprobs = out.top_logprobs.cpu().numpy()

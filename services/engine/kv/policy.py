@@ -3,7 +3,7 @@ pool runs dry. The pool enforces the promises; a policy only sizes them."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.engine.kv.pool import KVPool
 from services.engine.sequence import Sequence
@@ -30,24 +30,6 @@ class AdmissionPolicy(Protocol):
         ...
 
 
-class MaxPolicy:
-    """Reserve prompt + max_tokens up front (PyTorch-style servers): never preempts, wastes most."""
-
-    name = "max"
-
-    def reservation_tokens(self, seq: Sequence, max_model_len: int) -> int:
-        return min(seq.prompt_len + seq.params.max_tokens, max_model_len)
-
-    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
-        return True
-
-    def pick_victim(self, running: list[Sequence]) -> Sequence:
-        return running[-1]
-
-    def on_finish(self, seq: Sequence) -> None:
-        pass
-
-
 class OptimisticPolicy:
     """vLLM: admit when the tokens to prefill fit; grow as you go; preempt the newest on exhaustion."""
 
@@ -66,7 +48,16 @@ class OptimisticPolicy:
         pass
 
 
-def make_policy(name: str, **options) -> AdmissionPolicy:
+class MaxPolicy(OptimisticPolicy):
+    """Reserve prompt + max_tokens up front (PyTorch-style servers): never preempts, wastes most."""
+
+    name = "max"
+
+    def reservation_tokens(self, seq: Sequence, max_model_len: int) -> int:
+        return min(seq.prompt_len + seq.params.max_tokens, max_model_len)
+
+
+def make_policy(name: str, **options: Any) -> AdmissionPolicy:
     if name == "max":
         return MaxPolicy()
     if name == "optimistic":

@@ -86,7 +86,7 @@ class Features:
 
 
 # Backoff levels, finest first: each maps Features to a key (a tuple of JSON scalars).
-LEVELS: dict[str, Callable[[Features], tuple]] = {
+LEVELS: dict[str, Callable[[Features], tuple[object, ...]]] = {
     "full": lambda f: ("full", f.prefix, f.app, length_bucket(f.prompt_len), f.max_tokens.bit_length(),
                        f.sampling),
     "template": lambda f: ("template", f.prefix, f.app),
@@ -159,7 +159,7 @@ class OutputLengthPredictor:
             raise ValueError(f"levels must be a non-empty subset of {list(LEVELS)}, got {self.levels}")
         self._keyfns = [LEVELS[name] for name in self.levels]
         self.min_count, self.max_keys, self.window = min_count, max_keys, window
-        self._hists: OrderedDict[tuple, Histogram] = OrderedDict()
+        self._hists: OrderedDict[tuple[object, ...], Histogram] = OrderedDict()
         self.num_updates = 0
 
     def __len__(self) -> int:

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -47,7 +48,7 @@ def default_cache_dir() -> str:
     return os.path.join(root, DEMO_NAME)
 
 
-def random_llama_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+def random_llama_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """HF-named random weights for a Llama config (std 0.02, norms 1): reproducible from the seed."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -90,8 +91,10 @@ def save_byte_tokenizer(directory: str, max_length: int) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   model_max_length=max_length)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        model_max_length=max_length,
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
@@ -103,11 +106,13 @@ def ensure_demo_model(cache_dir: str | None = None) -> str:
         log.warning("no --model given: building the DEMO model (RANDOM weights, gibberish output) in %s",
                     target)
     context = DEMO_CONFIG["max_position_embeddings"]
+    assert isinstance(context, int)
     return save_random_checkpoint(target, DEMO_CONFIG, seed=0, dtype=torch.float32,
                                   tokenizer=lambda d: save_byte_tokenizer(d, context))
 
 
-def save_random_checkpoint(target: str, config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+def save_random_checkpoint(target: str, config: dict[str, Any], seed: int = 0,
+                           dtype: torch.dtype = torch.bfloat16,
                            tokenizer: Callable[[str], None] | None = None) -> str:
     """A random-weight checkpoint (config.json, generation_config.json, model.safetensors, and a
     tokenizer when `tokenizer` writes one) for a Llama/Mistral/Qwen2 config dict, built once and

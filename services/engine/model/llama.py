@@ -1,50 +1,39 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat token batch and a paged KV cache.
 
 q/k/v and gate/up are fused into one matmul each (the loader fills the slices); every hot op goes
-through an `Ops` table so the torch reference and the Triton kernels share this code.
+through the model's `Backend` (services/engine/backend), chosen once when the model is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from services.engine.ops import AttentionMetadata, Ops, rope_cache
-from services.engine.ops.kv_quant import key_means
+from services.engine.backend import Backend, NormOut
+from services.engine.kv.metadata import AttentionMetadata
+from services.engine.kv.pool import LayerCache
+from services.engine.kv.quant import key_means
 from services.model_config import ModelConfig
 
-
-@dataclass
-class LayerCache:
-    """One layer's view of the KV pool (scales only for quantized caches; with k_means [max_num_seqs,
-    Hkv, D] and seq_of_page [P], keys are stored less their sequence's mean: kv_quant.key_means)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-    k_means: torch.Tensor | None = None
-    seq_of_page: torch.Tensor | None = None
-
-    def scale_kwargs(self) -> dict[str, torch.Tensor]:
-        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+from .rope import rope_cache
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: Ops) -> None:
+    def __init__(self, size: int, eps: float, backend: Backend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.ops = ops
+        self.backend = backend
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormOut:
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, sliding_window: int | None, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None, backend: Backend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -52,7 +41,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.ops = ops
+        self.backend = backend
 
     def forward(
         self,
@@ -65,20 +54,23 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output of every row, or with `rows` (the last layer: meta.sample_rows) of those
         alone, each its sequence's newest token: after every row's K/V is written, that is decoding."""
-        t = positions.shape[0]  # x may be a quantized activation (services/engine/quant)
+        t = positions.shape[0]  # x may be a quantized activation (QuantAct)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # Quantized caches store keys less their sequence's mean (softmax(q.k) is unchanged by it).
-        m = None if cache.k_means is None else key_means(k, cache.k_means, cache.seq_of_page, meta, cos_sin)
-        self.ops.apply_rope(q, k, positions, cos_sin)
+        m = None
+        if cache.k_means is not None and cache.seq_of_page is not None:
+            m = key_means(k, cache.k_means, cache.seq_of_page, meta, cos_sin)
+        self.backend.apply_rope(q, k, positions, cos_sin)
         if m is not None:
             k = k - m.to(k.dtype)
         scales = cache.scale_kwargs()
-        self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
+        self.backend.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
         if rows is not None:
-            out = self.ops.decode_attention(
+            assert meta.sample_block_tables is not None and meta.sample_seq_lens is not None
+            out = self.backend.decode_attention(
                 q.index_select(0, rows),
                 cache.k,
                 cache.v,
@@ -89,11 +81,12 @@ class Attention(nn.Module):
                 meta.sample_max_seq_len or None,
                 **scales,
             )
-            return self.o_proj(out.reshape(-1, self.q_size))
+            projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
+            return projected
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self.ops.decode_attention(
+            out[:nd] = self.backend.decode_attention(
                 q[:nd],
                 cache.k,
                 cache.v,
@@ -105,7 +98,7 @@ class Attention(nn.Module):
                 **scales,
             )
         if t > nd:
-            out[nd:] = self.ops.prefill_attention(
+            out[nd:] = self.backend.prefill_attention(
                 q[nd:],
                 cache.k,
                 cache.v,
@@ -119,28 +112,30 @@ class Attention(nn.Module):
                 **scales,
                 new_kv=(k[nd:], v[nd:]),
             )
-        return self.o_proj(out.reshape(t, self.q_size))
+        projected = self.o_proj(out.reshape(t, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         # W8A8 quantization swaps in SiLU-and-mul fused with the down projection's input quantization.
-        self.act_fn = ops.silu_and_mul
+        self.act_fn: Callable[[torch.Tensor], Any] = backend.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.layer_sliding_windows[layer], ops)
-        self.mlp = MLP(cfg, ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, cfg.layer_sliding_windows[layer], backend)
+        self.mlp = MLP(cfg, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.last = layer == cfg.num_layers - 1
 
     def forward(
@@ -151,7 +146,7 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
         cache: LayerCache,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -166,12 +161,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
         self.config = cfg
+        self.backend = backend  # quantize_model builds the quantized layers on the same one
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
@@ -193,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         meta.sample_rows [R, hidden] for those rows. Then the last layer keeps only them after
         writing its K/V: no other row's output is ever read, and that layer's attention, o_proj and
         MLP are most of a prefill row's share of it."""
-        x = self.embed_tokens(input_ids)
+        x: torch.Tensor = self.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
             x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)

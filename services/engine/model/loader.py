@@ -11,7 +11,7 @@ import re
 import torch
 from safetensors import safe_open
 
-from services.engine.ops import Ops
+from services.engine.backend import Backend
 from services.model_config import ModelConfig
 
 from .llama import LlamaForCausalLM
@@ -74,11 +74,11 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, int, int] | None:
 
 
 def load_model(
-    model_dir: str, ops: Ops, device: torch.device, dtype: torch.dtype, max_positions: int
+    model_dir: str, backend: Backend, device: torch.device, dtype: torch.dtype, max_positions: int
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops)
+        model = LlamaForCausalLM(cfg, backend)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(max_positions, device)
     params = dict(model.named_parameters())

@@ -1,6 +1,9 @@
 """SiLU-and-mul of the fused gate/up projection, plain and fused with dynamic per-token int8 / fp8
-quantization of its output (the down projection's W8A8 input). Rounds like the torch reference:
+quantization of its output (the down projection's W8A8 input). Rounds like the reference backend:
 silu(gate) to the activation dtype, then the product."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -8,11 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.activation import silu_and_mul as silu_and_mul_ref
-from services.engine.ops.kv_quant import QMAX
-
 from .common import pow2
-from .quant import QuantOut, inverse, per_token_quant_ref, to_codes
+from .quantize import QuantOut, inverse, quant_kwargs, quant_outputs, to_codes
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _silu_and_mul_quant_kernel(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of ops.activation.silu_and_mul: [T, 2I] -> [T, I]."""
+    """The silu_and_mul op: [T, 2I] -> [T, I]."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -79,23 +79,10 @@ def silu_and_mul_quant(x: torch.Tensor, quant_dtype: torch.dtype = torch.int8) -
     """silu_and_mul quantized per token: (codes [..., I], fp32 scale [..., 1])."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
-    q = torch.empty(*x.shape[:-1], n, dtype=quant_dtype, device=x.device)
-    scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    q, scale = quant_outputs((*x.shape[:-1], n), quant_dtype, x.device)
     if x2.shape[0]:
         _silu_and_mul_quant_kernel[(x2.shape[0],)](
-            x2,
-            q,
-            scale,
-            x2.stride(0),
-            n,
-            n,
-            QMAX=QMAX[quant_dtype],
-            IS_INT8=quant_dtype == torch.int8,
-            BLOCK=min(pow2(n), 2048),
-            num_warps=8,
-        )
+            x2, q, scale, x2.stride(0), n, n, BLOCK=min(pow2(n), 2048), num_warps=8,
+            **quant_kwargs(quant_dtype),
+        )  # fmt: skip
     return q, scale
-
-
-def silu_and_mul_quant_ref(x: torch.Tensor, quant_dtype: torch.dtype = torch.int8) -> QuantOut:
-    return per_token_quant_ref(silu_and_mul_ref(x), quant_dtype)

@@ -15,24 +15,27 @@ activation tensor, no fusion.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import nn
 
 from services.config import QUANTIZATIONS
-from services.engine.model.llama import LlamaForCausalLM
+from services.engine.backend import Backend, get_backend
+from services.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
+from services.engine.quantization.linear import W8A8_DTYPES, W4A16Linear, W8A8Linear
 
-from .fused import QuantRMSNorm, SiluMulQuant
-from .kernels import quant_kernels
-from .linear import W8A8_DTYPES, W4A16Linear, W8A8Linear
+from .llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = {"w4a16": "int4", "nf4": "nf4"}
 
 
-def quantize_model(model: LlamaForCausalLM, method: str, backend: str, *, per_tensor: bool = False,
-                   o_proj: bool = False) -> LlamaForCausalLM:
+def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str | None = None, *,
+                   per_tensor: bool = False, o_proj: bool = False) -> LlamaForCausalLM:
+    """Quantize `model` in place with `method`; the quantized layers run on `backend` (by default
+    the model's own)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
     if method == "none":
@@ -40,22 +43,26 @@ def quantize_model(model: LlamaForCausalLM, method: str, backend: str, *, per_te
     if per_tensor and method not in W8A8_DTYPES:
         raise ValueError("per-tensor scaling is an ablation of the W8A8 methods only")
     before = weight_bytes(model)
-    kernels = quant_kernels(backend)
-    for layer in model.layers:
+    if backend is None:
+        backend = model.backend
+    elif isinstance(backend, str):
+        backend = get_backend(backend)
+    for layer in cast(list[DecoderLayer], model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        names = [(attn, "qkv_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
+        names: list[tuple[nn.Module, str]] = [(attn, "qkv_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
         names += [(attn, "o_proj")] if o_proj else []
         if method in WEIGHT_ONLY:
             for parent, name in names:
-                setattr(parent, name, W4A16Linear(getattr(parent, name), WEIGHT_ONLY[method], kernels))
+                setattr(parent, name, W4A16Linear(getattr(parent, name), WEIGHT_ONLY[method], backend))
             continue
         dtype = W8A8_DTYPES[method]
         for parent, name in names:
-            setattr(parent, name, W8A8Linear(getattr(parent, name), dtype, kernels, per_tensor))
+            setattr(parent, name, W8A8Linear(getattr(parent, name), dtype, backend, per_tensor))
         if not per_tensor:
-            layer.input_layernorm = QuantRMSNorm(layer.input_layernorm, dtype, kernels)
-            layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, dtype, kernels)
-            mlp.act_fn = SiluMulQuant(dtype, kernels)
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                norm = getattr(layer, name)
+                setattr(layer, name, QuantRMSNorm(norm.weight, norm.eps, dtype, backend))
+            mlp.act_fn = SiluMulQuant(dtype, backend)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()  # hand the float weights' memory back so the KV pool can take it
     log.info("quantized %s: %s%s%s, weights %.2f -> %.2f MiB", model.config.name, method,

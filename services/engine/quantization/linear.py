@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import QuantKernels
+from services.engine.backend import Backend
+
 from .weights import Packed4bit, quantize_4bit, quantize_per_channel, quantize_per_tensor
 
 W8A8_DTYPES = {"w8a8-int8": torch.int8, "w8a8-fp8": torch.float8_e4m3fn}
@@ -28,7 +29,10 @@ class QuantAct(NamedTuple):
 
 
 class W8A8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, quant_dtype: torch.dtype, kernels: QuantKernels,
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+    def __init__(self, linear: nn.Linear, quant_dtype: torch.dtype, backend: Backend,
                  per_tensor: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
@@ -40,14 +44,14 @@ class W8A8Linear(nn.Module):
         self.out_dtype = weight.dtype
         self.quant_dtype = quant_dtype
         self.per_tensor = per_tensor
-        self.kernels = kernels
-        self.gemm = kernels.int8_gemm if quant_dtype == torch.int8 else kernels.fp8_gemm
+        self.backend = backend
+        self.gemm = backend.int8_gemm if quant_dtype == torch.int8 else backend.fp8_gemm
 
     def quantize(self, x: torch.Tensor) -> QuantAct:
         if self.per_tensor:
             q, scale = quantize_per_tensor(x, self.quant_dtype)
             return QuantAct(q, scale[:, None])
-        return QuantAct(*self.kernels.per_token_quant(x.contiguous(), self.quant_dtype))
+        return QuantAct(*self.backend.per_token_quant(x.contiguous(), self.quant_dtype))
 
     def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
         if not isinstance(x, QuantAct):
@@ -60,7 +64,11 @@ class W8A8Linear(nn.Module):
 
 
 class W4A16Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, fmt: str, kernels: QuantKernels) -> None:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bias: torch.Tensor | None
+    def __init__(self, linear: nn.Linear, fmt: str, backend: Backend) -> None:
         super().__init__()
         packed = quantize_4bit(linear.weight.detach(), fmt)
         self.register_buffer("qweight", packed.qweight)
@@ -70,14 +78,14 @@ class W4A16Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.pad = packed.padded_k - linear.in_features
         self.fmt = fmt
-        self.kernels = kernels
+        self.backend = backend
 
     def packed(self) -> Packed4bit:
         return Packed4bit(self.qweight, self.scales, self.zeros, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, (0, self.pad)) if self.pad else x.contiguous()
-        y = self.kernels.w4a16_gemm(x, self.qweight, self.scales, self.zeros)
+        y = self.backend.w4a16_gemm(x, self.qweight, self.scales, self.zeros)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

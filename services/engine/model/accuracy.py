@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
-from services.engine.model.llama import LlamaForCausalLM
-from services.engine.ops import AttentionMetadata
+
+from .llama import LlamaForCausalLM
 
 NAMES = ["Lily", "Tom", "Sue", "Ben", "Mia", "Max", "Anna", "Sam", "Lucy", "Tim", "Zoe", "Jack"]
 ANIMALS = ["dog", "cat", "bird", "bunny", "frog", "duck", "bear", "fish", "mouse", "puppy"]
@@ -91,7 +92,7 @@ def teacher_forced_logits(model: LlamaForCausalLM, seqs: Sequence[Sequence[int]]
                              int(lens.max()), int(lens.max()))
     ids = torch.tensor([t for s in seqs for t in s], device=dev)
     hidden = model(ids, positions.to(dev), meta, pool.layers)
-    return list(model.compute_logits(hidden).split(lens.tolist()))
+    return list(torch.split(model.compute_logits(hidden), lens.tolist()))
 
 
 def perplexity(logits: Sequence[torch.Tensor], seqs: Sequence[Sequence[int]]) -> float:
@@ -105,7 +106,7 @@ def logits_error(logits: Sequence[torch.Tensor], reference: Sequence[torch.Tenso
     """Relative RMS error of the logits against the reference model's, over every position."""
     diff = torch.cat([(a - b).flatten() for a, b in zip(logits, reference, strict=True)])
     ref = torch.cat([b.flatten() for b in reference])
-    return (diff.norm() / ref.norm()).item()
+    return float(diff.norm() / ref.norm())
 
 
 def token_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:

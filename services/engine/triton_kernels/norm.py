@@ -1,7 +1,10 @@
 """RMSNorm kernels: plain, fused with the residual add, and fused with dynamic per-token int8 / fp8
 quantization of the output (PPL.LLM: the next GEMM's input is quantized where it is produced, one
-pass, no calibration). One program per row; the reference rounds like HF, so the kernel does too
-(sum and normalized value rounded to the activation dtype)."""
+pass, no calibration). One program per row, rounding like HF (sum and normalized value rounded to
+the activation dtype), as the reference backend does."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -9,11 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.kv_quant import QMAX
-from services.engine.ops.norm import rms_norm as rms_norm_ref
-
 from .common import pow2, tl_dtype
-from .quant import QuantOut, inverse, per_token_quant_ref, to_codes
+from .quantize import QuantOut, inverse, quant_kwargs, quant_outputs, to_codes
 
 
 @triton.jit
@@ -78,10 +78,7 @@ def _launch(
     if residual is not None:
         res2 = residual.reshape(-1, n)
         res_out = torch.empty_like(x)
-    q = scale = None
-    if quant_dtype is not None:
-        q = torch.empty(shape, dtype=quant_dtype, device=x.device)
-        scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=x.device)
+    q, scale = (None, None) if quant_dtype is None else quant_outputs(shape, quant_dtype, x.device)
     if rows:
         block = pow2(n)
         _rms_norm_kernel[(rows,)](
@@ -102,10 +99,9 @@ def _launch(
             OUT_DTYPE=tl_dtype(out_dtype),
             HAS_RESIDUAL=residual is not None,
             QUANT=quant_dtype is not None,
-            QMAX=QMAX.get(quant_dtype, 1.0),
-            IS_INT8=quant_dtype == torch.int8,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            **quant_kwargs(quant_dtype),
         )
     return out, res_out, q, scale
 
@@ -113,9 +109,12 @@ def _launch(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of ops.norm.rms_norm: norm(x), or (norm(x + residual), x + residual)."""
+    """The rms_norm op: norm(x), or (norm(x + residual), x + residual)."""
     out, res_out, _, _ = _launch(x, weight, eps, residual, None)
-    return out if residual is None else (out, res_out)
+    assert out is not None
+    if res_out is None:
+        return out
+    return out, res_out
 
 
 def rms_norm_quant(
@@ -128,18 +127,7 @@ def rms_norm_quant(
     """RMSNorm whose output is quantized per token: (codes, fp32 scale [..., 1]), plus x + residual
     when a residual is given."""
     _, res_out, q, scale = _launch(x, weight, eps, residual, quant_dtype)
-    return (q, scale) if residual is None else (q, scale, res_out)
-
-
-def rms_norm_quant_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    quant_dtype: torch.dtype = torch.int8,
-) -> QuantOut | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of rms_norm_quant."""
-    if residual is None:
-        return per_token_quant_ref(rms_norm_ref(x, weight, eps), quant_dtype)
-    out, res_out = rms_norm_ref(x, weight, eps, residual)
-    return (*per_token_quant_ref(out, quant_dtype), res_out)
+    assert q is not None and scale is not None
+    if res_out is None:
+        return q, scale
+    return q, scale, res_out

@@ -1,4 +1,4 @@
-"""Values the torch reference derives from its inputs once and reuses in every layer.
+"""Values the CPU backend derives from its inputs once per step and reuses in every layer.
 
 Each layer gets the same per-step tensors (positions, block tables, lengths), so masks, page
 indices and rope rows built from them are the same in all layers (and a rope cache's table the

@@ -8,6 +8,9 @@ tokens at a time gathered through the block table, dequantizing an int8 / fp8 ca
 Stage 2, grid (batch, q head): merge the partial outputs by their log-sum-exp. With one split stage 1
 writes the output directly.
 """
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -15,52 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import compute_dtype, dot_precision, interpreting, pow2, sm_count
-from .kv_store import check_cache, kv_quant_group, load_kv_tile, scale_strides
+from .attention import LOG2E, attend, kernel_inputs, window_arg
+from .common import interpreting, pow2, sm_count
 
-LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 MAX_SPLITS = 16
-NO_WINDOW = 1 << 30
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    sm_scale_log2,
-    window,
-    stride_qb,
-    stride_qh,
-    stride_ob,
-    stride_oh,
-    stride_bt,
-    stride_cp,
-    stride_cs,
-    stride_ch,
-    stride_sp,
-    stride_ss,
-    stride_sh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr,
-    QGROUP: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _decode_kernel(q_ptr, cache, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                   sm_scale_log2, window, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr, COMPUTE: tl.constexpr,
+                   PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,65 +46,16 @@ def _decode_kernel(
     q_head = kv_head * GROUP + h
     hd_mask = (h < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0)
-    q = q.to(COMPUTE)
+    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        n_mask = pos < hi
-        page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0)
-        slot = pos % PAGE_SIZE
-        k = load_kv_tile(
-            k_cache_ptr,
-            k_scale_ptr,
-            page,
-            slot,
-            kv_head,
-            n_mask,
-            d,
-            stride_cp,
-            stride_cs,
-            stride_ch,
-            stride_sp,
-            stride_ss,
-            stride_sh,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            QUANT,
-            QGROUP,
-        )
-        qk = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION) * sm_scale_log2  # base-2 softmax
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_kv_tile(
-            v_cache_ptr,
-            v_scale_ptr,
-            page,
-            slot,
-            kv_head,
-            n_mask,
-            d,
-            stride_cp,
-            stride_cs,
-            stride_ch,
-            stride_sp,
-            stride_ss,
-            stride_sh,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            QUANT,
-            QGROUP,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
-        m_i = m_new
+    # Masked: a split's last block may run past its end into the next split's keys.
+    acc, m_i, l_i = attend(acc, m_i, l_i, q.to(COMPUTE), q_pos, cache, table, kv_head, d, lo, hi, window,
+                           sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, QUANT, QGROUP, COMPUTE,
+                           PRECISION, True)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -181,7 +103,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_len: int, device: torch.de
     """Enough (batch x kv head x split) programs to fill the GPU a few times over, never splits
     shorter than MIN_SPLIT_TOKENS of the longest possible context."""
     by_len = max(1, max_len // MIN_SPLIT_TOKENS)
-    by_occupancy = triton.cdiv(4 * sm_count(device), max(1, batch * num_kv_heads))
+    by_occupancy = int(triton.cdiv(4 * sm_count(device), max(1, batch * num_kv_heads)))
     return max(1, min(MAX_SPLITS, by_len, by_occupancy))
 
 
@@ -199,20 +121,18 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of ops.attention.decode_attention. q [Bd, Hq, D] -> [Bd, Hq, D].
-    max_seq_len (host) only sizes the split count; without it the block table's width bounds the
-    length, so nothing is read back from the device."""
+    """The decode_attention op. q [Bd, Hq, D] -> [Bd, Hq, D]. max_seq_len (host) only sizes the split
+    count; without it the block table's width bounds the length, so nothing is read back from the
+    device."""
     batch, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    check_cache(k_cache, v_cache, k_scale, v_scale)
-    assert q.stride(-1) == 1
-    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    cache, consts = kernel_inputs(q, k_cache, v_cache, k_scale, v_scale)
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    qgroup = kv_quant_group(k_cache, k_scale)
     if num_splits is None:
-        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page_size
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
         num_splits = num_splits_for(batch, num_kv_heads, bound, q.device)
     block_d = pow2(head_dim, 16)
     if num_splits > 1:
@@ -220,52 +140,16 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    compute = compute_dtype(q.dtype)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        k_scale,
-        v_scale,
-        block_tables,
-        seq_lens,
-        out,
-        part_out,
-        part_lse,
-        scale * LOG2E,
-        sliding_window or NO_WINDOW,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        *k_cache.stride()[:3],
-        *scale_strides(k_scale),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
-        BLOCK_H=pow2(group, 16),
-        BLOCK_N=16 if interpreting() else 64,
-        BLOCK_D=block_d,
-        QUANT=qgroup > 0,
-        QGROUP=max(qgroup, 1),
-        COMPUTE=compute,
-        PRECISION=dot_precision(compute),
-        num_warps=4,
-        num_stages=2,
-    )
+        q, cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E, window_arg(sliding_window),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_H=pow2(group, 16),
+        BLOCK_N=16 if interpreting() else 64, BLOCK_D=block_d, num_warps=4, num_stages=2,
+        **consts,
+    )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=pow2(num_splits),
-            BLOCK_D=block_d,
-            num_warps=1,
-        )
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits), BLOCK_D=block_d, num_warps=1,
+        )  # fmt: skip
     return out

@@ -1,19 +1,23 @@
-"""Dynamic per-token activation quantization (int8 / fp8 e4m3, one fp32 scale per row, no
-calibration) and per-output-channel weight quantization, with their torch references. The jit
-helpers here are the one place the kernels turn fp32 into int8 / fp8 codes."""
+"""int8 / fp8 codes in Triton: the jit helpers every quantizing kernel turns fp32 into codes with
+(rounding as services/engine/quant_formats.py), and dynamic per-token activation quantization
+(one fp32 scale per row, no calibration)."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from services.engine.ops.kv_quant import QMAX, safe_inverse
-from services.engine.ops.kv_quant import to_codes as to_codes_ref
+from services.engine.quant_formats import QMAX
 
 from .common import pow2
 
-FP8 = torch.float8_e4m3fn
 QuantOut = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -51,6 +55,17 @@ def inverse(s):
     return tl.where(s > 0, 1.0 / tl.where(s > 0, s, 1.0), 0.0)
 
 
+def quant_outputs(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> QuantOut:
+    """Codes of `shape` in `dtype` and one fp32 scale per row, for a per-token quantizing kernel."""
+    scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=dtype, device=device), scale
+
+
+def quant_kwargs(dtype: torch.dtype | None) -> dict[str, Any]:
+    """The QMAX / IS_INT8 constexprs of a kernel quantizing to `dtype` (None: not quantizing)."""
+    return {"QMAX": 1.0 if dtype is None else QMAX[dtype], "IS_INT8": dtype == torch.int8}
+
+
 @triton.jit
 def _per_token_quant_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, N, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr
@@ -74,30 +89,10 @@ def per_token_quant(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOu
     """x [T, N] -> (codes [T, N] int8 / fp8, scale fp32 [T, 1]) with scale = max|row| / qmax."""
     t, n = x.shape
     assert x.stride(-1) == 1
-    q = torch.empty(t, n, dtype=dtype, device=x.device)
-    scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    q, scale = quant_outputs(x.shape, dtype, x.device)
     if t:
         _per_token_quant_kernel[(t,)](
-            x,
-            q,
-            scale,
-            x.stride(0),
-            q.stride(0),
-            n,
-            QMAX=QMAX[dtype],
-            IS_INT8=dtype == torch.int8,
-            BLOCK=min(pow2(n), 4096),
-            num_warps=4,
-        )
+            x, q, scale, x.stride(0), q.stride(0), n, BLOCK=min(pow2(n), 4096), num_warps=4,
+            **quant_kwargs(dtype),
+        )  # fmt: skip
     return q, scale
-
-
-def per_token_quant_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
-    scale = x.float().abs().amax(-1, keepdim=True) / QMAX[dtype]
-    return to_codes_ref(x.float() * safe_inverse(scale), dtype), scale
-
-
-def quantize_weight_per_channel(w: torch.Tensor, dtype: torch.dtype = torch.int8) -> QuantOut:
-    """Linear weight [N, K] -> (codes [N, K], fp32 scale [N]): one symmetric scale per output channel."""
-    q, scale = per_token_quant_ref(w, dtype)
-    return q, scale[:, 0]

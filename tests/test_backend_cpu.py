@@ -1,15 +1,17 @@
-"""The torch reference ops' CPU shortcuts against plain formulas: rope on q|k as one view, SDPA with
-head_dim zero-padded, prefill on the chunks' fresh K/V, the decode plan shared by all layers of a
-step (StepMemo), and the memo's own keying."""
+"""The CPU backend's shortcuts against plain formulas and the reference backend: rope on q|k as one
+view, SDPA with head_dim zero-padded, prefill on the chunks' fresh K/V, the decode plan shared by all
+layers of a step (StepMemo), the memo's own keying, and every attention case against the reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.engine.ops import attention as A
-from services.engine.ops.rope import apply_rope, rope_cache
-from services.engine.ops.step_memo import StepMemo
+from services.engine.backend import cpu as A
+from services.engine.backend import reference
+from services.engine.backend.cpu import apply_rope
+from services.engine.backend.step_memo import StepMemo
+from services.engine.model.rope import rope_cache
 from tests.kernel_utils import paged_kv, seeded
 
 pytestmark = pytest.mark.timeout(120)
@@ -145,3 +147,38 @@ def test_step_memo_keys_on_identity_version_and_extra():
         c = torch.zeros(3)  # no version counter: never served from the memo
     assert memo.get((c,), 2, build) == 5
     assert memo.get((c,), 2, build) == 6
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_matches_the_reference(kv_dtype, window):
+    gen = seeded(4)
+    lens = [5, 150, 9, 33]
+    kv = paged_kv(lens, 16, 2, 8, torch.float32, kv_dtype, gen).clean()
+    scales = kv.scales()
+    q = torch.randn(4, 4, 8, generator=gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.35, window)
+    want = reference.decode_attention(*args, **scales)
+    torch.testing.assert_close(A.decode_attention(*args, **scales), want, atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, 5, 11, 20, 53], dtype=torch.int32)
+    qp = torch.randn(53, 4, 8, generator=gen)
+    args = (qp, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 33, 150, 0.35, window)
+    want = reference.prefill_attention(*args, **scales)
+    torch.testing.assert_close(A.prefill_attention(*args, **scales), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_ops_match_the_reference(dtype):
+    gen = seeded(5)
+    x, res = torch.randn(6, 32, generator=gen).to(dtype), torch.randn(6, 32, generator=gen).to(dtype)
+    w = torch.randn(32, generator=gen).to(dtype)
+    for got, want in zip(A.rms_norm(x, w, 1e-5, res), reference.rms_norm(x, w, 1e-5, res), strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(A.silu_and_mul(x), reference.silu_and_mul(x))
+    cos_sin = rope_cache(8, 64, 10000.0, None)
+    qkv = torch.randn(6, 6, 8, generator=gen).to(dtype)
+    positions = torch.randint(0, 64, (6,), generator=gen)
+    want = qkv.clone()
+    A.apply_rope(qkv[:, :4], qkv[:, 4:], positions, cos_sin)
+    reference.apply_rope(want[:, :4], want[:, 4:], positions, cos_sin)
+    torch.testing.assert_close(qkv, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)

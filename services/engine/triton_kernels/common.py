@@ -1,5 +1,8 @@
 """What every kernel launcher needs: interpreter detection, dtype mapping, tile sizes and an autotune
 wrapper that falls back to one fixed config under TRITON_INTERPRET=1 (autotune needs a GPU driver)."""
+# Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
 
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def dot_precision(compute: tl.dtype) -> str:
 
 
 def pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, triton.next_power_of_2(n))
+    return max(minimum, int(triton.next_power_of_2(n)))
 
 
 @cache
@@ -68,7 +71,9 @@ class Fixed:
         self.fn = fn
         self.config = config
 
-    def __getitem__(self, grid: Callable[[dict[str, Any]], tuple[int, ...]] | tuple[int, ...]) -> Callable:
+    def __getitem__(
+        self, grid: Callable[[dict[str, Any]], tuple[int, ...]] | tuple[int, ...]
+    ) -> Callable[..., Any]:
         def launch(*args: Any, **kwargs: Any) -> Any:
             meta = {**dict(zip(self.fn.arg_names, args, strict=False)), **kwargs, **self.config.kwargs}
             resolved = grid(meta) if callable(grid) else grid
@@ -102,6 +107,52 @@ def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     return first_m + (pid % width) % group_rows, (pid % width) // group_rows
 
 
+def gemm_configs(shapes: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    """Autotune configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+GEMM_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})
+
+
+def gemm_autotune(shapes: list[tuple[int, int, int, int, int]], key: list[str]) -> Callable[[Any], Any]:
+    """Autotuning for a GEMM kernel with gemm_grid's launch grid: tile heights pruned by M, the
+    split-K output zeroed between trials."""
+    return autotune(gemm_configs(shapes), key=["M_BUCKET", "N", "K", "SPLIT_K", *key],
+                    interpret_config=GEMM_INTERPRET_CONFIG,
+                    prune_configs_by={"early_config_prune": prune_by_m}, reset_to_zero=["c_ptr"])
+
+
+@triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output rows rm, columns rn and K split (gemm_grid's launch)."""
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, tl.program_id(1)
+
+
+@triton.jit
+def gemm_store(c_ptr, c, rm, rn, M, N, stride_cm, SPLIT_K: tl.constexpr):
+    """Write an output tile, or add it atomically (fp32) when K is split."""
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, c.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(c_ptrs, c, mask=mask)
+
+
+def gemm_output(m: int, n: int, dtype: torch.dtype, split_k: int, device: torch.device) -> torch.Tensor:
+    """The GEMM's output buffer: fp32 zeros to accumulate split-K partial sums into, else `dtype`."""
+    if split_k > 1:
+        return torch.zeros(m, n, dtype=torch.float32, device=device)
+    return torch.empty(m, n, dtype=dtype, device=device)
+
+
 def m_bucket(m: int) -> int:
     """Autotune key for the token count: powers of two, so a new batch size does not retune."""
     return min(pow2(m, 16), 8192)
@@ -113,7 +164,7 @@ def split_k_for(m: int, n: int, k: int, device: torch.device, min_k_per_split: i
     if m > 64 or interpreting():
         return 1
     tiles = triton.cdiv(n, 64)
-    return max(1, min(8, triton.cdiv(2 * sm_count(device), tiles), k // min_k_per_split))
+    return max(1, min(8, int(triton.cdiv(2 * sm_count(device), tiles)), k // min_k_per_split))
 
 
 def gemm_grid(meta: dict[str, Any]) -> tuple[int, int]:

@@ -1,65 +1,29 @@
-"""Attention over the paged KV cache: metadata and the torch reference implementations.
+"""The CPU backend: torch tuned for the CPU. Same results as the reference backend (reference.py,
+up to float rounding), different means:
 
-The flat batch holds decode rows first (q length 1) and prefill rows after. The reference path
-gathers pages with index_select (whole pages at a time) and computes in fp32: decode as one masked
-SDPA call over the batch, prefill as one SDPA call per chunk (no padding to the longest)."""
+- Attention gathers whole pages with index_select into persistent workspaces (fresh buffers every
+  layer cost as much again in page faults) and runs SDPA with 4-D inputs, the only ones that reach
+  the CPU flash kernel: decode as one masked call over the batch, with the query heads that share a
+  KV head folded into that head's rows; prefill as one call per chunk (padding a batch to the
+  longest chunk costs more than the calls), attending a whole-prompt chunk to its fresh K/V instead
+  of reading its pages back. head_dim under 16 is zero-padded to 16 for long contexts.
+- Values every layer of a step derives alike (decode page index and mask, rope rows) are built once
+  per step (step_memo.StepMemo).
+- RoPE runs whole-width ops on q and k as one view; RMSNorm takes torch's fused kernel in fp32.
+- W8A8 GEMMs run on real int8 / fp8 math (torch._int_mm, torch._scaled_mm).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import dequantize_kv, quantize_kv
+from services.engine.kv.quant import dequantize_kv
+
+from . import Backend, NormOut, NormQuantOut, QuantOut, reference
 from .step_memo import StepMemo
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # int64 [T]
-    num_decode: int
-    decode_block_tables: torch.Tensor  # int32 [Bd, max_pages]
-    decode_seq_lens: torch.Tensor  # int32 [Bd]
-    prefill_block_tables: torch.Tensor  # int32 [Bp, max_pages]
-    prefill_cu_q_lens: torch.Tensor  # int32 [Bp + 1]
-    prefill_seq_lens: torch.Tensor  # int32 [Bp]
-    prefill_max_q_len: int
-    prefill_max_seq_len: int
-    decode_max_seq_len: int = 0  # host copy of max(decode_seq_lens); 0: read it from the tensor
-    # The rows whose hidden states the step reads (the sampled ones: every decode row, the last row
-    # of each finished prompt), each its sequence's newest token: a decode batch of their own. With
-    # them the model's last layer attends and runs its MLP for these rows alone. None: every row
-    # (also what the runner sends when every row samples, as in a step of decoding only).
-    sample_rows: torch.Tensor | None = None  # int64 [R], into the flat batch
-    sample_block_tables: torch.Tensor | None = None  # int32 [R, max_pages]
-    sample_seq_lens: torch.Tensor | None = None  # int32 [R]
-    sample_max_seq_len: int = 0
-
-    @property
-    def num_prefill_seqs(self) -> int:
-        return int(self.prefill_seq_lens.shape[0])
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
-    """Write new K/V rows [T, Hkv, D] into the paged cache [P, S, Hkv, D] at their slots. With
-    k_scale/v_scale [P, S, Hkv, D // group] the cache is int8/fp8 and the rows are quantized."""
-    if k.shape[0] == 0:
-        return
-    if k_scale is not None and v_scale is not None:
-        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-            q, s = quantize_kv(x, cache.dtype, x.shape[-1] // scale.shape[-1])
-            # As bytes: index_copy_ has no fp8 kernel on the CPU.
-            as_bytes = cache.view(torch.uint8).view(-1, *cache.shape[2:])
-            as_bytes.index_copy_(0, slot_mapping, q.view(torch.uint8))
-            scale.view(-1, *scale.shape[2:]).index_copy_(0, slot_mapping, s)
-        return
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
 
 _WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -106,9 +70,9 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
     return out.view(block_tables.shape[0], pages * page_size, *cache.shape[2:])[:, :max_len]
 
 
-# The CPU flash kernel runs head_dim 8 about a fifth slower than head_dim 16 (measured at 256-512
-# keys; the zero padding costs more than it saves below ~128). Zero channels change no score.
-_CPU_MIN_HEAD_DIM, _CPU_PAD_MIN_KEYS = 16, 128
+# The CPU flash kernel is slower at head_dim 8 than at 16; zero channels change no score, and below
+# ~128 keys the padding costs more than it saves.
+_MIN_HEAD_DIM, _PAD_MIN_KEYS = 16, 128
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -117,8 +81,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     4-D inputs on purpose: on the CPU, SDPA takes its flash kernel only for those (3-D: math path)."""
     q, k, v = q.float(), k.float(), v.float()
     dim = q.shape[-1]
-    if q.device.type == "cpu" and dim < _CPU_MIN_HEAD_DIM and k.shape[1] >= _CPU_PAD_MIN_KEYS:
-        q, k, v = (F.pad(x, (0, _CPU_MIN_HEAD_DIM - dim)) for x in (q, k, v))
+    if q.device.type == "cpu" and dim < _MIN_HEAD_DIM and k.shape[1] >= _PAD_MIN_KEYS:
+        q, k, v = (F.pad(x, (0, _MIN_HEAD_DIM - dim)) for x in (q, k, v))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, is_causal=mask is None, scale=scale,
                                          enable_gqa=True)
@@ -148,7 +112,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [Bd, Hq, D], one query per request at position seq_len - 1.
 
     The query heads that share a KV head go in as that head's query rows ([Bd, Hkv, G, D]): one
-    pass over each gathered KV head instead of G (measured: 18% less SDPA time at GQA 2)."""
+    pass over each gathered KV head instead of G."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
@@ -178,9 +142,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     same dtype only, where the two are equal).
 
     One SDPA call per chunk: a padded [Bp, max_q, max_seq] batch costs Bp * max_q * max_seq
-    whatever the lengths, and mixed prompt lengths make most of that padding (measured: 40% of a
-    trace-shaped CPU run). A chunk that is a whole prompt takes SDPA's causal path with no mask.
-    The lengths are read on the host: a sync on CUDA, where the Triton kernels serve instead."""
+    whatever the lengths, and mixed prompt lengths make most of that padding. A chunk that is a
+    whole prompt takes SDPA's causal path with no mask. The lengths are read on the host."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     out = torch.empty_like(q)
@@ -203,3 +166,109 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                 mask &= key_pos > q_pos - sliding_window
         out[lo:hi] = _sdpa(q[None, lo:hi], k, v, mask, scale)[0].to(q.dtype)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> NormOut:
+    """reference.rms_norm, with torch's fused kernel where it does the same arithmetic (fp32)."""
+    if not (x.dtype == torch.float32 and weight.dtype == torch.float32):
+        return reference.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+    out = F.rms_norm(x, weight.shape, weight, eps)
+    return out if residual is None else (out, x)
+
+
+_ROTATION = StepMemo()  # the last rope cache's table: caches are built once per model, never written
+
+
+def _rotation_table(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_pos, 2, rot_dim] (cos|cos, -sin|sin) and the rotate-half column order, so that rope is
+    x * cos + x[perm] * sin: whole-width ops (the half-width ones run at a third of the speed)."""
+    half = cos_sin_cache.shape[-1] // 2
+    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+    table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+    perm = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(cos_sin_cache.device)
+    return table, perm
+
+
+_ROWS = StepMemo()
+
+
+def _rows(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = table.index_select(0, positions)
+    return rows[:, None, 0], rows[:, None, 1]
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hkv, D] view when k's heads directly follow q's in memory (they do
+    when both are slices of one fused qkv projection): one set of ops instead of two."""
+    if q.dtype != k.dtype or q.stride() != k.stride() or q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> None:
+    """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
+    if q.shape[0] == 0:
+        return
+    table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
+    rot = table.shape[-1]
+    cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
+    joint = _heads_together(q, k)
+    for x in (q, k) if joint is None else (joint,):
+        part = x[..., :rot]
+        xf = part.float()
+        swapped = xf.index_select(-1, perm).mul_(sin)
+        if xf.dtype == x.dtype:  # fp32: in place
+            part.mul_(cos).add_(swapped)
+        else:
+            part.copy_(xf.mul_(cos).add_(swapped))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """reference.silu_and_mul with one temporary, not two."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None,
+                   quant_dtype: torch.dtype = torch.int8) -> NormQuantOut:
+    return reference.quantized_norm(rms_norm(x, weight, eps, residual), quant_dtype)
+
+
+def silu_and_mul_quant(x: torch.Tensor, quant_dtype: torch.dtype = torch.int8) -> QuantOut:
+    return reference.per_token_quant(silu_and_mul(x), quant_dtype)
+
+
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [K, N] -> int32. CUDA's kernel wants M > 16: pad decode-sized batches."""
+    m = a.shape[0]
+    if a.is_cuda and m <= 16:
+        return torch._int_mm(F.pad(a, (0, 0, 0, 17 - m)), b)[:m]
+    return torch._int_mm(a, b)
+
+
+def int8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    c = _int_mm(a, w.t()).float() * a_scale * w_scale
+    return (c if bias is None else c + bias.float()).to(out_dtype)
+
+
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    # Row-wise scaled fp8 on CUDA only writes bf16; the CPU kernel writes fp32 as well.
+    acc_dtype = torch.float32 if a.device.type == "cpu" else torch.bfloat16
+    c = torch._scaled_mm(a, w.t(), scale_a=a_scale.float(), scale_b=w_scale.float().view(1, -1),
+                         out_dtype=acc_dtype)
+    return (c if bias is None else c + bias.to(acc_dtype)).to(out_dtype)
+
+
+# Where the reference is already what the CPU runs best.
+store_kv, per_token_quant, w4a16_gemm = reference.store_kv, reference.per_token_quant, reference.w4a16_gemm
+
+BACKEND = Backend.collect("cpu", vars())
