@@ -144,7 +144,7 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
     setups = ["none"] + [s for s in args.setups if s != "none"]  # the reference first
     for name in setups:
         setup = SETUPS[name]
-        llm = open_llm(model, setup, device="cpu", backend="torch", max_num_seqs=max(args.decode_batch, 8))
+        llm = open_llm(model, setup, device="cpu", backend="cpu", max_num_seqs=max(args.decode_batch, 8))
         engine = llm.engine
         if not ref:
             ids = llm.tokenizer(qeval.story_text(args.stories), add_special_tokens=False).input_ids

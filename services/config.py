@@ -11,7 +11,7 @@ from typing import Any
 
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
 PREDICTOR_MODES = ("peak", "reserve")
-BACKENDS = ("cpu", "triton", "reference", "torch")  # torch: the cpu backend's former name
+BACKENDS = ("reference", "cpu", "torch", "triton")  # torch: the cpu backend's former name
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 
@@ -31,7 +31,7 @@ class EngineConfig:
     model: str | None = None  # HF checkpoint dir; None builds the random-weight demo model
     device: str = "auto"  # "auto" picks cuda when available
     dtype: str = "auto"  # auto: checkpoint dtype on CUDA, float32 on CPU
-    backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    backend: str = "auto"  # auto: triton on CUDA, cpu elsewhere
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
     page_size: int = 16

@@ -25,7 +25,8 @@ class TokenTexts:
         self._cache: dict[int, str] = {}
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
+        return text
 
     def __getitem__(self, token_id: int) -> str:
         text = self._cache.get(token_id)

@@ -142,7 +142,9 @@ class Detokenizer:
             stats=self.engine_stats | {"detok_requests": len(self.requests)})
 
 
-def serve(detok: Detokenizer, steps: zmq.Socket, deltas: zmq.Socket, control: zmq.Socket) -> None:
+def serve(
+    detok: Detokenizer, steps: zmq.Socket[bytes], deltas: zmq.Socket[bytes], control: zmq.Socket[bytes]
+) -> None:
     """Forever: block for a step, drain the queue, send one TextDeltas (and one Abort if needed)."""
     while True:
         frames = [steps.recv()]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from services.config import EngineConfig
-from services.engine.backend import get_backend
+from services.engine.backend import get_backend, resolve_backend
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
@@ -51,11 +51,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config = config or EngineConfig(**options)
         self.device = resolve_device(config.device)
-        backend = (
-            config.backend
-            if config.backend != "auto"
-            else ("triton" if self.device.type == "cuda" else "torch")
-        )
+        backend = get_backend(resolve_backend(config.backend, self.device))
         self.model_dir = config.model or ensure_demo_model()
         model_cfg = ModelConfig.from_dir(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
@@ -63,9 +59,9 @@ class Engine:
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
         self.model, self.model_config = load_model(
-            self.model_dir, get_backend(backend), self.device, self.dtype, self.max_model_len
+            self.model_dir, backend, self.device, self.dtype, self.max_model_len
         )
-        self.backend = backend
+        self.backend = backend.name
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
         per_page = kv_bytes_per_token(model_cfg, self.dtype, config.kv_cache_dtype) * config.page_size
         num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page

@@ -85,7 +85,8 @@ class Completion:
 
 
 def _health_name(status: int) -> str:
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    return name
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Security:
     api_key: str | None = None  # sent as "authorization: Bearer <key>" on every call
 
     def channel(self, target: str, aio: bool) -> Any:
-        options = list(CHANNEL_OPTIONS)
+        options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         grpc_ = grpc.aio if aio else grpc
@@ -124,7 +125,7 @@ class Client:
         config = Security(**security)
         self.channel = config.channel(target, aio=False)
         self.metadata = config.metadata()
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.stub = pb_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -139,10 +140,13 @@ class Client:
 
     def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
         request = pb.AbortRequest(request_id=request_id)
-        return self.stub.Abort(request, timeout=timeout, metadata=self.metadata).found
+        found: bool = self.stub.Abort(request, timeout=timeout, metadata=self.metadata).found
+        return found
 
     def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+        info: pb.ModelInfoResponse = self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+                                                          metadata=self.metadata)
+        return info
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """ "SERVING", "NOT_SERVING", ... or "UNREACHABLE"."""
@@ -178,7 +182,7 @@ class AsyncClient:
         config = Security(**security)
         self.channel = config.channel(target, aio=True)
         self.metadata = config.metadata()
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.stub = pb_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -193,10 +197,13 @@ class AsyncClient:
 
     async def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
         request = pb.AbortRequest(request_id=request_id)
-        return (await self.stub.Abort(request, timeout=timeout, metadata=self.metadata)).found
+        found: bool = (await self.stub.Abort(request, timeout=timeout, metadata=self.metadata)).found
+        return found
 
     async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
-        return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+        info: pb.ModelInfoResponse = await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+                                                                metadata=self.metadata)
+        return info
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         try:

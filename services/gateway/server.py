@@ -25,7 +25,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +176,7 @@ class Gateway(pb_grpc.GenerationServicer):
         self.health = health.aio.HealthServicer()
         self._health_lock = asyncio.Lock()
         self._zmq = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
         self._metrics: Any = None
 
@@ -258,7 +258,9 @@ class Gateway(pb_grpc.GenerationServicer):
         self._zmq.destroy(linger=0)
 
     # ---- RPCs ------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest | DecodeError, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: pb.GenerateRequest | DecodeError, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, DecodeError):
             self.outcomes[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
             await context.abort(
@@ -266,6 +268,7 @@ class Gateway(pb_grpc.GenerationServicer):
                 f"the request is not a valid GenerateRequest ({request}); string fields such as prompt, "
                 "stop and messages must be valid UTF-8",
             )
+            return
         rid = request.request_id or uuid.uuid4().hex
         try:
             message = self._admit(request, rid)
@@ -393,7 +396,7 @@ class Gateway(pb_grpc.GenerationServicer):
         for rid in rids:
             self.aborted[rid] = expiry
         future = self.control.send(encode(Abort(rids=rids)))
-        future.add_done_callback(_log_failure)
+        future.add_done_callback(_log_failure)  # type: ignore[attr-defined]  # pyzmq types it as Awaitable
 
     def _fail(
         self,
@@ -443,9 +446,8 @@ class Gateway(pb_grpc.GenerationServicer):
                     orphans.append(rid)  # output nobody reads (its abort was lost): stop it
                 continue
             stream.started = True
-            logprobs = None
-            if msg.logprobs is not None and msg.logprobs[i] is not None:
-                logprobs = token_logprobs(msg.logprobs[i])
+            row_logprobs = msg.logprobs[i] if msg.logprobs is not None else None
+            logprobs = token_logprobs(row_logprobs) if row_logprobs is not None else None
             stream.pending.append((msg.text[i], ids[msg.offsets[i] : msg.offsets[i + 1]], logprobs))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.finish = msg.finish[i]
@@ -563,7 +565,7 @@ class Gateway(pb_grpc.GenerationServicer):
             await asyncio.sleep(MONITOR_PERIOD)
 
 
-class BearerToken(grpc.aio.ServerInterceptor):
+class BearerToken(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """--api-key: every call but the health checks (probes carry no secrets) must send
     "authorization: Bearer <key>", else UNAUTHENTICATED before the handler runs."""
 
@@ -631,7 +633,7 @@ def _decode(data: bytes, where: str) -> Message | None:
         return None
 
 
-def _log_failure(future: asyncio.Future) -> None:
+def _log_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.error("zmq send failed: %s", future.exception())
 

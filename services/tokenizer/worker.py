@@ -104,7 +104,9 @@ class Tokenizer:
         return result
 
 
-def serve(worker: Tokenizer, pull: zmq.Socket, requests: zmq.Socket, errors: zmq.Socket) -> None:
+def serve(
+    worker: Tokenizer, pull: zmq.Socket[bytes], requests: zmq.Socket[bytes], errors: zmq.Socket[bytes]
+) -> None:
     while True:
         frame = pull.recv()
         try:

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
+from services.config import BACKENDS
+
 QuantOut = tuple[torch.Tensor, torch.Tensor]
 NormOut = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 NormQuantOut = QuantOut | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -126,7 +128,6 @@ class Backend:
 
 
 OP_NAMES = tuple(f.name for f in fields(Backend) if f.name != "name")
-BACKEND_NAMES = ("reference", "cpu", "torch", "triton")
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -138,7 +139,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 @cache
 def get_backend(name: str) -> Backend:
-    """The backend called `name` (one of BACKEND_NAMES), built once."""
+    """The backend called `name` (one of BACKENDS), built once."""
     if name == "reference":
         from .reference import BACKEND as reference
 
@@ -151,4 +152,4 @@ def get_backend(name: str) -> Backend:
         from .triton import BACKEND as triton
 
         return triton
-    raise ValueError(f"unknown backend {name!r} (one of {', '.join(BACKEND_NAMES)})")
+    raise ValueError(f"unknown backend {name!r} (one of {', '.join(BACKENDS)})")
