@@ -37,15 +37,19 @@ class MessageError(ValueError):
     """A message that cannot be decoded or fails validation."""
 
 
+def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray[Any, Any]:
+    if len(data) % 4:
+        raise MessageError(f"packed {what} have {len(data)} bytes, not a multiple of 4")
+    return np.frombuffer(data, dtype=dtype)
+
+
 def pack_ids(ids: Any) -> bytes:
     """Token ids (list, tuple or array) as packed little-endian int32."""
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
 def unpack_ids(data: bytes) -> np.ndarray[Any, np.dtype[np.int32]]:
-    if len(data) % 4:
-        raise MessageError(f"packed ids have {len(data)} bytes, not a multiple of 4")
-    return np.frombuffer(data, dtype="<i4")
+    return _unpack(data, "<i4", "ids")
 
 
 def pack_floats(values: Any) -> bytes:
@@ -54,9 +58,7 @@ def pack_floats(values: Any) -> bytes:
 
 
 def unpack_floats(data: bytes) -> np.ndarray[Any, np.dtype[np.float32]]:
-    if len(data) % 4:
-        raise MessageError(f"packed floats have {len(data)} bytes, not a multiple of 4")
-    return np.frombuffer(data, dtype="<f4")
+    return _unpack(data, "<f4", "floats")
 
 
 M = TypeVar("M", bound="Message")
