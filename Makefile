@@ -26,7 +26,8 @@ proto: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pipeserve up $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) --tokenizer-workers $(WORKERS)
 
-test: $(STAMP)
+# The whole suite, after ruff and the type checker (CI runs this target).
+test: lint
 	# docker-compose (Debian package) validates compose.yaml in the tests; best effort when not root.
 	command -v docker-compose >/dev/null 2>&1 || (apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
 	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker-compose >/dev/null 2>&1) || true)

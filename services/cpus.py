@@ -2,8 +2,9 @@
 
 On a CPU device the engine computes on the host's cores, and every other process (gateway, tokenizers,
 detokenizer) wakes up for each request and step. Sharing cores, they evict the engine's caches and
-preempt its threads, so each request's first step runs cold (docs/architecture.md has the measured
-cost). So the launcher gives the engine its own cores and the rest of the pipeline the remaining ones. On a GPU host the engine's CPU work is light and nothing is pinned.
+preempt its threads, so each request's first step runs cold (docs/engine.md has the measured cost).
+So the launcher gives the engine its own cores and the rest of the pipeline the remaining ones. On a
+GPU host the engine's CPU work is light and nothing is pinned.
 Children read their set from PIPESERVE_CPUS (applied first thing in the fresh interpreter, before it
 starts any thread, so every thread inherits it).
 """
