@@ -1,6 +1,6 @@
 """The Triton backend end to end: get_backend("triton") holds kernels with the reference's signatures,
 and LLM(..., backend="triton") under the interpreter produces the same greedy tokens as
-backend="torch" on a 2-layer random Llama (head_dim 64) and on stories260K (head_dim 8), with the
+backend="cpu" on a 2-layer random Llama (head_dim 64) and on stories260K (head_dim 8), with the
 int8 KV cache off and on. Small pools: the interpreter copies every tensor argument's storage."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_random_llama_head_dim_64(tiny_model, kv_cache_dtype):
     model = tiny_model("llama")
     # Prompt lengths cross page (4) and chunk (12) boundaries: chunked prefill plus decode steps.
     prompts = [[5, 17, 99, 3, 42, 7, 64, 21, 8, 250, 11, 90, 33, 4], [300, 2, 41]]
-    want = greedy(model, prompts, "torch", kv_cache_dtype, 5)
+    want = greedy(model, prompts, "cpu", kv_cache_dtype, 5)
     assert greedy(model, prompts, "triton", kv_cache_dtype, 5) == want
 
 
@@ -54,5 +54,5 @@ def test_stories260k(stories_dir, kv_cache_dtype):
 
     tok = AutoTokenizer.from_pretrained(stories_dir)
     prompts = [tok(p).input_ids for p in ("Once upon a time", "The cat sat on the mat and")]
-    want = greedy(stories_dir, prompts, "torch", kv_cache_dtype, 6)
+    want = greedy(stories_dir, prompts, "cpu", kv_cache_dtype, 6)
     assert greedy(stories_dir, prompts, "triton", kv_cache_dtype, 6) == want
