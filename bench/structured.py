@@ -1,0 +1,239 @@
+"""`pipeserve bench structured`: what structured outputs cost the engine.
+
+Step time: one batch of --batch requests decodes in process, either all free (the baseline) or with
+every other row constrained by a JSON schema (an array of at least 64 objects with enums, integer
+ranges, booleans and short strings, so no constrained row can end inside the window). Free rows use
+ignore_eos, every row samples at temperature 1, and only steps that decode the whole batch are
+timed. Runs alternate baseline / constrained, --repeats of each; the figure is the median over runs
+of each run's median step time, and the overhead is constrained / baseline - 1.
+
+Compile time: each schema (and a regex, a choice and an EBNF grammar) compiled cold, then again
+(served from the engine's grammar cache). The first compile also reads the tokenizer's vocabulary
+(TokenizerInfo); that is reported apart.
+
+The model is a ~18M Llama with random weights (float32) and a 512-token vocabulary, with the
+stories260K tokenizer files copied beside it: constraints need a real vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.report import machine_info, print_table, write_json
+from bench.workload import shared_dir
+
+LLAMA_18M_V512: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+ITEM = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "name": {"type": "string", "maxLength": 6},
+    },
+    "required": ["kind", "age", "ok", "name"],
+}
+STEP_SCHEMA = {"type": "array", "items": ITEM, "minItems": 64}
+COMPILE_CASES: dict[str, tuple[str, str]] = {
+    "json_schema: array of objects": ("json_schema", json.dumps(STEP_SCHEMA)),
+    "json_schema: nested, enums, ranges, patterns": (
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                    "score": {"type": "number", "minimum": -1, "maximum": 1},
+                    "owner": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "pets": {"type": "array", "items": ITEM, "maxItems": 4},
+                        },
+                        "required": ["name"],
+                    },
+                },
+                "required": ["id", "owner"],
+            }
+        ),
+    ),
+    "json_object": ("json_object", ""),
+    "regex: e-mail": ("regex", r"[a-z]{1,12}@[a-z]{1,12}\.(com|org|net)"),
+    "choice: 4 strings": ("choice", json.dumps(["yes", "no", "maybe", "ask again later"])),
+    "grammar: arithmetic": (
+        "grammar",
+        'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= num | "(" expr ")"\nnum ::= [0-9]+',
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=32, help="decode batch (half constrained)")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
+    parser.add_argument("--steps", type=int, default=48, help="decode steps timed per run")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternated")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest)")
+    parser.add_argument(
+        "--stories", default=None, help="stories260K dir (default: shared/models/stories260K)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+
+def build_model(stories: Path) -> str:
+    """The random ~18M Llama (vocab 512) in the cache dir, with stories260K's tokenizer beside it."""
+    import torch
+
+    from services.engine.model.demo import default_cache_dir, save_random_checkpoint
+
+    target = os.path.join(os.path.dirname(default_cache_dir()), "random-llama-18m-v512")
+    save_random_checkpoint(target, LLAMA_18M_V512, dtype=torch.float32)
+    for name in TOKENIZER_FILES:
+        if (stories / name).is_file():
+            shutil.copyfile(stories / name, os.path.join(target, name))
+    return target
+
+
+def timed_run(engine: Any, prompts: list[list[int]], steps: int, constrained: bool, seed: int) -> float:
+    """Median ms of the steps that decode the whole batch (every row running, none prefilling)."""
+    from services.sampling_params import SamplingParams
+
+    schema = json.dumps(STEP_SCHEMA)
+    for i, prompt in enumerate(prompts):
+        if constrained and i % 2:
+            params = SamplingParams(max_tokens=steps + 1, temperature=1.0, seed=seed + i, json_schema=schema)
+        else:
+            params = SamplingParams(max_tokens=steps + 1, temperature=1.0, seed=seed + i, ignore_eos=True)
+        engine.add(f"{'c' if constrained else 'f'}-{seed}-{i}", prompt, params)
+    times = []
+    while engine.has_work():
+        running_before = engine.stats()["running"]
+        start = time.perf_counter()
+        updates = engine.step()
+        elapsed = time.perf_counter() - start
+        decode_only = running_before == len(prompts) and len(updates) == len(prompts)
+        if decode_only and not any(u.new for u in updates):
+            times.append(elapsed)
+    if len(times) < steps // 2:
+        raise RuntimeError(f"only {len(times)} full-batch decode steps were timed")
+    return statistics.median(times) * 1e3
+
+
+def compile_times(engine: Any) -> dict[str, Any]:
+    structured = engine.structured
+    start = time.perf_counter()
+    structured.compile("regex", "x").result()  # the first compile builds the TokenizerInfo too
+    first = time.perf_counter() - start
+    rows = {}
+    for name, (kind, text) in COMPILE_CASES.items():
+        start = time.perf_counter()
+        structured.compile(kind, text).result()
+        cold = time.perf_counter() - start
+        cached = []
+        for _ in range(5):
+            start = time.perf_counter()
+            structured.compile(kind, text).result()
+            cached.append(time.perf_counter() - start)
+        rows[name] = {"cold_ms": cold * 1e3, "cached_us": statistics.median(cached) * 1e6}
+    return {"first_compile_with_tokenizer_info_ms": first * 1e3, "grammars": rows}
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.engine.engine import Engine
+
+    stories = Path(args.stories) if args.stories else shared_dir() / "models" / "stories260K"
+    if not (stories / "tokenizer.json").is_file():
+        raise SystemExit(f"pipeserve bench structured: no stories260K tokenizer at {stories}")
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    model_dir = build_model(stories)
+    engine = Engine(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.batch * args.input_len,
+        num_pages=args.batch * 16 + 16,
+    )
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, LLAMA_18M_V512["vocab_size"], size=(args.batch, args.input_len)).tolist()
+    compiles = compile_times(engine)
+    timed_run(engine, prompts, 8, constrained=True, seed=10_000)  # warm-up of both paths
+    baseline, constrained = [], []
+    for r in range(args.repeats):  # alternated, so drifting load hits both alike
+        baseline.append(timed_run(engine, prompts, args.steps, constrained=False, seed=r * 1000))
+        constrained.append(timed_run(engine, prompts, args.steps, constrained=True, seed=r * 1000))
+    base_ms, cons_ms = statistics.median(baseline), statistics.median(constrained)
+    overhead = cons_ms / base_ms - 1
+    result = {
+        "bench": "structured",
+        "machine": {**machine_info(), "load_average": {"start": load_start, "end": os.getloadavg()}},
+        "model": {**engine.model_info(), "config": LLAMA_18M_V512, "tokenizer": "stories260K"},
+        "config": {
+            "batch": args.batch,
+            "constrained_rows": args.batch // 2,
+            "input_len": args.input_len,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "schema": STEP_SCHEMA,
+        },
+        "step_ms": {
+            "baseline_runs": baseline,
+            "constrained_runs": constrained,
+            "baseline_median": base_ms,
+            "constrained_median": cons_ms,
+        },
+        "overhead_pct": overhead * 100,
+        "target_overhead_pct": 5.0,
+        "compile": compiles,
+    }
+    print_table(
+        f"decode step at batch {args.batch}, {args.batch // 2} rows JSON-schema constrained "
+        f"(median of {args.repeats} alternated runs)",
+        ["variant", "ms/step", "runs (ms/step)"],
+        [
+            ["free", base_ms, " ".join(f"{t:.2f}" for t in baseline)],
+            ["half constrained", cons_ms, " ".join(f"{t:.2f}" for t in constrained)],
+        ],
+    )
+    print(f"overhead: {overhead * 100:+.1f}% (target <= 5%)")
+    print(f"first compile, TokenizerInfo included: {compiles['first_compile_with_tokenizer_info_ms']:.1f} ms")
+    print_table(
+        "grammar compile time",
+        ["grammar", "cold ms", "cached us"],
+        [[name, row["cold_ms"], row["cached_us"]] for name, row in compiles["grammars"].items()],
+    )
+    if args.json:
+        print(f"wrote {write_json(args.json, result)}")
+    engine.close()
+    return 0
