@@ -303,6 +303,12 @@ def test_grammars_are_cached_by_content_and_compiled_once(stories_dir):
 def test_json_schema_outputs_validate_at_temperature_one(llm, name):
     schema = SCHEMAS[name]
     outs = sample_many(llm, 24, 200, json_schema=schema)
+    llm.engine.structured.background_fill = False  # the fill on this thread, as on CUDA: same outputs
+    try:
+        again = sample_many(llm, 4, 200, json_schema=schema)
+    finally:
+        llm.engine.structured.background_fill = True
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:4]]
     finished = [o for o in outs if o.finish_reason == "stop"]
     assert len(finished) >= len(outs) // 2, [o.finish_reason for o in outs]
     for out in finished:
@@ -342,8 +348,10 @@ def test_regex_choice_and_grammar_outputs_match(llm):
     assert stopped and all(is_arithmetic(o.text) for o in stopped), [o.text for o in stopped]
 
 
-def test_free_rows_in_mixed_batches_get_exactly_their_solo_tokens(stories_dir):
+@pytest.mark.parametrize("background_fill", [True, False], ids=["fill-thread", "fill-inline"])
+def test_free_rows_in_mixed_batches_get_exactly_their_solo_tokens(stories_dir, background_fill):
     llm = LLM(stories_dir, device="cpu")
+    llm.engine.structured.background_fill = background_fill
     free = SamplingParams(max_tokens=24, temperature=0.0)
     alone = [o.token_ids for o in llm.generate(PROMPTS, free)]
     constrained = [

@@ -9,11 +9,13 @@ request, and the per-step token bitmask filled on the CPU while the forward pass
   belongs to the request, not to its slot: preemption (recompute) only re-prefills tokens the
   matcher has already accepted, and partial prefill chunks sample nothing, so neither touches it.
 - Per step. `begin` picks the constrained rows among the rows that sample (a numpy gather by slot;
-  nothing happens when no running request is constrained) and hands their matchers to the fill
-  thread; xgrammar fills their bitmask rows in native code while this thread runs the model.
-  `mask` waits for it and returns the rows plus the bitmask on the device for the sampler, and
-  `advance` feeds the sampled tokens to the matchers. EOS is allowed exactly when the grammar can
-  end (the matcher's stop tokens are the model's EOS ids).
+  nothing happens when no running request is constrained). xgrammar fills their bitmask rows in
+  native code while the forward pass runs: on the CPU, where the forward pass occupies this thread,
+  a fill thread starts at `begin`; on CUDA, where launching the forward pass returns before the GPU
+  is done, this thread fills in `mask`, after the launch (no thread handoff to pay).
+  `background_fill` picks either on any device. `mask` returns the rows plus the bitmask on the
+  logits' device for the sampler, and `advance` feeds the sampled tokens to the matchers. EOS is
+  allowed exactly when the grammar can end (the matcher's stop tokens are the model's EOS ids).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class StructuredOutputs:
         self.device = device
         self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        self.background_fill = device.type == "cpu"  # see the module docstring
         self._compiler: Future[xgr.GrammarCompiler] | None = None
         self._grammars: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
         self.waiting: list[tuple[Request, Future[xgr.CompiledGrammar]]] = []  # in arrival order
@@ -182,17 +185,23 @@ class StructuredOutputs:
         if not self._rows:
             return
         self._row_matchers = [m for m in (self._slot_matcher[s] for s in sample_slots[rows]) if m is not None]
-        self._fill = self._fill_pool.submit(
-            self._batch.batch_fill_next_token_bitmask, self._row_matchers, self._bitmask_host, self._rows
-        )
+        assert len(self._row_matchers) == len(self._rows), "a constrained slot without its matcher"
+        if self.background_fill:
+            self._fill = self._fill_pool.submit(self._fill_rows)
+
+    def _fill_rows(self) -> None:
+        self._batch.batch_fill_next_token_bitmask(self._row_matchers, self._bitmask_host, self._rows)
 
     def mask(self) -> TokenMask | None:
-        """This step's TokenMask (waits for the fill thread), or None when no row is constrained."""
+        """This step's TokenMask (call it once the forward pass is launched), or None when no row is
+        constrained."""
         if not self._rows:
             return None
-        assert self._fill is not None
-        self._fill.result()
-        self._fill = None
+        if self._fill is not None:
+            self._fill.result()
+            self._fill = None
+        else:
+            self._fill_rows()
         n = self._num_rows
         if self._bitmask is not self._bitmask_host:
             self._bitmask[:n].copy_(self._bitmask_host[:n], non_blocking=True)
