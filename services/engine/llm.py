@@ -17,7 +17,6 @@ from tqdm import tqdm
 from services.config import EngineConfig
 from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from services.engine.engine import Engine
-from services.grammar import check_constraint
 from services.sampling_params import SamplingParams
 
 
@@ -45,7 +44,10 @@ class LLM:
         """Raise ValueError naming what is wrong with a request (the engine only asserts)."""
         engine = self.engine
         params.validate(engine.config.max_logprobs)
-        check_constraint(params)
+        if params.constrained:
+            from services.grammar import check_constraint  # imports xgrammar: only when needed
+
+            check_constraint(params)
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = engine.model_config.vocab_size

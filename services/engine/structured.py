@@ -16,6 +16,9 @@ request, and the per-step token bitmask filled on the CPU while the forward pass
   `background_fill` picks either on any device. `mask` returns the rows plus the bitmask on the
   logits' device for the sampler, and `advance` feeds the sampled tokens to the matchers. EOS is
   allowed exactly when the grammar can end (the matcher's stop tokens are the model's EOS ids).
+
+xgrammar (which imports transformers' generation code) is imported on the first constrained
+request, on the compile thread: an engine that never sees one never pays for it.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from services.engine.sequence import Sequence as Request
-from services.grammar import build_grammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class TokenMask:
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the constrained rows to -inf, in place (float32 [B, V]): xgrammar's
         native kernel on the CPU, its Triton kernel on CUDA. Other rows are not touched."""
+        import xgrammar as xgr
+
         xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
 
 
@@ -80,13 +86,13 @@ class StructuredOutputs:
         self._slot_matcher: list[xgr.GrammarMatcher | None] = [None] * max_num_seqs
         self._constrained = np.zeros(max_num_seqs, dtype=bool)  # per slot
         # The fill thread writes host rows; CUDA reads them through pinned memory, uploaded in `mask`.
-        shape = xgr.get_bitmask_shape(max_num_seqs, vocab_size)
+        shape = (max_num_seqs, (vocab_size + 31) // 32)  # xgrammar's layout: 32 tokens per int32
         self._bitmask_host = torch.full(shape, -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         on_cpu = device.type == "cpu"
         self._bitmask = (
             self._bitmask_host if on_cpu else torch.full(shape, -1, dtype=torch.int32, device=device)
         )
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the fill thread is the parallelism
+        self._batch: xgr.BatchGrammarMatcher | None = None  # made with the first matcher
         self._fill: Future[None] | None = None
         self._rows: list[int] = []
         self._row_matchers: list[xgr.GrammarMatcher] = []
@@ -111,15 +117,15 @@ class StructuredOutputs:
         ):  # the vocabulary is read once, when first needed
             self._compiler = self._compile_pool.submit(self._make_compiler)
         compiler = self._compiler
-        future = self._compile_pool.submit(
-            lambda: compiler.result().compile_grammar(build_grammar(kind, text))
-        )
+        future = self._compile_pool.submit(lambda: compiler.result().compile_grammar(_grammar(kind, text)))
         self._grammars[key] = future
         while len(self._grammars) > MAX_CACHED_GRAMMARS:
             self._grammars.popitem(last=False)
         return future
 
     def _make_compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
         info = xgr.TokenizerInfo.from_huggingface(
             self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.eos_ids or None
         )
@@ -160,7 +166,11 @@ class StructuredOutputs:
         """The request got a slot (first admission, or back from preemption with its matcher)."""
         matcher = self.matchers.get(seq.rid)
         if matcher is None:
+            import xgrammar as xgr
+
             matcher = self.matchers[seq.rid] = xgr.GrammarMatcher(self._compiled.pop(seq.rid))
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the fill thread is the parallelism
         self._slot_matcher[seq.slot] = matcher
         self._constrained[seq.slot] = True
 
@@ -190,6 +200,7 @@ class StructuredOutputs:
             self._fill = self._fill_pool.submit(self._fill_rows)
 
     def _fill_rows(self) -> None:
+        assert self._batch is not None
         self._batch.batch_fill_next_token_bitmask(self._row_matchers, self._bitmask_host, self._rows)
 
     def mask(self) -> TokenMask | None:
@@ -211,6 +222,8 @@ class StructuredOutputs:
         """Feed each constrained row its sampled token (tokens are in logits row order)."""
         if not self._rows:
             return
+        import xgrammar as xgr
+
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(
             self._row_matchers, [tokens[r] for r in self._rows]
         )
@@ -224,3 +237,9 @@ class StructuredOutputs:
 
 def _failed(future: Future[Any]) -> bool:
     return future.done() and future.exception() is not None
+
+
+def _grammar(kind: str, text: str) -> xgr.Grammar:
+    from services.grammar import build_grammar  # imports xgrammar: not until a request needs it
+
+    return build_grammar(kind, text)
