@@ -115,3 +115,19 @@ def test_server_refuses_constraints_that_do_not_compile_and_keeps_serving(storie
 def test_the_proto_declares_the_constraint_oneof():
     oneof = pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["constraint"]
     assert [f.name for f in oneof.fields] == ["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+def test_generate_cli_takes_every_constraint():
+    import argparse
+
+    from services.gateway import client
+
+    parser = argparse.ArgumentParser()
+    client.add_arguments(parser)
+    args = parser.parse_args(["hi", "--choice", "yes", "--choice", "no", "--json-object", "--regex", "a+"])
+    assert (args.choice, args.json_object, args.regex, args.json_schema, args.grammar) == (
+        ["yes", "no"], True, "a+", None, None)  # fmt: skip
+    args = parser.parse_args(["hi", "--json-schema", json.dumps(SCHEMA)])
+    given = {name: getattr(args, name) for name in ("json_schema", "choice", "regex")}
+    request = build_request("hi", **given)
+    assert request.WhichOneof("constraint") == "json_schema" and json.loads(request.json_schema) == SCHEMA
