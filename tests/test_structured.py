@@ -449,3 +449,14 @@ def test_abort_while_compiling_and_a_failed_compilation_end_only_that_request(st
             if u.finish_reason:
                 seen[u.rid] = u.finish_reason
     assert seen == {"b": "abort", "c": "length"}
+
+
+def test_ids_past_the_tokenizer_vocabulary_are_never_allowed(tiny_model):
+    """A random model with 320 logits over a 259-token byte-level tokenizer: the ids past the
+    tokenizer are never allowed, and outputs still match."""
+    llm = LLM(tiny_model("llama"), device="cpu")
+    assert llm.engine.model_config.vocab_size > len(llm.tokenizer)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, regex="[a-c]{2,4}!") for s in range(8)]
+    for out in llm.generate(["hello"] * 8, params):
+        assert out.finish_reason == "stop" and re.fullmatch("[a-c]{2,4}!", out.text), out.text
+        assert max(out.token_ids) < len(llm.tokenizer)
