@@ -69,7 +69,7 @@ def build_request(
     elif prompt and isinstance(prompt[0], dict):
         request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
-        request.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+        request.prompt_token_ids.ids.extend(typing.cast(list[int], prompt))  # dicts took the branch above
         request.prompt_token_ids.SetInParent()  # an empty list is still this oneof (and then rejected)
     return request
 
