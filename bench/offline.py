@@ -164,7 +164,7 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
         pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16, lambda s: None, lambda s: None
     )
     # Metadata only: no model and no sampler.
-    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests)  # type: ignore[arg-type]
+    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests, None)  # type: ignore[arg-type]
     for i in range(num_requests):
         sched.add(Sequence(str(i), [5] * context, context, SamplingParams(max_tokens=10_000), 0.0))
     batch = sched.schedule()  # the prefill step, not timed

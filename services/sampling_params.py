@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -9,6 +10,9 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 1024
+# Structured-output constraints, at most one per request (services/grammar.py builds them).
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -28,6 +32,12 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token; None: none
     skip_special_tokens: bool = True
+    # Structured outputs: the output must match this constraint (at most one is set).
+    json_schema: dict[str, Any] | str | None = None  # a JSON schema, as a dict or JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF style), root rule `root`
 
     def validate(self, max_logprobs: int = 20) -> None:
         """Raise ValueError naming the offending field."""
@@ -83,6 +93,60 @@ class SamplingParams:
             )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        """The constraint's shape. Whether it compiles (schema, regex or grammar syntax) is checked
+        where the tokenizer is at hand: services.grammar.check_constraint."""
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"at most one structured-output constraint may be set, got {', '.join(given)}")
+        if not given:
+            return
+        if self.ignore_eos or self.min_tokens:
+            # The output ends where the structure does: EOS is the only token left then.
+            raise ValueError(f"{given[0]} cannot be combined with ignore_eos or min_tokens")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise ValueError("choice must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"choice has {len(self.choice)} strings, at most {MAX_CHOICES} allowed")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("choice strings must be non-empty")
+
+    @property
+    def constrained(self) -> bool:
+        return any(getattr(self, name) not in (None, False) for name in CONSTRAINTS)
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, or None: the one canonical form that
+        grammars are built from and cached by. JSON schemas keep their key order (it is the
+        order the properties are generated in)."""
+        if self.json_schema is not None:
+            text = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            return "json_schema", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice, ensure_ascii=False)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return None
 
     @property
     def greedy(self) -> bool:

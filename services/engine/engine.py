@@ -24,12 +24,14 @@ from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
+from services.engine.structured import StructuredOutputs
 from services.model_config import ModelConfig
 from services.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 CPU_KV_GB = 0.25
+GRAMMAR_WAIT = 0.005  # seconds a step with nothing to run waits for a grammar to compile
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +89,13 @@ class Engine:
             unquantized,
         )
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
+        self.structured = StructuredOutputs(
+            lambda: self.tokenizer,
+            model_cfg.vocab_size,
+            model_cfg.eos_token_ids,
+            config.max_num_seqs,
+            self.device,
+        )
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -94,6 +103,7 @@ class Engine:
             self.device,
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            self.structured,
         )
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":
@@ -166,7 +176,10 @@ class Engine:
         if params.seed is None:  # unseeded requests still sample reproducibly per engine seed
             params.seed = int(self._rng.integers(0, 2**62))
         self.requests[rid] = seq
-        self.scheduler.add(seq)
+        if params.constrained:
+            self.structured.submit(seq)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End a request at this step boundary (the next step reports it). Idempotent; returns
@@ -175,7 +188,10 @@ class Engine:
         if seq is None:
             return False
         if seq.status is not Status.FINISHED:
-            self.scheduler.finish(seq, reason)
+            if self.structured.discard(seq):  # still waiting for its grammar: never scheduled
+                seq.status, seq.finish_reason = Status.FINISHED, reason
+            else:
+                self.scheduler.finish(seq, reason)
             self._ended.append(seq)
         return True
 
@@ -186,11 +202,13 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ended)
+        return self.scheduler.has_work() or bool(self._ended) or bool(self.structured.waiting)
 
     def step(self) -> list[StepUpdate]:
         """Run one step; one update per request it touched: those that sampled a token, in batch
         row order, then those that ended between steps (no token)."""
+        if self.structured.waiting:
+            self._take_compiled()
         batch = self.scheduler.schedule()
         result = self.runner.run(batch) if batch.num_tokens else StepResult([])
         sampled = batch.sampling()
@@ -207,8 +225,21 @@ class Engine:
         updates += [self._update(seq, []) for seq in self._ended]
         for seq in finished + self._ended:
             del self.requests[seq.rid]
+            self.structured.finish(seq)
         self._ended = []
         return updates
+
+    def _take_compiled(self) -> None:
+        """Schedule the requests whose grammar is compiled; when nothing else could run, wait a
+        moment for one instead of spinning."""
+        if not self.scheduler.has_work() and not self._ended:
+            self.structured.wait(GRAMMAR_WAIT)
+        ready, failed = self.structured.ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for seq in failed:  # validated at the edge, so a bug: end it, keep serving the rest
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._ended.append(seq)
 
     @staticmethod
     def _update(seq: Sequence, token_ids: list[int]) -> StepUpdate:
@@ -219,6 +250,7 @@ class Engine:
         """Persist what the admission policy learned since its last periodic save (on shutdown)."""
         if isinstance(self.policy, PredictedPolicy):
             self.policy.save()
+        self.structured.close()
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -226,6 +258,7 @@ class Engine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "compiling": len(self.structured.waiting),  # waiting for their grammar, outside the scheduler
             "pages_total": pool.pages_total,
             "pages_used": pool.pages_used,
             "pages_reserved": pool.pages_reserved,

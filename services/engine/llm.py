@@ -44,6 +44,10 @@ class LLM:
         """Raise ValueError naming what is wrong with a request (the engine only asserts)."""
         engine = self.engine
         params.validate(engine.config.max_logprobs)
+        if params.constrained:
+            from services.grammar import check_constraint  # imports xgrammar: only when needed
+
+            check_constraint(params)
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = engine.model_config.vocab_size

@@ -2,7 +2,8 @@
 
 Batch metadata is built with vectorised numpy from the persistent block table and copied into
 persistent device buffers (pinned staging on CUDA, non-blocking). The only intended host-device
-sync per step is fetching the sampled token ids, which the next step needs anyway.
+sync per step is fetching the sampled token ids, which the next step needs anyway. Structured-output
+bitmasks are filled on another thread while the model runs (services/engine/structured.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from services.engine.model.llama import LlamaForCausalLM
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
+from services.engine.structured import StructuredOutputs
 
 
 @dataclass
@@ -54,8 +56,10 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        structured: StructuredOutputs,
     ):
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
+        self.structured = structured
         self.page_size = pool.page_size
         pin = device.type == "cuda"
         max_tokens = max_num_batched_tokens + max_num_seqs
@@ -176,6 +180,7 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------------
     def run(self, batch: ScheduledBatch) -> StepResult:
         flat = self.build(batch)
+        self.structured.begin(flat.sample_slots)  # bitmask rows fill while the model runs
         meta = self.metadata(flat)
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)
@@ -183,8 +188,10 @@ class ModelRunner:
         if flat.sample_rows.size == 0:  # only partial prefill chunks this step
             return StepResult([])
         logits = self.model.compute_logits(hidden)
-        out = self.sampler.sample(logits, flat.sample_slots, self._stage("sample_slots", flat.sample_slots))
+        slots_t = self._stage("sample_slots", flat.sample_slots)
+        out = self.sampler.sample(logits, flat.sample_slots, slots_t, self.structured.mask())
         result = StepResult(out.tokens.tolist())  # the one intended sync of the step
+        self.structured.advance(result.tokens)
         if out.logprobs is not None:
             assert out.top_ids is not None and out.top_logprobs is not None
             result.logprobs = out.logprobs.cpu().numpy()
@@ -197,6 +204,9 @@ class ModelRunner:
         self.sampler.set_request(
             seq.slot, seq.params, seq.token_ids[: seq.prompt_len], seq.output_ids, stop_ids
         )
+        if seq.params.constrained:
+            self.structured.admit(seq)
 
     def release(self, seq: Sequence) -> None:
         self.sampler.free(seq.slot)
+        self.structured.release(seq)

@@ -2,8 +2,9 @@
 
 Per-slot parameters live in persistent device buffers written once per request (`set_request`);
 `sample` reads them by slot and never syncs with the host: every branch it takes is decided by
-numpy mirrors of the same parameters. Order per step: repetition / presence / frequency penalties
--> min_tokens mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential race.
+numpy mirrors of the same parameters. Order per step: structured-output token mask (constrained
+rows only) -> repetition / presence / frequency penalties -> min_tokens mask -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> exponential race. Logprobs are of the raw model logits.
 
 Randomness is a counter-based hash of (seed, tokens generated so far, vocab index), so a seeded
 request draws the same stream whatever batch or slot it sits in, and resumes it after preemption.
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from services.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.structured import TokenMask
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 MIN_TEMPERATURE = 1e-5
@@ -195,10 +200,17 @@ class Sampler:
         self.output_counts[slot].zero_()
         self.output_counts[slot].scatter_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
-    def sample(self, logits: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor, mask: TokenMask | None = None
+    ) -> SampleOutput:
         """Sample one token per row of logits [B, V]; row i belongs to slot slots[i] (== slots_t[i]).
-        Tokens stay on the device. Updates the slots' output counts and generated counts."""
+        mask: the structured-output constraint of some rows. Tokens stay on the device. Updates the
+        slots' output counts and generated counts."""
         x = logits.float()  # never modified in place: logits may be float32 already
+        if mask is not None:
+            if x.data_ptr() == logits.data_ptr():
+                x = x.clone()
+            mask.apply(x)
         penalized = self.output_counts is not None and bool(self._penalized[slots].any())
         if penalized:
             x = self._apply_penalties(x, slots_t)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.sampling_params import SamplingParams
+from services.sampling_params import CONSTRAINTS, SamplingParams
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CHANNEL_OPTIONS = [
@@ -50,13 +51,25 @@ def build_request(
     SamplingParams field names; None means the server default). `params` supplies every field."""
     values = params.to_dict() if params is not None else {}
     values.update({k: v for k, v in sampling.items() if v is not None})
+    # The constraint is a oneof: set only the one given (json_object=False would select it too).
+    constraint = {name: values.pop(name, None) for name in CONSTRAINTS}
     request = pb.GenerateRequest(request_id=request_id, app=app, **values)
+    for name, value in constraint.items():
+        if value is None or value is False:
+            continue
+        if name == "choice":
+            request.choice.choices.extend(value)
+            request.choice.SetInParent()  # an empty list is still this oneof (and then rejected)
+        elif name == "json_schema" and not isinstance(value, str):
+            request.json_schema = json.dumps(value)
+        else:
+            setattr(request, name, value)
     if isinstance(prompt, str):
         request.prompt = prompt
     elif prompt and isinstance(prompt[0], dict):
         request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
-        request.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+        request.prompt_token_ids.ids.extend(typing.cast(list[int], prompt))  # dicts took the branch above
         request.prompt_token_ids.SetInParent()  # an empty list is still this oneof (and then rejected)
     return request
 
@@ -251,7 +264,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(SamplingParams)
     for f in fields(SamplingParams):
         flag, hint = f"--{f.name.replace('_', '-')}", hints[f.name]
-        if hint is bool:
+        if f.name == "choice":
+            parser.add_argument(flag, action="append", default=None, help="repeat: one of these strings")
+        elif hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         elif typing.get_origin(hint) is list:
             parser.add_argument(flag, type=typing.get_args(hint)[0], action="append", default=None)

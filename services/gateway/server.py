@@ -337,6 +337,11 @@ class Gateway(pb_grpc.GenerationServicer):
                 f"at most {self.config.max_request_bytes} allowed"
             )
         sampling = {name: getattr(request, name) for name in OPTIONAL_SAMPLING if request.HasField(name)}
+        constraint = request.WhichOneof("constraint")
+        if constraint == "choice":
+            sampling["choice"] = list(request.choice.choices)
+        elif constraint is not None:
+            sampling[constraint] = getattr(request, constraint)
         params = SamplingParams(
             **sampling,
             stop=list(request.stop),

@@ -3,8 +3,9 @@ only) to the engine, or RequestError to the gateway. Stateless: run as many as t
 connect, the gateway and the engine bind.
 
 It trusts the gateway's validation (request shape, sampling parameters) and checks only what needs
-the tokenizer: prompt length against the context, ids against the vocabulary, the chat template;
-max_tokens is clamped to what the context leaves."""
+the tokenizer: prompt length against the context, ids against the vocabulary, the chat template,
+and that a structured-output constraint builds into a grammar (xgrammar, and with it torch, is
+imported on the first such request); max_tokens is clamped to what the context leaves."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
+from services.sampling_params import SamplingParams
 from services.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class Tokenizer:
             ids = self._encode_messages(req.messages)
         else:
             ids = self._check_ids(req.prompt_ids or b"")
+        if req.sampling.constrained:
+            self._check_constraint(req.sampling)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
                                  f"context of {self.max_model_len} tokens")
@@ -76,6 +80,15 @@ class Tokenizer:
         params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival)
+
+    @staticmethod
+    def _check_constraint(params: SamplingParams) -> None:
+        from services.grammar import check_constraint  # imports torch: only when a request needs it
+
+        try:
+            check_constraint(params)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     def _encode_messages(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
