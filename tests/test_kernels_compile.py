@@ -77,6 +77,7 @@ def _compile_everything() -> dict:  # runs in the child process
     from services.engine.triton_kernels import (
         activation,
         decode_attention,
+        fused_moe,
         gemm_w4a16,
         gemm_w8a8,
         kv_cache,
@@ -228,6 +229,18 @@ def _compile_everything() -> dict:  # runs in the child process
                     ),
                 )
             )
+
+    # Fused MoE (routing, alignment, both grouped GEMMs) at decode- and prefill-sized token counts.
+    for tokens in (4, 512):
+        cases.append(
+            (
+                f"fused moe T={tokens}",
+                lambda t=tokens: fused_moe.fused_moe(
+                    torch.zeros(t, 256, dtype=bf16), torch.zeros(t, 8, dtype=bf16),
+                    torch.zeros(8, 256, 256, dtype=bf16), torch.zeros(8, 256, 128, dtype=bf16), 2, True,
+                ),
+            )
+        )
 
     failed = {}
     for name, call in cases:
