@@ -48,7 +48,8 @@ def configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     moe = shared | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "intermediate_size": args.expert_size, "num_local_experts": args.experts,
                     "num_experts_per_tok": args.top_k}  # fmt: skip
-    dense = shared | {"architectures": ["LlamaForCausalLM"], "intermediate_size": args.top_k * args.expert_size}
+    dense = shared | {"architectures": ["LlamaForCausalLM"],
+                      "intermediate_size": args.top_k * args.expert_size}
     return {"moe": moe, "dense": dense}
 
 
@@ -85,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
     models, shapes, costs = {}, {}, {}
     max_batch = max(args.batch)
     for name, config in configs(args).items():
-        tag = f"bench-moe-{name}-h{args.hidden}-l{args.layers}-e{args.experts}-k{args.top_k}-i{args.expert_size}"
+        tag = (f"bench-moe-{name}-h{args.hidden}-l{args.layers}-e{args.experts}-k{args.top_k}"
+               f"-i{args.expert_size}")
         path = save_random_checkpoint(str(root / tag), config, seed=args.seed, dtype=torch.float32)
         models[name] = LLM(path, device="cpu", dtype="float32", backend=args.backend, max_num_seqs=max_batch,
                            max_num_batched_tokens=max_batch * args.input_len)
@@ -128,7 +130,8 @@ def main(args: argparse.Namespace) -> int:
     }  # fmt: skip
     print(f"MoE {moe.params / 1e6:.3g} M params ({moe.active_params / 1e6:.3g} M active, {args.top_k} of "
           f"{args.experts} experts) vs dense {dense.params / 1e6:.3g} M; medians of {args.repeats} "
-          f"alternated runs, {args.input_len} in / {args.output_len} out, backend {args.backend}")  # fmt: skip
+          f"alternated runs, {args.input_len} in / {args.output_len} out, "
+          f"backend {args.backend}")  # fmt: skip
     print_table(
         "decode step, ms (floor: this machine's roofline)",
         ["batch", "experts read", "MoE ms", "dense ms", "MoE / dense", "MoE floor", "dense floor"],

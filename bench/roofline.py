@@ -135,7 +135,8 @@ class ModelShape:
     def sparse_layer_dense_params(self) -> int:
         """What a sparse layer reads whichever experts it routes to: attention, router, shared expert."""
         h = self.hidden_size
-        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        shared_inter = self.shared_expert_intermediate_size
+        shared = 3 * h * shared_inter + (h if shared_inter else 0)  # the shared expert and its gate
         return self.attention_params + h * self.num_experts + shared
 
     @property
@@ -192,7 +193,7 @@ class ModelShape:
         """From a Hugging Face config.json dict (llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe
         and look-alikes)."""
         if cfg.get("n_routed_experts"):
-            raise ValueError(f"n_routed_experts={cfg['n_routed_experts']}: DeepSeek-style MoE is not modelled")
+            raise ValueError(f"n_routed_experts={cfg['n_routed_experts']}: DeepSeek-style MoE is not covered")
         h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         d = cfg.get("head_dim") or h // heads
@@ -261,8 +262,8 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("mistral-7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, sliding_window=4096),
         ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 128, 32000, 4096),
         # Mixtral-8x7B-v0.1: 8 experts of 14336, top-2, in all 32 layers.
-        ModelShape("mixtral-8x7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, num_experts=8, experts_per_tok=2,
-                   moe_intermediate_size=14336, moe_layers=32),
+        ModelShape("mixtral-8x7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, num_experts=8,
+                   experts_per_tok=2, moe_intermediate_size=14336, moe_layers=32),
         # Qwen3-30B-A3B: 128 experts of 768, top-8, in all 48 layers; q/k norms, no biases.
         ModelShape("qwen3-30b-a3b", 2048, 6144, 48, 32, 4, 128, 151936, 40960, num_experts=128,
                    experts_per_tok=8, moe_intermediate_size=768, moe_layers=48),
@@ -420,12 +421,16 @@ def cost_model(
     w = WEIGHT_DTYPES[wdtype]
     head_bpp = w.bytes_per_param if quantize_lm_head else 2.0
     read = (
-        shape.dense_linear_params * w.bytes_per_param + shape.lm_head_params * head_bpp + shape.small_params * 2.0
+        shape.dense_linear_params * w.bytes_per_param
+        + shape.lm_head_params * head_bpp
+        + shape.small_params * 2.0
     )
     expert_bytes = shape.moe_layers * shape.expert_params * w.bytes_per_param
     # An untied embedding table is a separate bf16 matrix; a tied one is lm_head itself.
     resident = (
-        read + shape.num_experts * expert_bytes + (0 if shape.tie_word_embeddings else shape.lm_head_params * 2.0)
+        read
+        + shape.num_experts * expert_bytes
+        + (0 if shape.tie_word_embeddings else shape.lm_head_params * 2.0)
     )
     return CostModel(
         bandwidth=gpu.bandwidth,
@@ -576,7 +581,8 @@ def print_result(result: dict[str, Any]) -> None:
     gpu = result["gpu"]
     model = result["model"]
     if model["num_experts"]:
-        print(f"{model['name']}: {model['params'] / 1e9:.4g} B parameters, {model['active_params'] / 1e9:.4g} B "
+        print(f"{model['name']}: {model['params'] / 1e9:.4g} B parameters, "
+              f"{model['active_params'] / 1e9:.4g} B "
               f"active per token ({model['experts_per_tok']} of {model['num_experts']} experts in "
               f"{model['moe_layers']} sparse layers)")
     print_table(

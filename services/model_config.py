@@ -81,9 +81,13 @@ def moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
-        return dict(num_experts=cfg.get("num_local_experts", 8), num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                    moe_layers=[True] * layers)
+        return dict(
+            num_experts=cfg.get("num_local_experts", 8),
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=[True] * layers,
+        )
     experts = cfg.get("num_experts", 0)
     step = cfg.get("decoder_sparse_step", 1)
     dense = set(cfg.get("mlp_only_layers") or [])

@@ -85,8 +85,11 @@ def write_fused_experts(src: str, dst: str) -> str:
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
-    names = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-    pattern = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+    names = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up",
+             "w2": "down", "down_proj": "down"}
+    pattern = re.compile(
+        r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+    )
     tensors = load_file(os.path.join(src, "model.safetensors"))
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out = {}

@@ -98,7 +98,8 @@ def test_fused_moe_no_tokens():
 def test_cpu_backend_moe_matches_reference(experts, top_k, tokens):
     gen = seeded(7 * experts + tokens)
     x = torch.randn(tokens, 32, generator=gen)
-    w13, w2 = torch.randn(experts, 48, 32, generator=gen) * 0.2, torch.randn(experts, 32, 24, generator=gen) * 0.2
+    w13 = torch.randn(experts, 48, 32, generator=gen) * 0.2
+    w2 = torch.randn(experts, 32, 24, generator=gen) * 0.2
     logits = router_logits(tokens, experts, gen, dead=experts // 3)
     for renormalize in (False, True):
         out = cpu.fused_moe(x, logits, w13, w2, top_k, renormalize)

@@ -31,16 +31,20 @@ def test_presets_match_the_published_parameter_counts():
 
 
 def test_hf_configs_read_as_the_presets():
-    mixtral = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
-               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-               "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
-               "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}
+    mixtral = {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None,
+    }
     assert replace(ModelShape.from_hf_config(mixtral), name=MIXTRAL.name) == MIXTRAL
-    qwen3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-             "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
-             "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
-             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-             "decoder_sparse_step": 1, "mlp_only_layers": [], "sliding_window": None, "use_sliding_window": False}
+    qwen3 = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "sliding_window": None, "use_sliding_window": False,
+    }
     assert replace(ModelShape.from_hf_config(qwen3), name=QWEN3.name) == QWEN3
 
 
@@ -81,7 +85,8 @@ def test_decode_reads_only_the_touched_experts():
     one, many = cost.decode(1, 1024), cost.decode(256, 1024)
     kv = cost.kv_bytes_per_token
     assert one.bytes == pytest.approx(cost.weight_bytes_read + 8 * expert + 1025 * kv)
-    assert many.bytes == pytest.approx(cost.weight_bytes_read + QWEN3.experts_touched(256) * expert + 256 * 1025 * kv)
+    touched = QWEN3.experts_touched(256)
+    assert many.bytes == pytest.approx(cost.weight_bytes_read + touched * expert + 256 * 1025 * kv)
     # FLOPs follow the active parameters, memory the total: all experts are held.
     assert cost.gemm_flops_per_token == 2.0 * QWEN3.active_linear_params
     assert cost.weight_bytes > cost.weight_bytes_read + 128 * expert - 1

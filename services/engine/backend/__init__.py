@@ -113,16 +113,18 @@ class FusedMoE(Protocol):
 
 
 class FusedMoEW8A8(Protocol):
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                 w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
+                 renormalize: bool) -> torch.Tensor:
         """fused_moe with W8A8 experts: int8 / fp8 codes w13 [E, 2I, H], w2 [E, H, I] with fp32 scales
         per output channel [E, 2I] / [E, H]; each GEMM's input quantized per token on the fly."""
 
 
 class FusedMoEW4A16(Protocol):
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor,
-                 w13_zeros: torch.Tensor | None, w2: torch.Tensor, w2_scales: torch.Tensor,
-                 w2_zeros: torch.Tensor | None, top_k: int, renormalize: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                 w13_scales: torch.Tensor, w13_zeros: torch.Tensor | None, w2: torch.Tensor,
+                 w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None, top_k: int,
+                 renormalize: bool) -> torch.Tensor:
         """fused_moe with 4-bit experts: per expert the W4A16 layout of w4a16_gemm (qweight int32
         [E, K // 8, N], scales [E, K // group, N], uint8 zeros for int4 or None for nf4), K zero-padded
         to a whole number of groups; activations in float."""

@@ -164,7 +164,8 @@ def w4a16_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return (a.float() @ dequantize_4bit(qweight, scales, zeros).T).to(a.dtype)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in fp32, the top_k of each token: (weights fp32 [T, k], expert ids
     int64 [T, k]), the weights rescaled to sum to 1 when renormalize."""
     weights, ids = router_logits.float().softmax(-1).topk(top_k, dim=-1)

@@ -51,7 +51,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 Index = tuple[int | slice, ...]
 ALL: Index = ()
-# A per-expert tensor: Mixtral's experts.N.w1 / w3 / w2 or Qwen-MoE's experts.N.gate_proj / up_proj / down_proj.
+# A per-expert tensor: Mixtral's experts.N.w1 / w3 / w2, Qwen-MoE's experts.N.gate_proj / up_proj / down_proj.
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 # The fused layout: all experts' [gate | up] as one [E, 2I, H] tensor, their down_proj as [E, H, I].
 _FUSED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.experts.w13", "mlp.experts.down_proj": "mlp.experts.w2"}
@@ -87,7 +87,8 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, Index] | None:
         lo, hi = qkv[proj]
         return f"layers.{layer}.self_attn.qkv_proj.{kind}", (slice(lo, hi),)
     if parent in ("mlp", "mlp.shared_expert") and proj in ("gate_proj", "up_proj"):
-        inter = cfg.shared_expert_intermediate_size if parent == "mlp.shared_expert" else cfg.intermediate_size
+        shared = parent == "mlp.shared_expert"
+        inter = cfg.shared_expert_intermediate_size if shared else cfg.intermediate_size
         lo = inter if proj == "up_proj" else 0
         return f"layers.{layer}.{parent}.gate_up_proj.{kind}", (slice(lo, lo + inter),)
     return f"layers.{layer}.{rest}", ALL

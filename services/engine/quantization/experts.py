@@ -56,12 +56,14 @@ class W4A16Experts(nn.Module):
             packed = [quantize_4bit(expert, fmt) for expert in w.detach()]
             self.register_buffer(name, torch.stack([p.qweight for p in packed]))
             self.register_buffer(f"{name}_scales", torch.stack([p.scales for p in packed]))
-            zeros = [p.zeros for p in packed]
-            self.register_buffer(f"{name}_zeros", None if zeros[0] is None else torch.stack(zeros))  # type: ignore[arg-type]
+            zeros = [p.zeros for p in packed if p.zeros is not None]
+            self.register_buffer(f"{name}_zeros", torch.stack(zeros) if zeros else None)
         self.top_k, self.renormalize = top_k, renormalize
         self.fmt = fmt
         self.backend = backend
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.backend.fused_moe_w4a16(x, router_logits, self.w13, self.w13_scales, self.w13_zeros, self.w2,
-                                            self.w2_scales, self.w2_zeros, self.top_k, self.renormalize)
+        return self.backend.fused_moe_w4a16(
+            x, router_logits, self.w13, self.w13_scales, self.w13_zeros,
+            self.w2, self.w2_scales, self.w2_zeros, self.top_k, self.renormalize,
+        )

@@ -61,7 +61,8 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, E, TOP_K: t
         tl.store(ids_ptr + row * TOP_K + k, idx)
 
 
-def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights fp32 [T, top_k], expert ids int32 [T, top_k]), best first."""
     t, e = router_logits.shape
     assert top_k <= e and router_logits.stride(1) == 1
@@ -180,11 +181,11 @@ def _moe_epilogue(c_ptr, acc, acc_up, pairs, valid, rn, N, stride_cm, weights_pt
 
 
 @triton.jit
-def _moe_gemm_w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
-                          num_padded_ptr, N, K, EM, num_pairs, stride_am, stride_we, stride_wn, stride_se,
-                          stride_cm, ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                          ACC_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _moe_gemm_w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, weights_ptr, sorted_ptr,
+                          expert_ids_ptr, num_padded_ptr, N, K, EM, num_pairs, stride_am, stride_we,
+                          stride_wn, stride_se, stride_cm, ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr,
+                          MUL_WEIGHT: tl.constexpr, ACC_INT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """_moe_gemm_kernel on int8 / fp8 codes: a per-row scale of a, a per-(expert, column) scale of w."""
     pid_m, pid_n = tile_ids(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -220,7 +221,8 @@ def _moe_gemm_w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, weights
 @triton.jit
 def _moe_gemm_w4a16_kernel(a_ptr, qw_ptr, scale_ptr, zero_ptr, lut_ptr, c_ptr, weights_ptr, sorted_ptr,
                            expert_ids_ptr, num_padded_ptr, N, K, K_A, EM, num_pairs, stride_am, stride_qe,
-                           stride_qk, stride_se, stride_sg, stride_cm, QGROUP: tl.constexpr, NF4: tl.constexpr,
+                           stride_qk, stride_se, stride_sg, stride_cm, QGROUP: tl.constexpr,
+                           NF4: tl.constexpr,
                            ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                            COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
