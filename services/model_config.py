@@ -88,7 +88,8 @@ def moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             norm_topk_prob=True,
             moe_layers=[True] * layers,
         )
-    experts = cfg.get("num_experts", 0)
+    # transformers >= 5 writes Qwen3-MoE's num_experts under its alias num_local_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     step = cfg.get("decoder_sparse_step", 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     return dict(

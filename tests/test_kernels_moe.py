@@ -24,6 +24,12 @@ F32, BF16 = torch.float32, torch.bfloat16
 # (experts, top_k, tokens): block size 16 under the interpreter, so 3 x 2 pairs fill less than one
 # block and 40 x 8 fill many.
 CASES = [(3, 1, 1), (3, 2, 21), (8, 2, 3), (8, 8, 40), (20, 1, 33), (20, 8, 5)]
+SLOW = pytest.mark.slow  # the interpreter runs every program's lanes on the CPU: most cases wait for `make test`
+
+
+def cases(fast: set[tuple[int, int, int]]) -> list:
+    """CASES, those not in `fast` marked slow."""
+    return [c if c in fast else pytest.param(*c, marks=SLOW) for c in CASES]
 
 
 def router_logits(tokens: int, experts: int, gen: torch.Generator, dead: int = 0) -> torch.Tensor:
@@ -73,8 +79,8 @@ def test_align_block_size(experts, top_k, tokens, block_m):
     assert int((padded == 0).sum()) >= dead
 
 
-@pytest.mark.parametrize("experts,top_k,tokens", CASES)
-@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("experts,top_k,tokens", cases({(3, 1, 1), (8, 2, 3)}))
+@pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=SLOW)])
 def test_fused_moe_matches_reference(experts, top_k, tokens, dtype):
     gen = seeded(experts * top_k + tokens)
     hidden, inter = 48, 40  # neither a multiple of the 32-wide tiles: masked edges
@@ -124,8 +130,9 @@ def quant_args(q) -> tuple:
     return q.w13, q.w13_scales, q.w13_zeros, q.w2, q.w2_scales, q.w2_zeros
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8", "int4", "nf4"])
-@pytest.mark.parametrize("experts,top_k,tokens", [(3, 1, 2), (8, 2, 21), (8, 8, 5)])
+@pytest.mark.parametrize("method", ["int8", *(pytest.param(m, marks=SLOW) for m in ("fp8", "int4", "nf4"))])
+@pytest.mark.parametrize("experts,top_k,tokens", [(3, 1, 2), pytest.param(8, 2, 21, marks=SLOW),
+                                                  pytest.param(8, 8, 5, marks=SLOW)])
 def test_quantized_fused_moe_matches_reference(method, experts, top_k, tokens):
     gen = seeded(experts * 31 + tokens)
     # hidden 64 and inter 96: whole 4-bit groups (64, 96) that the 32-deep K tiles divide.
@@ -146,6 +153,7 @@ def test_quantized_fused_moe_matches_reference(method, experts, top_k, tokens):
                      scale={"int8": 400.0, "fp8": 2000.0}[method])
 
 
+@pytest.mark.slow
 def test_quantize_model_quantizes_the_experts(tiny_model):
     from services.engine import LLM, SamplingParams
     from services.engine.model.moe import MoE

@@ -49,8 +49,14 @@ def test_config_reads_the_experts(tiny_model, kind):
     assert got == expected
 
 
-@pytest.mark.parametrize("layout", ["per-expert", "fused"])
-@pytest.mark.parametrize("kind", KINDS)
+FAST = {("mixtral", "per-expert"), ("qwen3_moe", "fused")}  # the rest wait for `make test`
+
+
+@pytest.mark.parametrize(
+    "kind,layout",
+    [(k, lay) if (k, lay) in FAST else pytest.param(k, lay, marks=pytest.mark.slow)
+     for k in KINDS for lay in ("per-expert", "fused")],
+)
 def test_moe_matches_hf_chunked_mixed_batch(moe_case, kind, layout):
     per_expert, fused, prompts, expected = moe_case(kind)
     model_dir = per_expert if layout == "per-expert" else fused
@@ -58,6 +64,7 @@ def test_moe_matches_hf_chunked_mixed_batch(moe_case, kind, layout):
     assert run_llm(model_dir, prompts, MAX_NEW, page_size=4, max_num_batched_tokens=8) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_moe_reference_backend_matches_hf(moe_case, kind):
     per_expert, _, prompts, expected = moe_case(kind)
@@ -65,6 +72,7 @@ def test_moe_reference_backend_matches_hf(moe_case, kind):
                    max_num_batched_tokens=8) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_moe_preemption_keeps_tokens_identical(moe_case, kind):
     _, fused, prompts, expected = moe_case(kind)
