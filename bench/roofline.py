@@ -39,8 +39,8 @@ JSON written by `--json PATH`:
             0 when the weights do not fit.
     points[]: one entry per (wdtype, kvdtype, batch, context):
         wdtype, kvdtype, batch, context;
-        experts_touched: expected distinct experts per sparse layer a decode step of `batch` reads
-            (null for a dense model);
+        experts_touched (mixtures of experts only): expected distinct experts per sparse layer a
+            decode step of `batch` reads;
         decode: one decode step of `batch` requests, each attending over `context` tokens;
         prefill: one step prefilling `batch` prompts of `context` tokens (the TTFT floor when they
             arrive together);
@@ -289,7 +289,7 @@ def moe_fields(cfg: dict[str, Any]) -> dict[str, int]:
         "num_experts": fields["num_experts"],
         "experts_per_tok": fields["num_experts_per_tok"],
         "moe_intermediate_size": fields["moe_intermediate_size"],
-        "shared_expert_intermediate_size": fields["shared_expert_intermediate_size"],
+        "shared_expert_intermediate_size": fields.get("shared_expert_intermediate_size", 0),
         "moe_layers": sum(fields["moe_layers"]),
     }
 
@@ -513,13 +513,13 @@ def roofline(
                     decode = cost.decode(batch, context)
                     prefill = cost.prefill(context, 0, batch)
                     requests_fit = capacity // context
+                    moe = {"experts_touched": cost.experts_touched(batch)} if shape.num_experts else {}
                     points.append(
-                        {
+                        moe | {
                             "wdtype": wdtype,
                             "kvdtype": kvdtype,
                             "batch": batch,
                             "context": context,
-                            "experts_touched": cost.experts_touched(batch) if shape.num_experts else None,
                             "decode": decode.to_json(),
                             "prefill": prefill.to_json(),
                             "ms_per_token": decode.t * 1e3,

@@ -78,7 +78,7 @@ def test_experts_touched():
 
 
 def test_decode_reads_only_the_touched_experts():
-    gpu = GPU.get("H100")
+    gpu = GPU.get("H100-SXM")
     cost = cost_model(QWEN3, gpu)
     expert = 3 * 2048 * 768 * 2 * 48  # one expert of every layer, bf16
     assert cost.expert_bytes == expert
@@ -97,7 +97,7 @@ def test_decode_reads_only_the_touched_experts():
 def test_roofline_cli_prints_moe_presets(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "roofline", "--model", "mixtral-8x7b", "--gpu", "H100",
+        [sys.executable, "-m", "services.cli", "roofline", "--model", "mixtral-8x7b", "--gpu", "H100-SXM",
          "--batch", "1", "64", "--json", str(out)], capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
