@@ -26,12 +26,13 @@ from bench.machine import floor_cost, measure
 from bench.report import machine_info, print_table, write_json
 from bench.roofline import ModelShape
 
-BASE = {
+VOCAB = 1024
+BASE: dict[str, Any] = {
     "model_type": "llama",
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "vocab_size": 1024,
+    "vocab_size": VOCAB,
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
@@ -96,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     points = []
     for batch in sorted(set(args.batch)):
-        prompts = synthetic_prompts(rng, 1, args.input_len, BASE["vocab_size"]) * batch
+        prompts = synthetic_prompts(rng, 1, args.input_len, VOCAB) * batch
         steps: dict[str, list[float]] = {name: [] for name in models}
         for llm in models.values():
             run_batch(llm.engine, prompts, 2)  # warm-up of this shape

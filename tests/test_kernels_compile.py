@@ -247,8 +247,8 @@ def _compile_everything() -> dict:  # runs in the child process
                     f"fused moe {q} T={tokens}",
                     lambda t=tokens, q=q: fused_moe.fused_moe_w8a8(
                         torch.zeros(t, 256, dtype=bf16), torch.zeros(t, 8, dtype=bf16),
-                        torch.zeros(8, 256, 256, dtype=q), torch.ones(8, 256), torch.zeros(8, 256, 128, dtype=q),
-                        torch.ones(8, 256), 2, True,
+                        torch.zeros(8, 256, 256, dtype=q), torch.ones(8, 256),
+                        torch.zeros(8, 256, 128, dtype=q), torch.ones(8, 256), 2, True,
                     ),
                 )
             )

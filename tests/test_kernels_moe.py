@@ -24,7 +24,8 @@ F32, BF16 = torch.float32, torch.bfloat16
 # (experts, top_k, tokens): block size 16 under the interpreter, so 3 x 2 pairs fill less than one
 # block and 40 x 8 fill many.
 CASES = [(3, 1, 1), (3, 2, 21), (8, 2, 3), (8, 8, 40), (20, 1, 33), (20, 8, 5)]
-SLOW = pytest.mark.slow  # the interpreter runs every program's lanes on the CPU: most cases wait for `make test`
+# The interpreter runs every program's lanes on the CPU: most cases wait for `make test`.
+SLOW = pytest.mark.slow
 
 
 def cases(fast: set[tuple[int, int, int]]) -> list:

@@ -222,10 +222,10 @@ def _moe_gemm_w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, weights
 def _moe_gemm_w4a16_kernel(a_ptr, qw_ptr, scale_ptr, zero_ptr, lut_ptr, c_ptr, weights_ptr, sorted_ptr,
                            expert_ids_ptr, num_padded_ptr, N, K, K_A, EM, num_pairs, stride_am, stride_qe,
                            stride_qk, stride_se, stride_sg, stride_cm, QGROUP: tl.constexpr,
-                           NF4: tl.constexpr,
-                           ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr, HALVES: tl.constexpr,
-                           MUL_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                           NF4: tl.constexpr, ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr,
+                           HALVES: tl.constexpr, MUL_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr):
     """_moe_gemm_kernel on 4-bit weights (gemm_w4a16.py's layout per expert), dequantized in the loop.
     K is the weights' padded depth, K_A the activations' own (the columns past it count as zeros)."""
     pid_m, pid_n = tile_ids(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -377,9 +377,9 @@ def _w4a16_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         a, qweight, scales, zeros, nf4_lut(a.device), out, weights, align.sorted_ids, align.expert_ids,
         align.num_padded, n, k, a.shape[1], align.sorted_ids.shape[0], out.shape[0], a.stride(0),
         qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-        QGROUP=group, NF4=zeros is None, ROWS_PER_A=rows_per_a, SILU_MUL=silu_mul, HALVES=2 if silu_mul else 1,
-        MUL_WEIGHT=weights is not None, COMPUTE=compute, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=block_k, GROUP_M=tiles.group_m,
+        QGROUP=group, NF4=zeros is None, ROWS_PER_A=rows_per_a, SILU_MUL=silu_mul,
+        HALVES=2 if silu_mul else 1, MUL_WEIGHT=weights is not None, COMPUTE=compute,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
     )  # fmt: skip
 
 
