@@ -4,8 +4,8 @@ same active parameters, in process, on this machine.
 Two random-weight checkpoints of the same attention and depth: a Mixtral-style MoE (--experts
 experts of --expert-size, top --top-k) and a Llama whose MLP is top_k x expert-size wide, so a
 token runs through the same number of weights in both. The MoE holds experts / top_k times the MLP
-weights. For each batch size both models decode a full batch (identical synthetic prompts,
---output-len tokens, ignore_eos) in turn, --repeats times alternated, and the median ms per decode
+weights. For each batch size both models decode a full batch (distinct random prompts, so that
+rows route to different experts; --output-len tokens, ignore_eos) in turn, --repeats times alternated, and the median ms per decode
 step of each is reported beside the roofline floor of this machine (bench/roofline.py, measured
 copy bandwidth and matmul rate) and the expected distinct experts the batch reads per layer. A
 2-token run of each shape goes first.
@@ -97,7 +97,8 @@ def main(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     points = []
     for batch in sorted(set(args.batch)):
-        prompts = synthetic_prompts(rng, 1, args.input_len, VOCAB) * batch
+        # Distinct prompts: identical requests would route every row to the same experts.
+        prompts = synthetic_prompts(rng, batch, args.input_len, VOCAB)
         steps: dict[str, list[float]] = {name: [] for name in models}
         for llm in models.values():
             run_batch(llm.engine, prompts, 2)  # warm-up of this shape
