@@ -135,6 +135,14 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 @triton.jit
+def _block(sorted_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The pairs of sorted block pid_m (and which are real, not padding), its expert, the columns."""
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return pairs, pairs < num_pairs, expert, pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                      N, K, EM, num_pairs, stride_am, stride_we, stride_wn, stride_cm,
                      ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
@@ -145,10 +153,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_pt
     pid_m, pid_n = tile_ids(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs, valid, expert, rn = _block(sorted_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * stride_am + rk[None, :]
     # Columns past N wrap onto valid ones (no load mask); their results are not stored.
@@ -190,10 +195,7 @@ def _moe_gemm_w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, weights
     pid_m, pid_n = tile_ids(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs, valid, expert, rn = _block(sorted_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_rows = tl.where(valid, pairs // ROWS_PER_A, 0).to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
@@ -231,10 +233,7 @@ def _moe_gemm_w4a16_kernel(a_ptr, qw_ptr, scale_ptr, zero_ptr, lut_ptr, c_ptr, w
     pid_m, pid_n = tile_ids(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs, valid, expert, rn = _block(sorted_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, BLOCK_M, BLOCK_N)
     rn_safe = rn % N
     rk = tl.arange(0, BLOCK_K)
     rw = tl.arange(0, BLOCK_K // 8)
