@@ -107,6 +107,7 @@ def test_roofline_cli_prints_moe_presets(tmp_path):
     assert [p["experts_touched"] for p in result["points"]] == pytest.approx([2.0, 8.0], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_simulator_runs_an_moe_preset(traces_dir, tmp_path):
     out = tmp_path / "sim.json"
     proc = subprocess.run(
