@@ -5,10 +5,10 @@ Two random-weight checkpoints of the same attention and depth: a Mixtral-style M
 experts of --expert-size, top --top-k) and a Llama whose MLP is top_k x expert-size wide, so a
 token runs through the same number of weights in both. The MoE holds experts / top_k times the MLP
 weights. For each batch size both models decode a full batch (distinct random prompts, so that
-rows route to different experts; --output-len tokens, ignore_eos) in turn, --repeats times alternated, and the median ms per decode
-step of each is reported beside the roofline floor of this machine (bench/roofline.py, measured
-copy bandwidth and matmul rate) and the expected distinct experts the batch reads per layer. A
-2-token run of each shape goes first.
+rows route to different experts; --output-len tokens, ignore_eos) in turn, --repeats times
+alternated, and the median ms per decode step of each is reported beside the roofline floor of
+this machine (bench/roofline.py, measured copy bandwidth and matmul rate) and the expected distinct
+experts the batch reads per layer. A 2-token run of each shape goes first.
 """
 
 from __future__ import annotations
