@@ -49,7 +49,10 @@ def preset_config(shape: ModelShape) -> dict[str, Any]:
     """An HF config.json for a roofline preset. rope_theta and eps are generic: with random weights
     they change no timing."""
     model_type = "qwen2" if shape.layer_bias_params else "mistral" if shape.sliding_window else "llama"
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    if shape.num_experts:  # Mixtral's experts are as wide as its intermediate_size; Qwen3-MoE's are not
+        model_type = "mixtral" if shape.moe_intermediate_size == shape.intermediate_size else "qwen3_moe"
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     config: dict[str, Any] = {
         "architectures": [arch[model_type]],
         "model_type": model_type,
@@ -70,6 +73,12 @@ def preset_config(shape: ModelShape) -> dict[str, Any]:
     }
     if shape.sliding_window:
         config["sliding_window"] = shape.sliding_window
+    if model_type == "mixtral":
+        config |= {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_tok}
+    elif model_type == "qwen3_moe":
+        config |= {"num_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_tok,
+                   "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": True,
+                   "decoder_sparse_step": 1, "mlp_only_layers": []}
     return config
 
 

@@ -4,12 +4,14 @@ roofline of this GPU (copy bandwidth and bf16 matmul rate measured in the same r
 
     python -m bench.kernels                # Llama-3-8B layer shapes (32 q heads, 8 kv heads, head_dim 128)
     python -m bench.kernels --only decode,gemm_int8
+    python -m bench.kernels --only moe     # the fused MoE at Mixtral-8x7B and Qwen3-30B-A3B expert shapes
     python -m bench.kernels --tiny         # tiny shapes: a quick check (without a GPU: the interpreter)
 
 Writes bench/results/<gpu>/kernels.json and kernels.md. Timing: triton.testing.do_bench medians (the
 L2 cache is flushed before each launch). "% bw" = bytes the kernel must move / time / measured copy
 bandwidth; "% mm" = FLOP / time / measured bf16 matmul rate. Quantized GEMMs are timed without the
-activation quantization (it is fused into the producing norm / activation kernel).
+activation quantization (it is fused into the producing norm / activation kernel). The fused MoE's
+bytes are the weights of the experts its tokens actually touch plus its input and output.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class Scale:
     gemm_nk: list[tuple[int, int]]
     tokens: int  # row-wise kernels
     targets: bool  # the speed targets apply to the full shapes only
+    # Fused MoE: (name, experts, top_k, hidden, expert intermediate) and the token counts to run.
+    moe: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    moe_tokens: list[int] = field(default_factory=list)
 
     @staticmethod
     def full() -> Scale:
@@ -97,6 +102,8 @@ class Scale:
             gemm_nk=[(HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN)],
             tokens=4096,
             targets=True,
+            moe=[("Mixtral-8x7B", 8, 2, 4096, 14336), ("Qwen3-30B-A3B", 128, 8, 2048, 768)],
+            moe_tokens=[1, 16, 256, 4096],
         )
 
     @staticmethod
@@ -111,6 +118,8 @@ class Scale:
             gemm_nk=[(96, 256)],
             tokens=24,
             targets=False,
+            moe=[("tiny", 8, 2, 64, 96)],
+            moe_tokens=[3, 40],
         )
 
 
@@ -467,7 +476,35 @@ class Suite:
             )
 
 
-FAMILIES = ["decode", "prefill", "gemm_int8", "gemm_fp8", "gemm_int4", "gemm_nf4", "rowwise"]
+    def moe(self) -> None:
+        from services.engine.backend import cpu
+        from services.engine.triton_kernels.fused_moe import fused_moe, topk_softmax
+
+        torch, s = self.torch, self.s
+        for name, experts, top_k, hidden, inter in s.moe:
+            w13 = self.randn(experts, 2 * inter, hidden, std=0.02)
+            w2 = self.randn(experts, hidden, inter, std=0.02)
+            for t in s.moe_tokens:
+
+                def body(r: Result, t: int = t, experts: int = experts, top_k: int = top_k,
+                         hidden: int = hidden, inter: int = inter, w13: Any = w13, w2: Any = w2) -> None:
+                    x, logits = self.randn(t, hidden), self.randn(t, experts)
+                    fn = lambda: fused_moe(x, logits, w13, w2, top_k, True)
+                    self.check(r, fn(), cpu.fused_moe(x.float(), logits.float(), w13.float(), w2.float(),
+                                                      top_k, True))
+                    r.ms = self.time(fn)
+                    touched = int(torch.unique(topk_softmax(logits, top_k, True)[1]).numel())
+                    r.extra["experts_touched"] = touched
+                    self.rate(r, touched * 3 * hidden * inter * 2 + 2 * t * hidden * 2,
+                              flops=2 * t * top_k * 3 * hidden * inter)
+                    self.baseline(r, "torch sort + per-expert matmuls (backend.cpu)",
+                                  lambda: cpu.fused_moe(x, logits, w13, w2, top_k, True))
+
+                self.run("fused_moe", f"{name} E={experts} k={top_k} T={t}", body)
+            del w13, w2
+
+
+FAMILIES = ["decode", "prefill", "gemm_int8", "gemm_fp8", "gemm_int4", "gemm_nf4", "rowwise", "moe"]
 
 
 def run_suite(suite: Suite, only: list[str]) -> None:
@@ -480,6 +517,8 @@ def run_suite(suite: Suite, only: list[str]) -> None:
         suite.gemms(formats)
     if "rowwise" in only:
         suite.rowwise()
+    if "moe" in only:
+        suite.moe()
 
 
 def markdown(results: list[Result], header: dict[str, Any]) -> str:

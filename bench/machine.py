@@ -120,5 +120,6 @@ def floor_cost(shape: ModelShape, rates: MachineRates, dtype: torch.dtype) -> Co
         cost,
         weight_bytes=cost.weight_bytes * scale,
         weight_bytes_read=cost.weight_bytes_read * scale,
+        expert_bytes=cost.expert_bytes * scale,
         kv_bytes_per_token=cost.kv_bytes_per_token * scale,
     )

@@ -1,4 +1,5 @@
-"""Speed of light for a dense Llama-family model on a GPU: the cost model and `pipeserve roofline`.
+"""Speed of light for a Llama-family model (dense or mixture of experts) on a GPU: the cost model and
+`pipeserve roofline`.
 
 A forward pass reads every matmul weight once (lm_head included, the embedding table not: a lookup
 reads one row per token), reads the K/V each query attends to and writes the new tokens' K/V. It
@@ -7,6 +8,11 @@ per (query, key) pair per layer for attention. The floor of a step is max(bytes 
 GEMM FLOPs / weight-format rate + attention FLOPs / bf16 rate): activations, kernel launches and
 imperfect overlap only add to it. Decode is memory-bound until the batch is large; prefill is
 compute-bound.
+
+Mixtures of experts: a token's FLOPs count only its top-k experts (the active parameters), and a
+step reads only the experts its tokens touch. With uniform routing, n tokens each picking k of E
+experts touch E x (1 - (1 - k/E)^n) distinct experts per sparse layer on average: one token reads
+k experts, a batch of a few hundred reads them all (`ModelShape.experts_touched`).
 
 Library (pure arithmetic, what the simulator and the benchmarks call):
     shape = ModelShape.preset("llama-2-7b")      # or ModelShape.from_path(dir) / .from_hf_config(dict)
@@ -24,13 +30,17 @@ JSON written by `--json PATH`:
     dtypes[]: one entry per (weight dtype, KV dtype):
         wdtype, kvdtype;
         weight_bytes: all weights held in memory (embedding table included), scales included;
-        weight_bytes_read: weight bytes one forward pass reads (every matmul weight incl. lm_head,
-            norms and biases; not the embedding table);
+        weight_bytes_read: weight bytes one forward pass reads besides the routed experts (every matmul
+            weight incl. lm_head, norms and biases; not the embedding table): all of them for a dense model;
+        expert_bytes: bytes of one routed expert summed over the sparse layers (0: dense); a step
+            reads experts_touched x expert_bytes on top of weight_bytes_read;
         kv_bytes_per_token: K and V of one token over all layers, scales included;
         kv_capacity_tokens: floor((memory x memory_utilization - weight_bytes) / kv_bytes_per_token),
             0 when the weights do not fit.
     points[]: one entry per (wdtype, kvdtype, batch, context):
         wdtype, kvdtype, batch, context;
+        experts_touched (mixtures of experts only): expected distinct experts per sparse layer a
+            decode step of `batch` reads;
         decode: one decode step of `batch` requests, each attending over `context` tokens;
         prefill: one step prefilling `batch` prompts of `context` tokens (the TTFT floor when they
             arrive together);
@@ -58,6 +68,7 @@ from typing import Any
 from bench.gpus import GIB, GPU, GPUS, TB
 from bench.report import Panel, Series, plot_panels, print_table, write_json
 from services.config import EngineConfig
+from services.model_config import MOE_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,10 @@ KV_DTYPES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 8, "f
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the cost of a dense Llama/Mistral/Qwen2 model depends on."""
+    """What the cost of a Llama/Mistral/Qwen2 model, or of a Mixtral / Qwen-MoE mixture of experts,
+    depends on. A mixture's sparse layers (`moe_layers` of them) hold `num_experts` experts of
+    `moe_intermediate_size` (plus a router and, Qwen2-MoE, a shared expert with its gate) instead of
+    the dense MLP of `intermediate_size` the other layers keep."""
 
     name: str
     hidden_size: int
@@ -96,16 +110,58 @@ class ModelShape:
     tie_word_embeddings: bool = False
     layer_bias_params: int = 0  # bias parameters of one layer (Qwen2: q, k, v)
     sliding_window: int | None = None
+    num_experts: int = 0  # routed experts per sparse layer; 0: a dense model
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0  # sparse layers
 
     @property
     def layer_linear_params(self) -> int:
-        """q, k, v, o, gate, up and down weights of one layer."""
+        """q, k, v, o, gate, up and down weights of one dense layer."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def attention_params(self) -> int:
         h, d = self.hidden_size, self.head_dim
-        return h * d * 2 * (self.num_heads + self.num_kv_heads) + 3 * h * self.intermediate_size
+        return h * d * 2 * (self.num_heads + self.num_kv_heads)
+
+    @property
+    def expert_params(self) -> int:
+        """gate, up and down weights of one routed expert in one layer."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def sparse_layer_dense_params(self) -> int:
+        """What a sparse layer reads whichever experts it routes to: attention, router, shared expert."""
+        h = self.hidden_size
+        shared_inter = self.shared_expert_intermediate_size
+        shared = 3 * h * shared_inter + (h if shared_inter else 0)  # the shared expert and its gate
+        return self.attention_params + h * self.num_experts + shared
+
+    @property
+    def dense_linear_params(self) -> int:
+        """Linear weights but the routed experts' (all of them for a dense model)."""
+        dense_layers = self.num_layers - self.moe_layers
+        return dense_layers * self.layer_linear_params + self.moe_layers * self.sparse_layer_dense_params
 
     @property
     def linear_params(self) -> int:
-        return self.num_layers * self.layer_linear_params
+        """Every linear weight held in memory, every routed expert included (the total parameters)."""
+        return self.dense_linear_params + self.moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def active_linear_params(self) -> int:
+        """Linear weights one token runs through: the routed experts' top-k only."""
+        return self.dense_linear_params + self.moe_layers * self.experts_per_tok * self.expert_params
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts per sparse layer `tokens` tokens route to, each picking
+        experts_per_tok of num_experts uniformly: E x (1 - (1 - k/E)^tokens)."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** tokens)
 
     @property
     def lm_head_params(self) -> int:
@@ -123,29 +179,36 @@ class ModelShape:
         return self.linear_params + self.small_params + embeddings
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (params for a dense model): its top-k experts only, the
+        lm_head but not the embedding table's other rows."""
+        return self.params - (self.linear_params - self.active_linear_params)
+
+    @property
     def kv_elems_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
-        """From a Hugging Face config.json dict (llama, mistral, qwen2 and look-alikes)."""
-        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-            if cfg.get(key):
-                raise ValueError(f"{key}={cfg[key]}: the roofline models dense models only")
+        """From a Hugging Face config.json dict (llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe
+        and look-alikes)."""
+        if cfg.get("n_routed_experts"):
+            raise ValueError(f"n_routed_experts={cfg['n_routed_experts']}: DeepSeek-style MoE is not covered")
         h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         d = cfg.get("head_dim") or h // heads
         inter = cfg["intermediate_size"]
         model_type = cfg.get("model_type", "llama")
+        moe = moe_fields(cfg)
         bias = 0
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen2_moe"):
             bias += d * (heads + 2 * kv_heads)
         elif cfg.get("attention_bias"):
             bias += d * (heads + 2 * kv_heads) + h  # Llama's attention_bias covers o_proj too
         if cfg.get("mlp_bias"):
             bias += 2 * inter + h
         window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window"):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window"):
             window = None
         return ModelShape(
             name=name or cfg.get("_name_or_path") or model_type,
@@ -160,6 +223,7 @@ class ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             layer_bias_params=bias,
             sliding_window=window,
+            **moe,
         )
 
     @staticmethod
@@ -197,8 +261,37 @@ PRESETS: dict[str, ModelShape] = {
         # Mistral-7B-v0.1: 4096-token sliding window.
         ModelShape("mistral-7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, sliding_window=4096),
         ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 128, 32000, 4096),
+        # Mixtral-8x7B-v0.1: 8 experts of 14336, top-2, in all 32 layers.
+        ModelShape("mixtral-8x7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, num_experts=8,
+                   experts_per_tok=2, moe_intermediate_size=14336, moe_layers=32),
+        # Qwen3-30B-A3B: 128 experts of 768, top-8, in all 48 layers; q/k norms, no biases.
+        ModelShape("qwen3-30b-a3b", 2048, 6144, 48, 32, 4, 128, 151936, 40960, num_experts=128,
+                   experts_per_tok=8, moe_intermediate_size=768, moe_layers=48),
     )
 }
+
+
+def moe_fields(cfg: dict[str, Any]) -> dict[str, int]:
+    """ModelShape's mixture-of-experts fields from an HF config (none for a dense model), read the
+    way services/model_config.py reads them for the engine."""
+    from services.model_config import moe_fields as engine_moe_fields
+
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in MOE_ARCHITECTURES), None)
+    if arch is None and cfg.get("num_local_experts"):
+        arch = "MixtralForCausalLM"
+    if arch is None:
+        return {}
+    fields = engine_moe_fields(arch, cfg)
+    if not fields["num_experts"]:
+        return {}
+    return {
+        "num_experts": fields["num_experts"],
+        "experts_per_tok": fields["num_experts_per_tok"],
+        "moe_intermediate_size": fields["moe_intermediate_size"],
+        "shared_expert_intermediate_size": fields.get("shared_expert_intermediate_size", 0),
+        "moe_layers": sum(fields["moe_layers"]),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +338,20 @@ class CostModel:
     lm_head_flops: float  # per row of logits
     attn_flops_per_pair: float  # per (query, key) pair, all layers
     window: int | None
+    expert_bytes: float = 0.0  # one routed expert over all sparse layers (0: dense)
+    num_experts: int = 0
+    experts_per_tok: int = 0
+
+    def experts_touched(self, tokens: int) -> float:
+        """ModelShape.experts_touched: expected distinct experts per sparse layer."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+    def weights_read(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads: the dense part and the experts it touches."""
+        return self.weight_bytes_read + self.experts_touched(tokens) * self.expert_bytes
 
     def kv_capacity_tokens(self, memory_utilization: float = EngineConfig.gpu_memory_utilization) -> int:
         free = self.memory * memory_utilization - self.weight_bytes
@@ -267,7 +374,7 @@ class CostModel:
     def _cost(self, tokens: int, logit_rows: int, kv_read_tokens: int, pairs: int) -> StepCost:
         if tokens == 0:
             return ZERO_COST
-        nbytes = self.weight_bytes_read + (kv_read_tokens + tokens) * self.kv_bytes_per_token
+        nbytes = self.weights_read(tokens) + (kv_read_tokens + tokens) * self.kv_bytes_per_token
         gemm = tokens * self.gemm_flops_per_token
         head = logit_rows * self.lm_head_flops
         attn = pairs * self.attn_flops_per_pair
@@ -314,10 +421,17 @@ def cost_model(
     w = WEIGHT_DTYPES[wdtype]
     head_bpp = w.bytes_per_param if quantize_lm_head else 2.0
     read = (
-        shape.linear_params * w.bytes_per_param + shape.lm_head_params * head_bpp + shape.small_params * 2.0
+        shape.dense_linear_params * w.bytes_per_param
+        + shape.lm_head_params * head_bpp
+        + shape.small_params * 2.0
     )
+    expert_bytes = shape.moe_layers * shape.expert_params * w.bytes_per_param
     # An untied embedding table is a separate bf16 matrix; a tied one is lm_head itself.
-    resident = read + (0 if shape.tie_word_embeddings else shape.lm_head_params * 2.0)
+    resident = (
+        read
+        + shape.num_experts * expert_bytes
+        + (0 if shape.tie_word_embeddings else shape.lm_head_params * 2.0)
+    )
     return CostModel(
         bandwidth=gpu.bandwidth,
         gemm_rate=gpu.gemm_rate(w.compute),
@@ -327,10 +441,13 @@ def cost_model(
         weight_bytes=resident,
         weight_bytes_read=read,
         kv_bytes_per_token=shape.kv_elems_per_token * KV_DTYPES[kvdtype],
-        gemm_flops_per_token=2.0 * shape.linear_params,
+        gemm_flops_per_token=2.0 * shape.active_linear_params,
         lm_head_flops=2.0 * shape.lm_head_params,
         attn_flops_per_pair=4.0 * shape.num_layers * shape.num_heads * shape.head_dim,
         window=shape.sliding_window,
+        expert_bytes=expert_bytes,
+        num_experts=shape.num_experts,
+        experts_per_tok=shape.experts_per_tok,
     )
 
 
@@ -386,6 +503,7 @@ def roofline(
                     "kvdtype": kvdtype,
                     "weight_bytes": cost.weight_bytes,
                     "weight_bytes_read": cost.weight_bytes_read,
+                    "expert_bytes": cost.expert_bytes,
                     "kv_bytes_per_token": cost.kv_bytes_per_token,
                     "kv_capacity_tokens": capacity,
                 }
@@ -395,8 +513,9 @@ def roofline(
                     decode = cost.decode(batch, context)
                     prefill = cost.prefill(context, 0, batch)
                     requests_fit = capacity // context
+                    moe = {"experts_touched": cost.experts_touched(batch)} if shape.num_experts else {}
                     points.append(
-                        {
+                        moe | {
                             "wdtype": wdtype,
                             "kvdtype": kvdtype,
                             "batch": batch,
@@ -411,7 +530,7 @@ def roofline(
                         }
                     )
     return {
-        "model": {**asdict(shape), "params": shape.params},
+        "model": {**asdict(shape), "params": shape.params, "active_params": shape.active_params},
         "gpu": asdict(gpu),
         "memory_utilization": memory_utilization,
         "quantize_lm_head": quantize_lm_head,
@@ -460,23 +579,32 @@ def _step_cells(step: dict[str, Any]) -> list[Any]:
 
 def print_result(result: dict[str, Any]) -> None:
     gpu = result["gpu"]
+    model = result["model"]
+    if model["num_experts"]:
+        print(f"{model['name']}: {model['params'] / 1e9:.4g} B parameters, "
+              f"{model['active_params'] / 1e9:.4g} B "
+              f"active per token ({model['experts_per_tok']} of {model['num_experts']} experts in "
+              f"{model['moe_layers']} sparse layers)")
     print_table(
         f"{result['model']['name']} on {gpu['name']}: {gpu['bandwidth'] / TB:.3g} TB/s, "
         f"{gpu['bf16_flops'] / TB:.4g} bf16 TFLOP/s, {gpu['memory'] / GIB:.4g} GiB",
-        ["weights", "KV", "weights GB", "read GB/step", "KV KiB/token", "KV capacity tokens"],
+        ["weights", "KV", "weights GB", "read GB/step", "GB/expert", "KV KiB/token", "KV capacity tokens"],
         [
             (d["wdtype"], d["kvdtype"], d["weight_bytes"] / 1e9, d["weight_bytes_read"] / 1e9,
-             d["kv_bytes_per_token"] / 1024, d["kv_capacity_tokens"])
+             d["expert_bytes"] / 1e9, d["kv_bytes_per_token"] / 1024, d["kv_capacity_tokens"])
             for d in result["dtypes"]
         ],
     )  # fmt: skip
     points = result["points"]
     key = ["weights", "KV", "batch", "context"]
     print_table(
-        "decode step: batch requests, each attending over context tokens",
-        [*key, *STEP_COLUMNS, "ms/token", "tokens/s", "requests fit"],
+        "decode step: batch requests, each attending over context tokens"
+        + (" (experts: expected distinct experts read per sparse layer)" if model["num_experts"] else ""),
+        [*key, *(["experts"] if model["num_experts"] else []), *STEP_COLUMNS, "ms/token", "tokens/s",
+         "requests fit"],
         [
-            [p["wdtype"], p["kvdtype"], p["batch"], p["context"], *_step_cells(p["decode"]),
+            [p["wdtype"], p["kvdtype"], p["batch"], p["context"],
+             *([p["experts_touched"]] if model["num_experts"] else []), *_step_cells(p["decode"]),
              p["ms_per_token"], p["tokens_per_s"], p["requests_fit"]]
             for p in points
         ],

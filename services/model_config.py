@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# Mixtures of experts: routed experts in (some) layers, read by moe_fields.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Keys that state the trained context length, in the order transformers' configs prefer them.
 CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 # transformers' LlamaConfig default, so a config without any of the keys loads as transformers reads it.
@@ -54,6 +63,47 @@ def _ids(value: Any) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
+def _attention_bias(arch: str, cfg: dict[str, Any]) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return bool(cfg.get("attention_bias", True))
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(cfg.get("qkv_bias", True))  # always on in checkpoints older than the field
+    return bool(cfg.get("attention_bias", False))
+
+
+def moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig, as transformers reads them: Mixtral routes
+    every layer through `num_local_experts` experts of `intermediate_size` and always renormalizes
+    its top-k weights; Qwen2/3-MoE make layer i sparse when (i + 1) % decoder_sparse_step == 0 and i
+    is not in mlp_only_layers, with experts of `moe_intermediate_size`; Qwen2-MoE adds its shared
+    expert."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=cfg.get("num_local_experts", 8),
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=[True] * layers,
+        )
+    # transformers >= 5 writes Qwen3-MoE's num_experts under its alias num_local_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 4),
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        ),
+        moe_layers=[experts > 0 and (i + 1) % step == 0 and i not in dense for i in range(layers)],
+    )
+
+
 @dataclass
 class ModelLimits:
     """What the tokenizer checks prompts against, without the architecture checks of ModelConfig."""
@@ -88,6 +138,15 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     name: str = ""
+    # Mixture of experts (num_experts == 0: a dense model). Expert weights are [moe_intermediate_size,
+    # hidden]; a layer whose moe_layers entry is False keeps the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    moe_layers: list[bool] = field(default_factory=list)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
@@ -107,7 +166,9 @@ class ModelConfig:
         windows: list[int | None]
         if "layer_types" in cfg:
             windows = [window if t == "sliding_attention" else None for t in cfg["layer_types"]]
-        elif arch == "Qwen2ForCausalLM":
+        elif arch == "Qwen3MoeForCausalLM":
+            windows = [window if cfg.get("use_sliding_window", False) else None] * layers
+        elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             use = cfg.get("use_sliding_window", False) and window
             first = cfg.get("max_window_layers", layers)
             windows = [window if use and i >= first else None for i in range(layers)]
@@ -128,13 +189,19 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            attention_bias=_attention_bias(arch, cfg),
             layer_sliding_windows=windows,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=[] if eos is None else _ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
             name=name,
+            qk_norm=arch == "Qwen3MoeForCausalLM",
+            **moe_fields(arch, cfg),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:

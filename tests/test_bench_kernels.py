@@ -58,6 +58,7 @@ def test_tiny_suite_checks_every_kernel(tmp_path):
         "silu_and_mul+int8",
         "rope",
         "store_kv[int8]",
+        "fused_moe",
     ):
         assert family in kernels
     assert all(r["error"] is None for r in results), [r["error"] for r in results if r["error"]]

@@ -77,6 +77,7 @@ def _compile_everything() -> dict:  # runs in the child process
     from services.engine.triton_kernels import (
         activation,
         decode_attention,
+        fused_moe,
         gemm_w4a16,
         gemm_w8a8,
         kv_cache,
@@ -225,6 +226,41 @@ def _compile_everything() -> dict:  # runs in the child process
                         torch.ones(k // 128, n, dtype=bf16),
                         z,
                         split_k=sk,
+                    ),
+                )
+            )
+
+    # Fused MoE (routing, alignment, both grouped GEMMs) at decode- and prefill-sized token counts.
+    for tokens in (4, 512):
+        cases.append(
+            (
+                f"fused moe T={tokens}",
+                lambda t=tokens: fused_moe.fused_moe(
+                    torch.zeros(t, 256, dtype=bf16), torch.zeros(t, 8, dtype=bf16),
+                    torch.zeros(8, 256, 256, dtype=bf16), torch.zeros(8, 256, 128, dtype=bf16), 2, True,
+                ),
+            )
+        )
+        for q in (i8, fp8):
+            cases.append(
+                (
+                    f"fused moe {q} T={tokens}",
+                    lambda t=tokens, q=q: fused_moe.fused_moe_w8a8(
+                        torch.zeros(t, 256, dtype=bf16), torch.zeros(t, 8, dtype=bf16),
+                        torch.zeros(8, 256, 256, dtype=q), torch.ones(8, 256),
+                        torch.zeros(8, 256, 128, dtype=q), torch.ones(8, 256), 2, True,
+                    ),
+                )
+            )
+        for zeros in (torch.zeros(8, 2, 256, dtype=torch.uint8), None):
+            cases.append(
+                (
+                    f"fused moe w4a16 nf4={zeros is None} T={tokens}",
+                    lambda t=tokens, z=zeros: fused_moe.fused_moe_w4a16(
+                        torch.zeros(t, 256, dtype=bf16), torch.zeros(t, 8, dtype=bf16),
+                        torch.zeros(8, 32, 256, dtype=torch.int32), torch.ones(8, 2, 256, dtype=bf16), z,
+                        torch.zeros(8, 16, 256, dtype=torch.int32), torch.ones(8, 1, 256, dtype=bf16),
+                        None if z is None else torch.zeros(8, 1, 256, dtype=torch.uint8), 2, True,
                     ),
                 )
             )

@@ -187,8 +187,8 @@ def test_hf_config_and_presets() -> None:
     assert PRESETS["qwen2-7b"].params == pytest.approx(7.616e9, rel=1e-3)
     assert PRESETS["llama-2-70b"].params == pytest.approx(68.98e9, rel=1e-3)
     assert ModelShape.preset("Llama-3-8B") == LLAMA3
-    with pytest.raises(ValueError, match="dense"):
-        ModelShape.from_hf_config({**LLAMA2_HF_CONFIG, "num_local_experts": 8})
+    with pytest.raises(ValueError, match="DeepSeek"):
+        ModelShape.from_hf_config({**LLAMA2_HF_CONFIG, "n_routed_experts": 64})
     with pytest.raises(ValueError, match="preset"):
         ModelShape.resolve("no-such-model")
 

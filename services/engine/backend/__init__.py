@@ -103,6 +103,33 @@ class W4A16Gemm(Protocol):
         """a [M, K] x packed 4-bit W [N, K] -> [M, N] in a's dtype (zeros: int4; None: nf4)."""
 
 
+class FusedMoE(Protocol):
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 top_k: int, renormalize: bool) -> torch.Tensor:
+        """Mixture of experts: x [T, H] routed by router_logits [T, E] to its top_k experts by
+        softmax (fp32; renormalize: the k weights rescaled to sum to 1), each expert e computing
+        w2[e] @ silu_and_mul(w13[e] @ x) (w13 [E, 2I, H] = [gate | up], w2 [E, H, I]), summed with
+        the routing weights -> [T, H] in x's dtype."""
+
+
+class FusedMoEW8A8(Protocol):
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
+                 renormalize: bool) -> torch.Tensor:
+        """fused_moe with W8A8 experts: int8 / fp8 codes w13 [E, 2I, H], w2 [E, H, I] with fp32 scales
+        per output channel [E, 2I] / [E, H]; each GEMM's input quantized per token on the fly."""
+
+
+class FusedMoEW4A16(Protocol):
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                 w13_scales: torch.Tensor, w13_zeros: torch.Tensor | None, w2: torch.Tensor,
+                 w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None, top_k: int,
+                 renormalize: bool) -> torch.Tensor:
+        """fused_moe with 4-bit experts: per expert the W4A16 layout of w4a16_gemm (qweight int32
+        [E, K // 8, N], scales [E, K // group, N], uint8 zeros for int4 or None for nf4), K zero-padded
+        to a whole number of groups; activations in float."""
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -118,6 +145,9 @@ class Backend:
     int8_gemm: ScaledGemm
     fp8_gemm: ScaledGemm
     w4a16_gemm: W4A16Gemm
+    fused_moe: FusedMoE
+    fused_moe_w8a8: FusedMoEW8A8
+    fused_moe_w4a16: FusedMoEW4A16
 
     @classmethod
     def collect(cls, name: str, *namespaces: Mapping[str, Any]) -> Backend:

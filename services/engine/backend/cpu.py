@@ -268,7 +268,53 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     return (c if bias is None else c + bias.to(acc_dtype)).to(out_dtype)
 
 
+def moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, hidden: int,
+        expert_mlp: reference.ExpertMLP) -> torch.Tensor:
+    """reference.moe sort-based: the token/expert pairs sorted by expert, the rows gathered once,
+    expert_mlp(e, rows) on each expert's contiguous slice, the routing weights applied to its rows and
+    the top-k summed in one reduction. The per-expert counts are read on the host (cheap on the CPU,
+    where there is no device to stall)."""
+    weights, ids = reference.moe_route(router_logits, top_k, renormalize)
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=router_logits.shape[1]).tolist()
+    rows = x.index_select(0, order // top_k)
+    out = torch.empty(order.shape[0], hidden, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start : start + n] = expert_mlp(e, rows[start : start + n])
+            start += n
+    out.mul_(weights.flatten().index_select(0, order)[:, None])
+    pairs = torch.empty_like(out).index_copy_(0, order, out)
+    return pairs.view(x.shape[0], top_k, hidden).sum(1).to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """Each expert's GEMMs in the model's dtype."""
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(rows, w13[e])), w2[e])
+
+    return moe(x, router_logits, top_k, renormalize, w2.shape[1], mlp)
+
+
+def fused_moe_w8a8(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                   w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """Each expert's MLP on real int8 / fp8 GEMMs, its inputs quantized per token."""
+    gemm = int8_gemm if w13.dtype == torch.int8 else fp8_gemm
+
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        a, a_scale = reference.per_token_quant(rows, w13.dtype)
+        h = gemm(a, a_scale, w13[e], w13_scale[e], out_dtype=torch.float32)
+        b, b_scale = silu_and_mul_quant(h, w2.dtype)
+        return gemm(b, b_scale, w2[e], w2_scale[e], out_dtype=torch.float32)
+
+    return moe(x, router_logits, top_k, renormalize, w2_scale.shape[1], mlp)
+
+
 # Where the reference is already what the CPU runs best.
 store_kv, per_token_quant, w4a16_gemm = reference.store_kv, reference.per_token_quant, reference.w4a16_gemm
+fused_moe_w4a16 = reference.fused_moe_w4a16
 
 BACKEND = Backend.collect("cpu", vars())

@@ -8,6 +8,8 @@ dequantized operands in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -160,6 +162,66 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
 def w4a16_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None = None) -> torch.Tensor:
     return (a.float() @ dequantize_4bit(qweight, scales, zeros).T).to(a.dtype)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the top_k of each token: (weights fp32 [T, k], expert ids
+    int64 [T, k]), the weights rescaled to sum to 1 when renormalize."""
+    weights, ids = router_logits.float().softmax(-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, hidden: int,
+        expert_mlp: ExpertMLP) -> torch.Tensor:
+    """One expert at a time: the rows routed to it through expert_mlp(e, rows) -> fp32 [n, hidden],
+    added into the output with their routing weights."""
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    out = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    for e in range(router_logits.shape[1]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if token.numel():
+            out.index_add_(0, token, expert_mlp(e, x.index_select(0, token)) * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """Each expert's gated MLP in fp32."""
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(rows.float() @ w13[e].float().T) @ w2[e].float().T
+
+    return moe(x, router_logits, top_k, renormalize, w2.shape[1], mlp)
+
+
+def fused_moe_w8a8(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                   w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """Each expert's MLP as two W8A8 GEMMs, their inputs quantized per token."""
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        a, a_scale = per_row_quant(rows, w13.dtype)
+        h = silu_and_mul(scaled_gemm(a, a_scale, w13[e], w13_scale[e], out_dtype=torch.float32))
+        b, b_scale = per_row_quant(h, w2.dtype)
+        return scaled_gemm(b, b_scale, w2[e], w2_scale[e], out_dtype=torch.float32)
+
+    return moe(x, router_logits, top_k, renormalize, w2_scale.shape[1], mlp)
+
+
+def fused_moe_w4a16(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor,
+                    w13_zeros: torch.Tensor | None, w2: torch.Tensor, w2_scales: torch.Tensor,
+                    w2_zeros: torch.Tensor | None, top_k: int, renormalize: bool) -> torch.Tensor:
+    """Each expert's MLP on its dequantized 4-bit weights in fp32, the inputs zero-padded to them."""
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        w_in = dequantize_4bit(w13[e], w13_scales[e], None if w13_zeros is None else w13_zeros[e])
+        w_out = dequantize_4bit(w2[e], w2_scales[e], None if w2_zeros is None else w2_zeros[e])
+        h = silu_and_mul(F.pad(rows.float(), (0, w_in.shape[1] - rows.shape[1])) @ w_in.T)
+        return F.pad(h, (0, w_out.shape[1] - h.shape[1])) @ w_out.T
+
+    return moe(x, router_logits, top_k, renormalize, w2.shape[2], mlp)
 
 
 int8_gemm = fp8_gemm = scaled_gemm

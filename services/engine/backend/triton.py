@@ -5,6 +5,7 @@ from __future__ import annotations
 from services.engine.triton_kernels import (
     activation,
     decode_attention,
+    fused_moe,
     gemm_w4a16,
     gemm_w8a8,
     kv_cache,
@@ -19,5 +20,5 @@ from . import Backend
 BACKEND = Backend.collect(
     "triton",
     *map(vars, (kv_cache, decode_attention, prefill_attention, norm, rope, activation, quantize, gemm_w8a8,
-                gemm_w4a16)),
+                gemm_w4a16, fused_moe)),
 )

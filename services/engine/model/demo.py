@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from services.model_config import ModelConfig
+
 log = logging.getLogger(__name__)
 
 DEMO_NAME = "pipeserve-demo-llama-v1"
@@ -49,8 +51,11 @@ def default_cache_dir() -> str:
 
 
 def random_llama_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """HF-named random weights for a Llama config (std 0.02, norms 1): reproducible from the seed."""
+    """HF-named random weights for a Llama-family config (std 0.02, norms 1): reproducible from the
+    seed. A mixture of experts (Mixtral, Qwen2/3-MoE) gets its router, its experts in the fused 3-D
+    layout, Qwen2-MoE's shared expert and Qwen3's q/k norms."""
     gen = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig.from_dict(config)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
@@ -69,12 +74,26 @@ def random_llama_weights(config: dict[str, Any], seed: int) -> dict[str, torch.T
             p + "self_attn.k_proj.weight": rand(kv, hidden),
             p + "self_attn.v_proj.weight": rand(kv, hidden),
             p + "self_attn.o_proj.weight": rand(hidden, q),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
             p + "input_layernorm.weight": torch.ones(hidden),
             p + "post_attention_layernorm.weight": torch.ones(hidden),
         }
+        if cfg.qk_norm:
+            weights |= {p + "self_attn.q_norm.weight": torch.ones(head_dim),
+                        p + "self_attn.k_norm.weight": torch.ones(head_dim)}
+        mlps = {"mlp": inter}
+        if cfg.moe_layers and cfg.moe_layers[i]:
+            experts, moe_inter = cfg.num_experts, cfg.moe_intermediate_size
+            weights |= {p + "mlp.gate.weight": rand(experts, hidden),
+                        p + "mlp.experts.gate_up_proj": rand(experts, 2 * moe_inter, hidden),
+                        p + "mlp.experts.down_proj": rand(experts, hidden, moe_inter)}
+            mlps = {}
+            if cfg.shared_expert_intermediate_size:
+                mlps = {"mlp.shared_expert": cfg.shared_expert_intermediate_size}
+                weights[p + "mlp.shared_expert_gate.weight"] = rand(1, hidden)
+        for name, size in mlps.items():
+            weights |= {p + f"{name}.gate_proj.weight": rand(size, hidden),
+                        p + f"{name}.up_proj.weight": rand(size, hidden),
+                        p + f"{name}.down_proj.weight": rand(hidden, size)}
     return weights
 
 
@@ -115,8 +134,9 @@ def save_random_checkpoint(target: str, config: dict[str, Any], seed: int = 0,
                            dtype: torch.dtype = torch.bfloat16,
                            tokenizer: Callable[[str], None] | None = None) -> str:
     """A random-weight checkpoint (config.json, generation_config.json, model.safetensors, and a
-    tokenizer when `tokenizer` writes one) for a Llama/Mistral/Qwen2 config dict, built once and
-    atomically. Benchmarks use it for model shapes nobody should download. Qwen2's biases are zero."""
+    tokenizer when `tokenizer` writes one) for a Llama-family config dict (mixtures of experts
+    included), built once and atomically. Benchmarks use it for model shapes nobody should download.
+    q/k/v biases (Qwen2, Qwen2-MoE) are zero."""
     if os.path.isfile(os.path.join(target, "model.safetensors")):
         return target
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
@@ -128,7 +148,7 @@ def save_random_checkpoint(target: str, config: dict[str, Any], seed: int = 0,
             json.dump({k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}, f)
         raw = random_llama_weights(config, seed)
         weights = {name: raw.pop(name).to(dtype) for name in list(raw)}  # frees float32 as it goes
-        if config.get("model_type") == "qwen2":
+        if ModelConfig.from_dict(config).attention_bias:  # Qwen2, Qwen2-MoE
             head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
             kv = config["num_key_value_heads"] * head_dim
             sizes = {"q": config["num_attention_heads"] * head_dim, "k": kv, "v": kv}

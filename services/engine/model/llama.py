@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat token batch and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers take moe.MoE for the MLP) over a flat token batch and a paged KV cache.
 
 q/k/v and gate/up are fused into one matmul each (the loader fills the slices); every hot op goes
 through the model's `Backend` (services/engine/backend), chosen once when the model is built.
@@ -18,6 +19,7 @@ from services.engine.kv.pool import LayerCache
 from services.engine.kv.quant import key_means
 from services.model_config import ModelConfig
 
+from .moe import MoE
 from .rope import rope_cache
 
 
@@ -41,6 +43,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # Qwen3: each head of q and k RMS-normalized before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.backend = backend
 
     def forward(
@@ -59,6 +64,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(t, self.num_kv_heads, self.head_dim)
         # Quantized caches store keys less their sequence's mean (softmax(q.k) is unchanged by it).
         m = None
         if cache.k_means is not None and cache.seq_of_page is not None:
@@ -117,10 +125,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         # W8A8 quantization swaps in SiLU-and-mul fused with the down projection's input quantization.
         self.act_fn: Callable[[torch.Tensor], Any] = backend.silu_and_mul
 
@@ -133,7 +142,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, backend: Backend) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, cfg.layer_sliding_windows[layer], backend)
-        self.mlp = MLP(cfg, backend)
+        self.mlp: MLP | MoE
+        if cfg.moe_layers and cfg.moe_layers[layer]:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = MoE(cfg, backend, MLP(cfg, backend, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg, backend)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.last = layer == cfg.num_layers - 1

@@ -1,5 +1,8 @@
 """Load a Hugging Face checkpoint directory (config.json + single or sharded safetensors) into our
-model, fusing q/k/v and gate/up on the fly. Every parameter must be filled exactly once."""
+model, fusing q/k/v and gate/up on the fly. Mixture-of-experts checkpoints come in two layouts,
+both read here: one module per expert (`experts.N.w1` / `experts.N.gate_proj`, what transformers
+saves) and fused 3-D expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]). Every parameter must be filled exactly once."""
 
 from __future__ import annotations
 
@@ -46,31 +49,49 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def _target(cfg: ModelConfig, name: str) -> tuple[str, int, int] | None:
-    """HF tensor name -> (our parameter name, first row, last row) or None to skip."""
+Index = tuple[int | slice, ...]
+ALL: Index = ()
+# A per-expert tensor: Mixtral's experts.N.w1 / w3 / w2, Qwen-MoE's experts.N.gate_proj / up_proj / down_proj.
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# The fused layout: all experts' [gate | up] as one [E, 2I, H] tensor, their down_proj as [E, H, I].
+_FUSED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.experts.w13", "mlp.experts.down_proj": "mlp.experts.w2"}
+
+
+def _target(cfg: ModelConfig, name: str) -> tuple[str, Index] | None:
+    """HF tensor name -> (our parameter name, the part of it the tensor fills) or None to skip."""
     if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", 0, cfg.vocab_size
+        return "embed_tokens.weight", ALL
     if name == "model.norm.weight":
-        return "norm.weight", 0, cfg.hidden_size
+        return "norm.weight", ALL
     if name == "lm_head.weight":
-        return None if cfg.tie_word_embeddings else ("lm_head.weight", 0, cfg.vocab_size)
+        return None if cfg.tie_word_embeddings else ("lm_head.weight", ALL)
     m = _LAYER.match(name)
     if m is None:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-    layer, rest = m.group(1), m.group(2)
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
-    }
+    layer, rest = m.group(1), m.group(2).replace("block_sparse_moe.", "mlp.")  # Mixtral's name
+    if rest in _FUSED_EXPERTS:
+        return f"layers.{layer}.{_FUSED_EXPERTS[rest]}", ALL
+    expert = _EXPERT.match(rest)
+    if expert is not None:
+        e, proj = int(expert.group(1)), expert.group(2)
+        inter = cfg.moe_intermediate_size
+        if proj in ("w2", "down_proj"):
+            return f"layers.{layer}.mlp.experts.w2", (e,)
+        up = proj in ("w3", "up_proj")
+        return f"layers.{layer}.mlp.experts.w13", (e, slice(inter if up else 0, 2 * inter if up else inter))
+    q, kv = cfg.q_size, cfg.kv_size
+    qkv = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     module, _, kind = rest.rpartition(".")
-    if module in fused:
-        ours, lo, hi = fused[module]
-        return f"layers.{layer}.{ours}.{kind}", lo, hi
-    return f"layers.{layer}.{rest}", 0, -1
+    parent, _, proj = module.rpartition(".")
+    if parent == "self_attn" and proj in qkv:
+        lo, hi = qkv[proj]
+        return f"layers.{layer}.self_attn.qkv_proj.{kind}", (slice(lo, hi),)
+    if parent in ("mlp", "mlp.shared_expert") and proj in ("gate_proj", "up_proj"):
+        shared = parent == "mlp.shared_expert"
+        inter = cfg.shared_expert_intermediate_size if shared else cfg.intermediate_size
+        lo = inter if proj == "up_proj" else 0
+        return f"layers.{layer}.{parent}.gate_up_proj.{kind}", (slice(lo, lo + inter),)
+    return f"layers.{layer}.{rest}", ALL
 
 
 def load_model(
@@ -91,19 +112,19 @@ def load_model(
                 target = _target(cfg, name)
                 if target is None:
                     continue
-                ours, lo, hi = target
+                ours, index = target
                 if ours not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-                param = params[ours]
-                hi = param.shape[0] if hi == -1 else hi
+                part = params[ours][index]
                 tensor = f.get_tensor(name)
-                expected = (hi - lo, *param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+                if tensor.shape != part.shape:
+                    raise ValueError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(part.shape)}"
+                    )
                 with torch.no_grad():
-                    param[lo:hi].copy_(tensor)
-                filled[ours] += hi - lo
-    missing = [n for n, rows in filled.items() if rows != params[n].shape[0]]
+                    part.copy_(tensor)
+                filled[ours] += tensor.numel()
+    missing = [n for n, count in filled.items() if count != params[n].numel()]
     if missing:
         raise ValueError(
             f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"

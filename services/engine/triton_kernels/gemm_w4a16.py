@@ -65,7 +65,8 @@ _kernel = gemm_autotune(SHAPES, key=["NF4"])(_w4a16_kernel)
 _luts: dict[torch.device, torch.Tensor] = {}
 
 
-def _lut(device: torch.device) -> torch.Tensor:
+def nf4_lut(device: torch.device) -> torch.Tensor:
+    """The 16 NF4 levels as an fp32 table on `device`, built once per device."""
     if device not in _luts:
         _luts[device] = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
     return _luts[device]
@@ -89,7 +90,7 @@ def w4a16_gemm(
     c = gemm_output(m, n, a.dtype, split_k, a.device)
     if m:
         _kernel[gemm_grid](
-            a, qweight, scales, zeros, _lut(a.device), c, m, n, k, m_bucket(m),
+            a, qweight, scales, zeros, nf4_lut(a.device), c, m, n, k, m_bucket(m),
             a.stride(0), qweight.stride(0), scales.stride(0), c.stride(0),
             QGROUP=group, NF4=zeros is None, COMPUTE=compute_dtype(a.dtype), SPLIT_K=split_k,
         )  # fmt: skip
