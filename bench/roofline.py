@@ -68,7 +68,12 @@ from typing import Any
 from bench.gpus import GIB, GPU, GPUS, TB
 from bench.report import Panel, Series, plot_panels, print_table, write_json
 from services.config import EngineConfig
-from services.model_config import MOE_ARCHITECTURES
+from services.model_config import (
+    ARCHITECTURE_BY_MODEL_TYPE,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    unwrap_text_config,
+)
 
 
 @dataclass(frozen=True)
@@ -190,39 +195,45 @@ class ModelShape:
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
-        """From a Hugging Face config.json dict (llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe
-        and look-alikes)."""
+        """From a Hugging Face config.json dict, read by the engine's own reader
+        (services/model_config.py). An architecture the engine does not serve is costed as the Llama
+        it looks like (same fields, no biases beyond what the config states)."""
         if cfg.get("n_routed_experts"):
             raise ValueError(f"n_routed_experts={cfg['n_routed_experts']}: DeepSeek-style MoE is not covered")
-        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        d = cfg.get("head_dim") or h // heads
-        inter = cfg["intermediate_size"]
-        model_type = cfg.get("model_type", "llama")
-        moe = moe_fields(cfg)
-        bias = 0
-        if model_type in ("qwen2", "qwen2_moe"):
-            bias += d * (heads + 2 * kv_heads)
-        elif cfg.get("attention_bias"):
-            bias += d * (heads + 2 * kv_heads) + h  # Llama's attention_bias covers o_proj too
+        cfg = unwrap_text_config(cfg)
+        known = cfg.get("architectures") or [ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in known):
+            cfg = cfg | {"architectures": ["MixtralForCausalLM" if cfg.get("num_local_experts")
+                                           else "LlamaForCausalLM"]}
+        mc = ModelConfig.from_dict(cfg)
+        h, d = mc.hidden_size, mc.head_dim
+        bias = d * (mc.num_heads + 2 * mc.num_kv_heads) if mc.attention_bias else 0
+        if mc.attention_bias and mc.architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
+            bias += h  # Llama's attention_bias covers o_proj too
         if cfg.get("mlp_bias"):
-            bias += 2 * inter + h
-        window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window"):
-            window = None
+            bias += 2 * mc.intermediate_size + h
+        moe = {}
+        if mc.is_moe:
+            moe = {
+                "num_experts": mc.num_experts,
+                "experts_per_tok": mc.num_experts_per_tok,
+                "moe_intermediate_size": mc.moe_intermediate_size,
+                "shared_expert_intermediate_size": mc.shared_expert_intermediate_size,
+                "moe_layers": sum(mc.moe_layers),
+            }
         return ModelShape(
-            name=name or cfg.get("_name_or_path") or model_type,
+            name=name or cfg.get("_name_or_path") or cfg.get("model_type", "llama"),
             hidden_size=h,
-            intermediate_size=inter,
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=kv_heads,
+            intermediate_size=mc.intermediate_size,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
             head_dim=d,
-            vocab_size=cfg["vocab_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            vocab_size=mc.vocab_size,
+            max_position_embeddings=mc.max_position_embeddings,
+            tie_word_embeddings=bool(mc.tie_word_embeddings),
             layer_bias_params=bias,
-            sliding_window=window,
+            sliding_window=next((w for w in mc.layer_sliding_windows if w is not None), None),
             **moe,
         )
 
@@ -269,29 +280,6 @@ PRESETS: dict[str, ModelShape] = {
                    experts_per_tok=8, moe_intermediate_size=768, moe_layers=48),
     )
 }
-
-
-def moe_fields(cfg: dict[str, Any]) -> dict[str, int]:
-    """ModelShape's mixture-of-experts fields from an HF config (none for a dense model), read the
-    way services/model_config.py reads them for the engine."""
-    from services.model_config import moe_fields as engine_moe_fields
-
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in MOE_ARCHITECTURES), None)
-    if arch is None and cfg.get("num_local_experts"):
-        arch = "MixtralForCausalLM"
-    if arch is None:
-        return {}
-    fields = engine_moe_fields(arch, cfg)
-    if not fields["num_experts"]:
-        return {}
-    return {
-        "num_experts": fields["num_experts"],
-        "experts_per_tok": fields["num_experts_per_tok"],
-        "moe_intermediate_size": fields["moe_intermediate_size"],
-        "shared_expert_intermediate_size": fields.get("shared_expert_intermediate_size", 0),
-        "moe_layers": sum(fields["moe_layers"]),
-    }
 
 
 @dataclass(frozen=True, slots=True)

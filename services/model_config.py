@@ -17,6 +17,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+# A config without `architectures` names its family by model_type, as transformers' auto classes read it.
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 # Mixtures of experts: routed experts in (some) layers, read by moe_fields.
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Keys that state the trained context length, in the order transformers' configs prefer them.
@@ -151,7 +160,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         cfg = unwrap_text_config(cfg)
-        archs = cfg.get("architectures") or []
+        archs = cfg.get("architectures") or [ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
