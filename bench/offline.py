@@ -33,6 +33,7 @@ from bench.report import machine_info, print_table, write_json
 from bench.workload import default_trace_paths, load_trace, shared_dir
 from services.config import EngineConfig
 from services.cpus import engine_core_count
+from services.model_config import model_limits
 
 # A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
 LLAMA_20M: dict[str, Any] = {
@@ -221,9 +222,8 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             model_dir = random_checkpoint(LLAMA_20M, os.path.join(tmp, name)) if name == "llama-20m" else name
-            with open(os.path.join(model_dir, "config.json")) as f:
-                cfg = json.load(f)
-            work = trace_workload(args.num_requests, cfg["max_position_embeddings"], cfg["vocab_size"])
+            limits = model_limits(model_dir)
+            work = trace_workload(args.num_requests, limits.context_len, limits.vocab_size)
             tokens = sum(work.outputs)
             # Alternate the two so both see the same machine load; keep the median of each.
             ours_runs, hf_runs = [], []
