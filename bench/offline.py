@@ -234,7 +234,8 @@ def main(args: argparse.Namespace) -> int:
             model_dir = random_checkpoint(LLAMA_20M, os.path.join(tmp, name)) if name == "llama-20m" else name
             with open(os.path.join(model_dir, "config.json")) as f:
                 cfg = json.load(f)
-            work = trace_workload(traces, args.num_requests, cfg["max_position_embeddings"], cfg["vocab_size"])
+            context, vocab = cfg["max_position_embeddings"], cfg["vocab_size"]
+            work = trace_workload(traces, args.num_requests, context, vocab)
             tokens = sum(work.outputs)
             # Alternate the two so both see the same machine load; keep the median of each.
             ours_runs, hf_runs = [], []

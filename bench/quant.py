@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="greedy tokens compared with the unquantized model's")
     parser.add_argument("--kv-budget-gb", type=float, default=1.0, help="KV pool size for the capacity rows")
     parser.add_argument("--decode-batch", type=int, default=16, help="batch of the decode speed rows")
-    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each decode speed row generates")
+    parser.add_argument("--decode-tokens", type=int, default=64,
+                        help="tokens each decode speed row generates")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads for the CPU section: "
                         "a 260K-parameter model is latency-bound; extra threads on a shared CPU only wait")
     parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto",

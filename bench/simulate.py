@@ -348,7 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                         help="most tokens in one step")
     parser.add_argument("--efficiency", type=float, default=0.8, help="achieved fraction of the floor")
-    parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed CPU cost added to every step")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
+                        help="fixed CPU cost added to every step")
     parser.add_argument("--step-model", metavar="JSON", help="a fitted LinearStepTime's JSON")
     parser.add_argument("--rate", type=float, help="mean req/s of the replay (default: the trace's)")
     parser.add_argument("--start", type=float, default=0.5,

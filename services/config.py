@@ -45,8 +45,8 @@ class EngineConfig:
     device: str = opt("auto", "torch device; auto: cuda when available, else cpu")
     dtype: str = opt("auto", "weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
                      choices=("auto", "float32", "float16", "bfloat16"))
-    backend: str = opt("auto", "kernel backend; auto: triton on CUDA, cpu elsewhere (torch: cpu's former name)",
-                       choices=("auto", *BACKENDS))
+    backend: str = opt("auto", "kernel backend; auto: triton on CUDA, cpu elsewhere (torch: cpu's former "
+                       "name)", choices=("auto", *BACKENDS))
     kv_cache_dtype: str = opt("auto", "KV cache storage: auto keeps the model dtype; int8/fp8 quantize it",
                               choices=KV_CACHE_DTYPES)
     quantization: str = opt("none", "weight quantization applied at load time", choices=QUANTIZATIONS)
@@ -78,7 +78,8 @@ class EngineConfig:
                                     "template itself; unset: the tokenizer's")
     generation_config: str = opt("auto", "auto: the checkpoint's generation_config.json sampling defaults "
                                  "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests "
-                                 "that leave them unset; none: pipeserve's defaults", choices=("auto", "none"))
+                                 "that leave them unset; none: pipeserve's defaults",
+                                 choices=("auto", "none"))
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -34,7 +34,7 @@ def resolve(name: str, revision: str | None = None) -> str:
         raise ModelNotFound(f"{name} is a file: give the checkpoint's directory")
     if not is_hub_id(name):
         raise ModelNotFound(f"{name}: no such directory, and not a Hugging Face hub id (org/name)")
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, errors, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -54,7 +54,10 @@ def resolve(name: str, revision: str | None = None) -> str:
                             "private one needs HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise ModelNotFound(f"{where}: the model has no such revision") from None
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as exc:
+        if isinstance(exc, getattr(errors, "IncompleteSnapshotError", ())):  # huggingface_hub >= 2.4
+            raise ModelNotFound(f"{where}: the cached snapshot is incomplete and the hub cannot be reached: "
+                                "download it again where there is network") from None
         offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
         raise ModelNotFound(f"{where} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and the "
                             f"hub cannot be reached{offline}: download it where there is network "

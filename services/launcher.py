@@ -120,7 +120,9 @@ class Supervisor:
 
     def spawn(self, child: Child) -> None:
         env = self.env | child.env | {"PIPESERVE_PROCESS_NAME": child.name.replace("-", " ")}
-        child.proc = subprocess.Popen([sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True)
+        child.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True
+        )
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     def dead(self) -> list[tuple[Child, int]]:

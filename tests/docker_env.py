@@ -69,7 +69,8 @@ def base_image() -> str:
             raise RuntimeError("debootstrap is not installed (`apt-get install debootstrap`)")
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as root:
-            run("debootstrap", "--variant=minbase", release, root, "http://deb.debian.org/debian", timeout=900)
+            mirror = "http://deb.debian.org/debian"
+            run("debootstrap", "--variant=minbase", release, root, mirror, timeout=900)
             partial = tarball.with_suffix(".partial")
             run("tar", "-C", root, "-cf", str(partial), ".", timeout=300)
             partial.rename(tarball)

@@ -56,9 +56,9 @@ def test_offline_runs_on_a_users_own_model_and_trace(no_shared: Path, tmp_path: 
     trace = tmp_path / "my-trace.csv"
     trace.write_text(TRACE)
     out = tmp_path / "offline.json"
-    args = parse(offline, ["--model", str(model), "--trace", str(trace), "--num-requests", "4", "--repeats", "1",
-                           "--batch-size", "2", "--no-hf", "--overhead-requests", "2", "--overhead-context", "32",
-                           "--json", str(out)])
+    args = parse(offline, ["--model", str(model), "--trace", str(trace), "--num-requests", "4",
+                           "--repeats", "1", "--batch-size", "2", "--no-hf", "--overhead-requests", "2",
+                           "--overhead-context", "32", "--json", str(out)])
     assert offline.main(args) == 0
     result = json.loads(out.read_text())
     assert result["traces"] == [str(trace)]

@@ -40,12 +40,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def compose(tmp_path_factory) -> dict:
-    model = tmp_path_factory.mktemp("model")
+def compose_config(model: Path, *files: str) -> dict:
     env = {**os.environ, "MODEL_DIR": str(model)}
     out = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "compose.yaml"), "config"],
+        ["docker-compose", *[arg for name in files for arg in ("-f", str(ROOT / name))], "config"],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -53,9 +51,23 @@ def compose(tmp_path_factory) -> dict:
         timeout=30,
     )
     assert out.returncode == 0, out.stderr
-    config = yaml.safe_load(out.stdout)
+    config: dict = yaml.safe_load(out.stdout)
     config["model_dir"] = str(model)
     return config
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory) -> dict:
+    return compose_config(tmp_path_factory.mktemp("model"), "compose.yaml")
+
+
+def test_the_cpu_override_runs_the_engine_on_the_cpu_without_a_gpu(tmp_path) -> None:
+    config = compose_config(tmp_path, "compose.yaml", "compose.cpu.yaml")
+    engine = config["services"]["engine"]
+    assert engine["command"][-2:] == ["--device", "cpu"]
+    devices = engine.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    assert devices == []
+    assert config["services"]["gateway"] == compose_config(tmp_path, "compose.yaml")["services"]["gateway"]
 
 
 def test_services_and_networks(compose):
@@ -163,7 +175,8 @@ def test_compose_cpu_deployment_really_runs(tmp_path, stories_dir) -> None:
         dc("up", "-d", "--no-build", "--scale", "tokenizer=3")
         with Client(f"127.0.0.1:{port}") as client:
             serving(client, 300)
-            streamed = "".join(c.text for c in client.stream("Once upon a time", max_tokens=16, temperature=0))
+            chunks = client.stream("Once upon a time", max_tokens=16, temperature=0)
+            streamed = "".join(c.text for c in chunks)
             assert streamed.startswith(expected), streamed
             for i in range(30):
                 client.generate(f"Lily had {i} red balls.", max_tokens=2)
@@ -171,7 +184,8 @@ def test_compose_cpu_deployment_really_runs(tmp_path, stories_dir) -> None:
             served_by = {line.split("|")[0].strip() for line in logs.splitlines() if "tokenized" in line}
             assert len(served_by) == 3, served_by
             engine = dc("ps", "-q", "engine").stdout.split()[0]
-            pid = int(subprocess.check_output(["docker", "inspect", "-f", "{{.State.Pid}}", engine], text=True))
+            pid = int(subprocess.check_output(["docker", "inspect", "-f", "{{.State.Pid}}", engine],
+                                              text=True))
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 120
             while int(subprocess.check_output(

@@ -36,7 +36,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClus
     snapshot = add_snapshot(root / "hub", "tiny/stories", checkpoint, "c" * 40)
     (root / "chat.jinja").write_text(TEMPLATE)
     env = {"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1", "PIPESERVE_CACHE": str(root / "cache")}
-    flags = ("--revision", "main", "--served-model-name", "stories-chat", "--chat-template", str(root / "chat.jinja"))
+    flags = ("--revision", "main", "--served-model-name", "stories-chat",
+             "--chat-template", str(root / "chat.jinja"))
     with LocalCluster(root / "up.log", "tiny/stories", *flags, env=env, startup=120) as cluster:
         yield cluster, snapshot
 

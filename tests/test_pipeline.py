@@ -308,7 +308,8 @@ def test_a_second_server_on_the_port_exits_and_the_first_serves_every_call(serve
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert gateway.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in gateway.stderr, gateway.stderr
     expected = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=0.0))[0].text
-    texts = [server.client.generate("Once upon a time", max_tokens=12, temperature=0.0).text for _ in range(8)]
+    texts = [server.client.generate("Once upon a time", max_tokens=12, temperature=0.0).text
+             for _ in range(8)]
     assert texts == [expected] * 8
     # Readiness is checked for the gateway's own instance id: nobody else answers SERVING for it.
     instance = re.search(r"instance (pipeserve-[0-9a-f]+)", server.tail(400)).group(1)

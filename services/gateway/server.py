@@ -349,8 +349,9 @@ class Gateway(pb_grpc.GenerationServicer):
                 f"at most {self.config.max_request_bytes} allowed"
             )
         # Unset fields take the model's generation_config.json defaults (as vLLM), then SamplingParams'.
-        sampling = dict(self.info.sampling_defaults) if self.info else {}
-        sampling.update({name: getattr(request, name) for name in OPTIONAL_SAMPLING if request.HasField(name)})
+        sampling: dict[str, Any] = dict(self.info.sampling_defaults) if self.info else {}
+        sampling.update({name: getattr(request, name) for name in OPTIONAL_SAMPLING
+                         if request.HasField(name)})
         params = SamplingParams(
             **sampling,
             stop=list(request.stop),

@@ -78,7 +78,8 @@ def read_chat_template(value: str) -> str:
 def load_tokenizer(model_dir: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """The fast (Rust) tokenizer of a checkpoint dir, with its special tokens and chat template
     (chat_template, a file or the template itself, replaces the checkpoint's)."""
-    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(fast_tokenizer_dir(model_dir))
+    source = fast_tokenizer_dir(model_dir)
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(source)
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
