@@ -38,7 +38,7 @@ def test_hub_ids_resolve_from_the_cache_offline(hf_cache: Path) -> None:
 
 
 def test_missing_models_say_what_to_do(hf_cache: Path, tmp_path: Path) -> None:
-    with pytest.raises(hub.ModelNotFound, match="not in the Hugging Face cache .* HF_HUB_OFFLINE is set"):
+    with pytest.raises(hub.ModelNotFound, match=r"not in the Hugging Face cache .* \(HF_HUB_OFFLINE is set\)"):
         hub.resolve("tiny/missing")
     with pytest.raises(hub.ModelNotFound, match="revision v9"):
         hub.resolve("tiny/stories", revision="v9")
@@ -66,7 +66,10 @@ def test_a_slow_only_tokenizer_is_converted_once_and_matches_the_fast_one(
     (slow / "tokenizer.json").unlink()
     fast, converted = load_tokenizer(stories_dir), load_tokenizer(str(slow))
     text = "Once upon a time, Lily saw a big dog. She said: \"Hi!\"\n  The end 123."
-    assert converted.encode(text) == fast.encode(text)
+    import sentencepiece
+
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(slow / "tokenizer.model"))
+    assert converted.encode(text) == fast.encode(text) == [fast.bos_token_id, *reference.encode(text)]
     ids = fast.encode(text)
     assert converted.decode(ids) == fast.decode(ids)
     assert (converted.bos_token, converted.eos_token) == (fast.bos_token, fast.eos_token)

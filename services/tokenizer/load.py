@@ -10,6 +10,7 @@ fast tokenizer."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -53,8 +54,7 @@ def fast_tokenizer_dir(model_dir: str) -> str:
                 digest.update(name.encode() + b"\0" + f.read())
     target = os.path.join(cache_dir(), "tokenizers", digest.hexdigest()[:24])
     if not os.path.isfile(os.path.join(target, "tokenizer.json")):
-        # transformers builds the fast tokenizer from the SentencePiece model (needs sentencepiece).
-        converted = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        converted = slow_tokenizer_class(model_dir).from_pretrained(model_dir)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         staging = tempfile.mkdtemp(dir=os.path.dirname(target))
         converted.save_pretrained(staging)
@@ -63,6 +63,25 @@ def fast_tokenizer_dir(model_dir: str) -> str:
         except OSError:  # another process got there first
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def slow_tokenizer_class(model_dir: str) -> type[PreTrainedTokenizerFast]:
+    """The transformers class that converts this checkpoint's SentencePiece model to a fast tokenizer:
+    the one tokenizer_config.json names when transformers has a converter for it, else Llama's (the
+    SentencePiece layout of every architecture pipeserve serves). transformers' generic class would
+    read the model without the Llama normalizer and split words differently."""
+    import transformers
+    from transformers.convert_slow_tokenizer import SLOW_TO_FAST_CONVERTERS
+
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    named = ""
+    if os.path.isfile(path):
+        with open(path) as f:
+            named = str(json.load(f).get("tokenizer_class") or "").removesuffix("Fast")
+    cls: type[PreTrainedTokenizerFast] = (
+        getattr(transformers, named) if named in SLOW_TO_FAST_CONVERTERS else transformers.LlamaTokenizer
+    )
+    return cls
 
 
 def read_chat_template(value: str) -> str:
