@@ -1,6 +1,7 @@
 """compose.yaml validated by `docker-compose config`, and checked for what the deployment promises:
 the ZeroMQ wiring pairs every binder with its connectors, only the gateway is published, the engine
-reserves a GPU, the model is mounted read-only, and every command parses with the real CLI."""
+gets a GPU (none with compose.cpu.yaml), the model is mounted read-only, and every command parses
+with the real CLI; then the CPU deployment is built and really run."""
 
 from __future__ import annotations
 
@@ -64,10 +65,11 @@ def compose(tmp_path_factory) -> dict:
 def test_the_cpu_override_runs_the_engine_on_the_cpu_without_a_gpu(tmp_path) -> None:
     config = compose_config(tmp_path, "compose.yaml", "compose.cpu.yaml")
     engine = config["services"]["engine"]
-    assert engine["command"][-2:] == ["--device", "cpu"]
-    devices = engine.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-    assert devices == []
-    assert config["services"]["gateway"] == compose_config(tmp_path, "compose.yaml")["services"]["gateway"]
+    assert engine["command"][-2:] == ["--device", "cpu"] and engine["runtime"] == "runc"
+    base = compose_config(tmp_path, "compose.yaml")["services"]
+    for name in ("gateway", "tokenizer", "detokenizer"):  # only the engine changes
+        assert config["services"][name]["command"] == base[name]["command"], name
+        assert config["services"][name].get("runtime") == base[name].get("runtime") is None, name
 
 
 def test_services_and_networks(compose):
@@ -104,9 +106,10 @@ def test_zeromq_wiring_pairs_binders_and_connectors(compose):
     assert len(set(ports.values())) == len(ports)
 
 
-def test_engine_reserves_a_gpu_and_the_model_is_read_only(compose):
-    devices = compose["services"]["engine"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in d["capabilities"] for d in devices)
+def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
+    engine = compose["services"]["engine"]
+    assert engine["runtime"] == "nvidia" and engine["environment"]["NVIDIA_VISIBLE_DEVICES"] == "0"
+    assert engine["command"][-2:] == ["--device", "cuda"]
     for name in ("tokenizer", "engine", "detokenizer"):
         (volume,) = compose["services"][name]["volumes"]
         assert (volume["source"], volume["target"], volume["read_only"]) == (

@@ -38,7 +38,8 @@ def test_hub_ids_resolve_from_the_cache_offline(hf_cache: Path) -> None:
 
 
 def test_missing_models_say_what_to_do(hf_cache: Path, tmp_path: Path) -> None:
-    with pytest.raises(hub.ModelNotFound, match=r"not in the Hugging Face cache .* \(HF_HUB_OFFLINE is set\)"):
+    offline = r"not in the Hugging Face cache .* \(HF_HUB_OFFLINE is set\)"
+    with pytest.raises(hub.ModelNotFound, match=offline):
         hub.resolve("tiny/missing")
     with pytest.raises(hub.ModelNotFound, match="revision v9"):
         hub.resolve("tiny/stories", revision="v9")

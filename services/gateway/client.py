@@ -57,7 +57,7 @@ def build_request(
     elif prompt and isinstance(prompt[0], dict):
         request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
-        request.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+        request.prompt_token_ids.ids.extend(prompt)
         request.prompt_token_ids.SetInParent()  # an empty list is still this oneof (and then rejected)
     return request
 
@@ -259,7 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(SamplingParams)
     for f in fields(SamplingParams):
         flag, hint = f"--{f.name.replace('_', '-')}", hints[f.name]
-        default = f.default_factory() if f.default is MISSING else f.default
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
         help_ = f"{f.metadata['help']} (default: {'unset' if default is None else default})"
         if hint is bool:
             sampling.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
