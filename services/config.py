@@ -114,8 +114,10 @@ def new_instance_id() -> str:
     return f"pipeserve-{uuid.uuid4().hex}"
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+def address(name: str, help: str) -> Any:
+    """An Addresses field: $PIPESERVE_<NAME>_ADDR, else an ipc:// path under /tmp/pipeserve."""
+    return opt(help=help, factory=lambda: os.environ.get(f"PIPESERVE_{name.upper()}_ADDR",
+                                                        f"ipc:///tmp/pipeserve/{name}"))
 
 
 @dataclass
@@ -126,20 +128,14 @@ class Addresses:
     `errors` carries only per-request failures (RequestError); `status` carries liveness and process
     state (the engine's EngineInfo heartbeats, the supervisor's ProcessStatus)."""
 
-    tokenize: str = opt(help="gateway -> tokenizers: requests to tokenize (gateway binds)",
-                        factory=lambda: _env("PIPESERVE_TOKENIZE_ADDR", "ipc:///tmp/pipeserve/tokenize"))
-    requests: str = opt(help="tokenizers -> engine: token ids (engine binds)",
-                        factory=lambda: _env("PIPESERVE_REQUESTS_ADDR", "ipc:///tmp/pipeserve/requests"))
-    control: str = opt(help="gateway and detokenizer -> engine: aborts (engine binds)",
-                       factory=lambda: _env("PIPESERVE_CONTROL_ADDR", "ipc:///tmp/pipeserve/control"))
-    steps: str = opt(help="engine -> detokenizer: generated tokens (detokenizer binds)",
-                     factory=lambda: _env("PIPESERVE_STEPS_ADDR", "ipc:///tmp/pipeserve/steps"))
-    deltas: str = opt(help="detokenizer -> gateway: text deltas (gateway binds)",
-                      factory=lambda: _env("PIPESERVE_DELTAS_ADDR", "ipc:///tmp/pipeserve/deltas"))
-    errors: str = opt(help="any process -> gateway: per-request failures (gateway binds)",
-                      factory=lambda: _env("PIPESERVE_ERRORS_ADDR", "ipc:///tmp/pipeserve/errors"))
-    status: str = opt(help="engine and supervisor -> gateway: heartbeats, process state (gateway binds)",
-                      factory=lambda: _env("PIPESERVE_STATUS_ADDR", "ipc:///tmp/pipeserve/status"))
+    tokenize: str = address("tokenize", "gateway -> tokenizers: requests to tokenize (gateway binds)")
+    requests: str = address("requests", "tokenizers -> engine: token ids (engine binds)")
+    control: str = address("control", "gateway and detokenizer -> engine: aborts (engine binds)")
+    steps: str = address("steps", "engine -> detokenizer: generated tokens (detokenizer binds)")
+    deltas: str = address("deltas", "detokenizer -> gateway: text deltas (gateway binds)")
+    errors: str = address("errors", "any process -> gateway: per-request failures (gateway binds)")
+    status: str = address("status", "engine and supervisor -> gateway: heartbeats, process state "
+                                    "(gateway binds)")
 
     @classmethod
     def under(cls, directory: str) -> Addresses:
