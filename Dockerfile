@@ -9,17 +9,21 @@
 #                  pins the Triton release it was built with, so torch and Triton always match.
 #   PIP_ARGS       extra pip options, e.g. "--find-links DIR" where a CPU torch wheel lies (the CPU
 #                  image of compose.cpu.yaml), or a private index
+#   EXTRA_CA_CERTS PEM certificates to trust besides Debian's (a TLS-intercepting proxy's CA), e.g.
+#                  --build-arg EXTRA_CA_CERTS="$(cat /usr/local/share/ca-certificates/*.crt)"
 ARG BASE=debian:bookworm-slim
 FROM ${BASE}
 
 ARG TORCH_VERSION=2.13.0
 ARG PIP_ARGS=""
+ARG EXTRA_CA_CERTS=""
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     PIPESERVE_CACHE=/home/pipeserve/.cache/pipeserve
 
 # gcc, libc headers and Python's headers: Triton compiles a small C driver the first time it
@@ -27,6 +31,9 @@ ENV PYTHONUNBUFFERED=1 \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
+    && if [ -n "$EXTRA_CA_CERTS" ]; then \
+         printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/extra.crt && update-ca-certificates; \
+       fi \
     && python3 -m venv /opt/venv
 
 WORKDIR /app

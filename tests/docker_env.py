@@ -2,7 +2,8 @@
 running (root only), build the base image from Debian's own repositories (debootstrap minbase of this
 host's release, `docker import`), and give `docker build` the host's pip sources: the local wheel
 folders and file:// indexes of `pip config list` are served over HTTP on 127.0.0.1 (the build runs
-with --network host), so the image takes the CPU torch wheel the host has instead of CUDA wheels.
+with --network host), so the image takes the CPU torch wheel the host has instead of CUDA wheels, and
+the CA certificates the host added to Debian's are trusted in the image too (EXTRA_CA_CERTS).
 
 Cached between runs under ~/.cache/pipeserve/docker (or $PIPESERVE_DOCKER_CACHE): the base image's
 tarball; Docker's own layer cache keeps the installed wheels while pyproject.toml is unchanged."""
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 CACHE = Path(os.environ.get("PIPESERVE_DOCKER_CACHE", Path.home() / ".cache" / "pipeserve" / "docker"))
+EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")  # where Debian keeps locally added CAs
 
 
 def run(*cmd: str, timeout: float = 600, check: bool = True, **kwargs: object) -> subprocess.CompletedProcess:
@@ -130,11 +132,18 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+def extra_ca_certs() -> str:
+    """The CA certificates this host trusts besides Debian's (e.g. a TLS-intercepting proxy's), PEM."""
+    return "\n".join(path.read_text().strip() for path in sorted(EXTRA_CA_DIR.glob("*.crt")))
+
+
 def build_image(repo: Path, tag: str) -> None:
-    """The repository's Dockerfile on the debootstrapped base, with the host's CPU torch wheel."""
+    """The repository's Dockerfile on the debootstrapped base, with the host's CPU torch wheel and CA
+    certificates."""
     base = base_image()
     with pip_args() as extra:
         out = run("docker", "build", "--network", "host", "-t", tag, "--build-arg", f"BASE={base}",
-                  "--build-arg", f"PIP_ARGS={extra}", str(repo), timeout=900, check=False)
+                  "--build-arg", f"PIP_ARGS={extra}", "--build-arg", f"EXTRA_CA_CERTS={extra_ca_certs()}",
+                  str(repo), timeout=900, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"docker build failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
