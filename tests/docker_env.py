@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 CACHE = Path(os.environ.get("PIPESERVE_DOCKER_CACHE", Path.home() / ".cache" / "pipeserve" / "docker"))
+STABLE_PORTS = range(38400, 38420)
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")  # where Debian keeps locally added CAs
 
 
@@ -113,8 +114,7 @@ def pip_args() -> Iterator[str]:
     with tempfile.TemporaryDirectory() as root:
         for name, path in served.items():
             os.symlink(path, os.path.join(root, name))
-        handler = functools.partial(_QuietHandler, directory=root)
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = serve_folder(root)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         base = f"http://127.0.0.1:{server.server_address[1]}"
@@ -125,6 +125,18 @@ def pip_args() -> Iterator[str]:
         finally:
             server.shutdown()
             server.server_close()
+
+
+def serve_folder(root: str) -> http.server.ThreadingHTTPServer:
+    """An HTTP server for root on the first free port of STABLE_PORTS: PIP_ARGS names the port, and a
+    build argument that changes from run to run would void Docker's layer cache (the wheels)."""
+    handler = functools.partial(_QuietHandler, directory=root)
+    for port in STABLE_PORTS:
+        try:
+            return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except OSError:
+            continue
+    return http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -142,8 +154,8 @@ def build_image(repo: Path, tag: str) -> None:
     certificates."""
     base = base_image()
     with pip_args() as extra:
-        out = run("docker", "build", "--network", "host", "-t", tag, "--build-arg", f"BASE={base}",
-                  "--build-arg", f"PIP_ARGS={extra}", "--build-arg", f"EXTRA_CA_CERTS={extra_ca_certs()}",
-                  str(repo), timeout=900, check=False)
+        out = run("docker", "build", "--force-rm", "--network", "host", "-t", tag,
+                  "--build-arg", f"BASE={base}", "--build-arg", f"PIP_ARGS={extra}",
+                  "--build-arg", f"EXTRA_CA_CERTS={extra_ca_certs()}", str(repo), timeout=900, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"docker build failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
