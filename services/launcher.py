@@ -78,7 +78,9 @@ def children_of(pid: int) -> dict[int, str]:
 
 
 def set_title(name: str) -> None:
-    """What `ps`/`top` show for this process: "pipeserve: NAME" rather than the interpreter's argv."""
+    """What `ps`/`top` show for this process: "pipeserve: NAME" rather than the interpreter's argv.
+    Written over argv only (SPT_NOENV), so /proc/PID/environ still shows the process's environment."""
+    os.environ["SPT_NOENV"] = "1"
     import setproctitle
 
     setproctitle.setproctitle(TITLE + name)
