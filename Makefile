@@ -8,6 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 WORKERS ?= 2
 PYTEST_ARGS ?=
+DOCKER_PACKAGES := docker.io docker-compose debootstrap
 
 .PHONY: serve test test-fast lint venv proto clean
 
@@ -28,9 +29,11 @@ serve: $(STAMP)
 
 # The whole suite, after ruff and the type checker (CI runs this target).
 test: lint
-	# docker-compose (Debian package) validates compose.yaml in the tests; best effort when not root.
-	command -v docker-compose >/dev/null 2>&1 || (apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
-	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker-compose >/dev/null 2>&1) || true)
+	# Docker (Debian packages) for the compose tests: they validate compose.yaml and run the deployment
+	# (tests/docker_env.py starts dockerd). Best effort: without root they skip and say why.
+	command -v docker-compose >/dev/null 2>&1 && command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || \
+	  (apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1 || \
+	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1) || true)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end).

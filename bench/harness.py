@@ -35,7 +35,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto: cuda when available")
     parser.add_argument("--dtype", default="auto", help="auto: checkpoint dtype on CUDA, float32 on CPU")
     parser.add_argument("--backend", default="auto", help="torch or triton; auto: triton on CUDA")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size (default: engine's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for the engine and the measurement (default: torch's); "

@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from bench.report import machine_info, print_table, write_json
-from bench.workload import default_trace_paths, load_trace, shared_dir
+from bench.workload import checkpoint, load_trace, trace_paths
 from services.config import EngineConfig
 from services.cpus import engine_core_count
 from services.model_config import model_limits
@@ -85,11 +86,14 @@ def random_checkpoint(config: dict, directory: str, seed: int = 0) -> str:
     return directory
 
 
-def trace_workload(n: int, context: int, vocab: int, seed: int = 0) -> Workload:
-    """n requests drawn at random (seeded) from every trace, lengths scaled by one factor so the
+def trace_workload(paths: list[Path], n: int, context: int, vocab: int, seed: int = 0) -> Workload:
+    """n requests drawn at random (seeded) from the traces, lengths scaled by one factor so the
     longest drawn request fits the context."""
     rng = np.random.default_rng(seed)
-    every = load_trace(default_trace_paths())
+    every = load_trace(paths)
+    if len(every) < n:
+        raise SystemExit(f"pipeserve bench offline: the traces hold {len(every)} requests, fewer than "
+                         f"--num-requests {n}")
     rows = [every[i] for i in rng.choice(len(every), size=n, replace=False)]
     factor = min(1.0, (context - 1) / max(r.prompt_tokens + r.output_tokens for r in rows))
     prompts, outputs = [], []
@@ -184,15 +188,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         action="append",
         default=None,
-        help="HF checkpoint dir; repeatable; 'llama-20m' builds the random ~20M Llama "
-        "(default: stories260K and llama-20m)",
+        help="HF checkpoint dir or hub id; repeatable; 'llama-20m' builds the random ~20M Llama "
+        "(default: the shared stories260K and llama-20m)",
     )
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--trace", nargs="+", metavar="CSV",
+                        help="trace files the request lengths are drawn from (default: the shared traces)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests drawn from the traces")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine; the median counts")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="most requests running at once")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
-    parser.add_argument("--overhead-requests", type=int, default=256)
-    parser.add_argument("--overhead-context", type=int, default=2048)
+    parser.add_argument("--overhead-requests", type=int, default=256,
+                        help="scheduler overhead measurement: running requests")
+    parser.add_argument("--overhead-context", type=int, default=2048,
+                        help="scheduler overhead measurement: context of each request")
     parser.add_argument(
         "--threads",
         type=int,
@@ -209,11 +217,14 @@ def main(args: argparse.Namespace) -> int:
     # Both engines get the thread count our engine takes on this host by default (the pipelined server
     # leaves one core to the other processes); --threads sets another for both.
     torch.set_num_threads(args.threads or engine_core_count(EngineConfig(), len(os.sched_getaffinity(0))))
-    models = args.model or [str(shared_dir() / "models" / "stories260K"), "llama-20m"]
+    command = "pipeserve bench offline"
+    traces = trace_paths(args.trace, command)
+    models = [m if m == "llama-20m" else checkpoint(m, command) for m in args.model or [None, "llama-20m"]]
     results = {
         "machine": machine_info(),
         "num_requests": args.num_requests,
         "batch_size": args.batch_size,
+        "traces": [str(p) for p in traces],
         "threads": torch.get_num_threads(),
         "loadavg_before": os.getloadavg(),
         "models": [],
@@ -223,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
         for name in models:
             model_dir = random_checkpoint(LLAMA_20M, os.path.join(tmp, name)) if name == "llama-20m" else name
             limits = model_limits(model_dir)
-            work = trace_workload(args.num_requests, limits.context_len, limits.vocab_size)
+            work = trace_workload(traces, args.num_requests, limits.context_len, limits.vocab_size)
             tokens = sum(work.outputs)
             # Alternate the two so both see the same machine load; keep the median of each.
             ours_runs, hf_runs = [], []

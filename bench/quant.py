@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import machine_info, print_table, write_json
+from bench.workload import checkpoint
 
 
 @dataclass(frozen=True)
@@ -77,31 +78,31 @@ PROMPTS = ["Once upon a time", "Lily and Tom went to the park", "The little dog 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: the shared stories260K)")
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint dir or hub id (default: the shared stories260K)")
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS),
+                        help="quantization configurations of the CPU section")
     parser.add_argument("--stories", type=int, default=40, help="stories in the held-out text (~150 tokens)")
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced sequence")
-    parser.add_argument("--greedy-tokens", type=int, default=48)
-    parser.add_argument("--kv-budget-gb", type=float, default=1.0)
-    parser.add_argument("--decode-batch", type=int, default=16)
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--greedy-tokens", type=int, default=48,
+                        help="greedy tokens compared with the unquantized model's")
+    parser.add_argument("--kv-budget-gb", type=float, default=1.0, help="KV pool size for the capacity rows")
+    parser.add_argument("--decode-batch", type=int, default=16, help="batch of the decode speed rows")
+    parser.add_argument("--decode-tokens", type=int, default=64,
+                        help="tokens each decode speed row generates")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads for the CPU section: "
                         "a 260K-parameter model is latency-bound; extra threads on a shared CPU only wait")
     parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto",
                         help="the GPU section: auto runs it when CUDA is available")
     parser.add_argument("--gpu-model", default="llama-2-7b", help="roofline preset or checkpoint dir")
-    parser.add_argument("--gpu-setups", nargs="+", default=GPU_SETUPS, choices=list(SETUPS))
-    parser.add_argument("--gpu-batch", nargs="+", type=int, default=[1, 64, 256])
-    parser.add_argument("--gpu-input-len", type=int, default=512)
-    parser.add_argument("--gpu-output-len", type=int, default=16)
+    parser.add_argument("--gpu-setups", nargs="+", default=GPU_SETUPS, choices=list(SETUPS),
+                        help="quantization configurations of the GPU section")
+    parser.add_argument("--gpu-batch", nargs="+", type=int, default=[1, 64, 256],
+                        help="batch sizes of the GPU section")
+    parser.add_argument("--gpu-input-len", type=int, default=512, help="GPU section: prompt tokens")
+    parser.add_argument("--gpu-output-len", type=int, default=16, help="GPU section: generated tokens")
     parser.add_argument("--out", default=None, help="directory for quant.json and quant.md "
                         "(default: bench/results/<cpu|gpu name>)")
-
-
-def default_model() -> str:
-    from bench.workload import shared_dir
-
-    return os.path.join(shared_dir(), "models", "stories260K")
 
 
 def open_llm(model: str, setup: Setup, **options: Any):
@@ -137,7 +138,7 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
     from services.engine.model.quantize import weight_bytes
 
     torch.set_num_threads(args.cpu_threads)
-    model = args.model or default_model()
+    model = checkpoint(args.model, "pipeserve bench quant")
     rows: list[dict[str, Any]] = []
     ref: dict[str, Any] = {}
     greedy = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True)

@@ -40,7 +40,7 @@ PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog"
 class Case:
     name: str
     request: bytes  # a serialized GenerateRequest (or bytes that are not one)
-    code: str  # the expected grpc status name; "OK" when the request is served (clamped)
+    code: str  # the expected grpc status name; "OK" when the request is served
     field: str  # the expected error message names this
 
 
@@ -83,10 +83,16 @@ def bad_input_cases(context_len: int, vocab_size: int) -> list[Case]:
             "prompt_token_ids",
         ),
         Case("max_tokens 0", _req(max_tokens=0), "INVALID_ARGUMENT", "max_tokens"),
-        # Clamped to what the context leaves (3 tokens here), by design: not an error.
+        # Refused with what the context leaves (3 tokens here), not silently cut short.
         Case(
-            "max_tokens beyond the context (clamped)",
+            "max_tokens beyond the context",
             _req([1] * (context_len - 3), max_tokens=2**32 - 1, temperature=0.0),
+            "INVALID_ARGUMENT",
+            "at most 3 can be generated",
+        ),
+        Case(
+            "max_tokens filling the context",
+            _req([1] * (context_len - 3), max_tokens=3, temperature=0.0),
             "OK",
             "",
         ),

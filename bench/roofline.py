@@ -620,9 +620,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--flops", type=float, help="override dense bf16 TFLOP/s; int8/fp8 rates scale by the same ratio"
     )
     parser.add_argument("--memory-gib", type=float, help="override GPU memory, GiB")
-    parser.add_argument("--wdtype", nargs="+", default=["bf16"], choices=list(WEIGHT_DTYPES))
-    parser.add_argument("--kv-dtype", nargs="+", default=["bf16"], choices=list(KV_DTYPES))
-    parser.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--wdtype", nargs="+", default=["bf16"], choices=list(WEIGHT_DTYPES),
+                        help="weight dtypes to tabulate")
+    parser.add_argument("--kv-dtype", nargs="+", default=["bf16"], choices=list(KV_DTYPES),
+                        help="KV cache dtypes to tabulate")
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                        help="decode batch sizes")
     parser.add_argument(
         "--context",
         nargs="+",
@@ -630,7 +633,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1024],
         help="KV length of each decoding request, and prompt length for prefill",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                        help="fraction of GPU memory for weights and KV cache")
     parser.add_argument("--bf16-lm-head", action="store_true", help="keep lm_head in bf16 (vLLM's default)")
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--out", metavar="DIR", help="write roofline.png into DIR")

@@ -37,7 +37,7 @@ from bench.report import (
     print_table,
     write_json,
 )
-from bench.workload import default_trace_paths, gamma_arrivals, load_trace
+from bench.workload import default_trace_paths, gamma_arrivals, load_trace, trace_paths
 from services.gateway.client import DEFAULT_TARGET, AsyncClient
 
 
@@ -83,9 +83,7 @@ def plan(args: argparse.Namespace, context: int) -> list[Planned]:
             raise ValueError(f"--input-len + --output-len must be in [2, {context}] (the model's context)")
         lengths = [(args.input_len, args.output_len, "fixed")] * args.num_requests
     else:
-        paths = args.trace or default_trace_paths()
-        if not paths:
-            raise ValueError("no trace files: pass --trace, or set PIPESERVE_SHARED to the assets folder")
+        paths = trace_paths(args.trace, "pipeserve bench serve")
         window = None if args.rate is not None else args.duration
         trace = load_trace(paths, context, args.rate_scale, window, args.num_requests)
         lengths = [(r.prompt_tokens, r.output_tokens, r.app) for r in trace]

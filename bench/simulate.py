@@ -55,7 +55,7 @@ from bench.report import (
     write_json,
 )
 from bench.roofline import KV_DTYPES, WEIGHT_DTYPES, CostModel, ModelShape, cost_model
-from bench.workload import TraceRequest, default_trace_paths, load_trace
+from bench.workload import TraceRequest, load_trace, trace_paths
 from services.config import EngineConfig
 from services.engine.kv.policy import AdmissionPolicy, make_policy
 from services.engine.kv.pool import KVPool
@@ -334,18 +334,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="max,optimistic,predicted",
                         help=f"a comma list of {', '.join(POLICIES)}")
     parser.add_argument("--model", default="llama-3-8b", help="roofline preset or HF config path")
-    parser.add_argument("--gpu", default="L40S")
-    parser.add_argument("--wdtype", default="bf16", choices=list(WEIGHT_DTYPES))
-    parser.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES))
+    parser.add_argument("--gpu", default="L40S", help="GPU of the cost model (a roofline table entry)")
+    parser.add_argument("--wdtype", default="bf16", choices=list(WEIGHT_DTYPES), help="weight dtype")
+    parser.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES), help="KV cache dtype")
     parser.add_argument("--kv-gib", type=float, help="KV budget; default: GPU memory x utilization - weights")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
-    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                        help="fraction of GPU memory for weights and KV cache")
+    parser.add_argument("--context", type=int, default=8192, help="the served context length")
     parser.add_argument("--max-tokens", type=int, default=2048, help="clients ask min(this, context-prompt)")
-    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="tokens per KV page")
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                        help="most sequences running in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                        help="most tokens in one step")
     parser.add_argument("--efficiency", type=float, default=0.8, help="achieved fraction of the floor")
-    parser.add_argument("--step-overhead-ms", type=float, default=0.0)
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
+                        help="fixed CPU cost added to every step")
     parser.add_argument("--step-model", metavar="JSON", help="a fitted LinearStepTime's JSON")
     parser.add_argument("--rate", type=float, help="mean req/s of the replay (default: the trace's)")
     parser.add_argument("--start", type=float, default=0.5,
@@ -354,12 +358,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantile", default=str(EngineConfig.predictor_quantile),
                         help="reservation quantile of `predicted`; a comma list runs one per value")
     parser.add_argument("--predictor", metavar="PATH", help="load this predictor instead of training one")
-    parser.add_argument("--ttft-slo", type=float, default=SLO.ttft)
-    parser.add_argument("--tpot-slo", type=float, default=SLO.tpot)
+    parser.add_argument("--ttft-slo", type=float, default=SLO.ttft, help="time-to-first-token SLO, seconds")
+    parser.add_argument("--tpot-slo", type=float, default=SLO.tpot, help="time-per-output-token SLO, seconds")
     parser.add_argument("--capacity", action="store_true", help="search each policy's best rate within SLOs")
     parser.add_argument("--attainment", type=float, default=0.9, help="SLO attainment the capacity must keep")
     parser.add_argument("--tolerance", type=float, default=0.03, help="relative precision of the capacity")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--out", metavar="DIR", help="write simulate.png (and capacity.png) here")
 
 
@@ -385,9 +389,7 @@ def main(args: argparse.Namespace) -> int:
     step_time: StepTime = (LinearStepTime.from_json(args.step_model) if args.step_model
                            else RooflineStepTime(cost, args.efficiency, args.step_overhead_ms / 1e3))
 
-    paths = [Path(p) for p in args.trace.split(",")] if args.trace else default_trace_paths()
-    if not paths:
-        raise SystemExit("pipeserve simulate: no trace given and none found in $PIPESERVE_SHARED/data/traces")
+    paths = trace_paths(args.trace.split(",") if args.trace else None, "pipeserve simulate")
     trace = load_trace(paths)
     split = trace[0].arrival + args.start * (trace[-1].arrival - trace[0].arrival)
     history = [r for r in trace if r.arrival < split and fits(r, spec)]

@@ -264,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"MiB/min above which RSS grows (default {THRESHOLD_MB_PER_MIN:g}, "
         f"{SHORT_THRESHOLD_MB_PER_MIN:g} under 5 minutes)",
     )
-    parser.add_argument("--tokenizer-workers", type=int, default=2)
+    parser.add_argument("--tokenizer-workers", type=int, default=2, help="tokenizer processes of the server")
     parser.add_argument("--json", metavar="PATH", help="write the samples and figures as JSON")
     parser.add_argument("--out", metavar="DIR", help="write soak.png into DIR")
 

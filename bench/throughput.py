@@ -22,7 +22,8 @@ from bench.report import Panel, Series, plot_panels, print_table, write_json
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                        help="batch sizes measured")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of every request")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens of every request")
     parser.add_argument("--no-warmup", action="store_true", help="skip the 2-token run before each size")

@@ -23,6 +23,38 @@ def default_trace_paths() -> list[Path]:
     return sorted((shared_dir() / "data" / "traces").glob("*.csv"))
 
 
+def trace_paths(given: Sequence[str] | None, command: str) -> list[Path]:
+    """--trace files, else the shared traces; SystemExit with one line saying what is missing."""
+    paths = [Path(p) for p in given] if given else default_trace_paths()
+    if not paths:
+        raise SystemExit(f"{command}: no trace: pass --trace FILE.csv (columns TIMESTAMP, ContextTokens, "
+                         f"GeneratedTokens), or set PIPESERVE_SHARED to a folder with data/traces/*.csv")
+    for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"{command}: --trace {path}: no such file")
+    return paths
+
+
+def checkpoint(given: str | None, command: str, default: str = "stories260K") -> str:
+    """--model as a local checkpoint dir (a hub id is downloaded or taken from the HF cache), else the
+    shared `default` model; SystemExit with one line saying what is missing."""
+    from services import hub
+
+    if given:
+        try:
+            path = hub.resolve(given)
+        except hub.ModelNotFound as exc:
+            raise SystemExit(f"{command}: --model {exc}") from None
+    else:
+        path = str(shared_dir() / "models" / default)
+        if not os.path.isdir(path):
+            raise SystemExit(f"{command}: no --model given and the default {default} is not at {path}: pass "
+                             "--model DIR (a Hugging Face checkpoint) or a hub id, or set PIPESERVE_SHARED")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"{command}: --model {path} has no config.json: not a Hugging Face checkpoint")
+    return path
+
+
 def gamma_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Offsets in seconds of `n` arrivals at `rate` per second, the first at 0. Gaps are gamma with
     shape = burstiness and scale = 1 / (rate x burstiness): mean 1 / rate, squared coefficient of

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 
@@ -56,8 +57,15 @@ def missing_bench_extra() -> list[str]:
     return missing
 
 
+def version() -> str:
+    try:
+        return f"pipeserve {importlib.metadata.version('pipeserve')}"
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "pipeserve (not installed)"
+
+
 def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
-    lines = [f"usage: {prog} COMMAND [options]", "", "commands:"]
+    lines = [f"usage: {prog} [--version] COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, help_) in table.items()]
     return "\n".join(lines)
 
@@ -66,6 +74,9 @@ def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(table, prog))
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(version())
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in table:
         print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
@@ -74,10 +85,22 @@ def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
     if module_name.startswith("bench.") and (missing := missing_bench_extra()):
         print(f"{prog} {name} needs {', '.join(missing)}: {INSTALL_BENCH}", file=sys.stderr)
         return 1
-    module = importlib.import_module(module_name)
+    parser = build_parser(table, prog, name)
+    return int(importlib.import_module(module_name).main(parser.parse_args(rest)) or 0)
+
+
+def build_parser(table: dict[str, tuple[str, str]], prog: str, name: str) -> argparse.ArgumentParser:
+    """The argument parser of one command (its module imported)."""
+    module = importlib.import_module(table[name][0])
     parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=table[name][1])
+    parser.add_argument("--version", action="version", version=version())
     module.add_arguments(parser)
-    return int(module.main(parser.parse_args(rest)) or 0)
+    # Hand-written flags state their default the way the config's flags do (services/config.py).
+    for action in parser._actions:
+        if action.help and "default" not in action.help and action.default not in (None, False,
+                                                                                   argparse.SUPPRESS):
+            action.help = f"{action.help} (default: {action.default})"
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import typing
+import uuid
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -24,55 +26,98 @@ TOMBSTONE_TTL = 30.0
 ABORTED_HOLD = 2 * TOMBSTONE_TTL
 
 
+def opt(default: Any = None, help: str = "", *, choices: tuple[Any, ...] | None = None,
+        factory: Callable[[], Any] | None = None) -> Any:
+    """A config field with its CLI help (and choices): the one place a flag is described. A new
+    field needs only `name: type = opt(default, "what it does")`; `--help` adds the default."""
+    metadata = {"help": help, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class EngineConfig:
     """Options of one engine. Every field has a CLI flag of the same name (dashes for underscores)."""
 
-    model: str | None = None  # HF checkpoint dir; None builds the random-weight demo model
-    device: str = "auto"  # "auto" picks cuda when available
-    dtype: str = "auto"  # auto: checkpoint dtype on CUDA, float32 on CPU
-    backend: str = "auto"  # auto: triton on CUDA, cpu elsewhere
-    kv_cache_dtype: str = "auto"
-    quantization: str = "none"
-    page_size: int = 16
-    kv_cache_gb: float | None = None  # None: a fraction of free GPU memory, or 0.25 GB on CPU
-    gpu_memory_utilization: float = 0.9
-    num_pages: int | None = None  # overrides kv_cache_gb (tests use tiny pools)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length
-    admission: str = "optimistic"
-    predictor_path: str | None = None  # where the `predicted` policy persists what it learned
-    predictor_quantile: float = 0.9
-    predictor_mode: str = "peak"  # peak: future-peak admission check; reserve: promise it in the pool
-    seed: int = 0
-    max_logprobs: int = 20
-    # torch intra-op threads of the engine process. 0: on a CPU device all cores but one (the
-    # tokenizers, detokenizer and gateway need CPU too, and a descheduled OpenMP thread stalls
-    # every matmul); on CUDA torch's default.
-    cpu_threads: int = 0
+    model: str | None = opt(None, "Hugging Face checkpoint: a local directory or a hub id (org/name); "
+                            "unset: the random-weight demo model")
+    device: str = opt("auto", "torch device; auto: cuda when available, else cpu")
+    dtype: str = opt("auto", "weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
+                     choices=("auto", "float32", "float16", "bfloat16"))
+    backend: str = opt("auto", "kernel backend; auto: triton on CUDA, cpu elsewhere (torch: cpu's former "
+                       "name)", choices=("auto", *BACKENDS))
+    kv_cache_dtype: str = opt("auto", "KV cache storage: auto keeps the model dtype; int8/fp8 quantize it",
+                              choices=KV_CACHE_DTYPES)
+    quantization: str = opt("none", "weight quantization applied at load time", choices=QUANTIZATIONS)
+    page_size: int = opt(16, "tokens per KV cache page")
+    kv_cache_gb: float | None = opt(None, "KV cache size in GB; unset: --gpu-memory-utilization of free GPU "
+                                    "memory, or 0.25 GB on CPU")
+    gpu_memory_utilization: float = opt(0.9, "fraction of free GPU memory the KV cache may take")
+    num_pages: int | None = opt(None, "KV cache pages, overriding --kv-cache-gb (tests use tiny pools)")
+    max_num_seqs: int = opt(256, "most sequences running in one step")
+    max_num_batched_tokens: int = opt(2048, "most tokens (prefill + decode) in one step")
+    max_model_len: int | None = opt(None, "context length served; unset: the model's")
+    admission: str = opt("optimistic", "KV admission policy: max reserves the whole budget, optimistic "
+                         "admits while pages are free, predicted learns output lengths",
+                         choices=ADMISSION_POLICIES)
+    predictor_path: str | None = opt(None, "file where the predicted policy persists what it learned")
+    predictor_quantile: float = opt(0.9, "predicted policy: the output-length quantile it plans for")
+    predictor_mode: str = opt("peak", "predicted policy: peak checks the future peak at admission, "
+                              "reserve promises it in the pool", choices=PREDICTOR_MODES)
+    seed: int = opt(0, "seed of the engine's sampler for requests without their own")
+    max_logprobs: int = opt(20, "most top logprobs a request may ask for")
+    # On a CPU device all cores but one by default: the tokenizers, detokenizer and gateway need CPU
+    # too, and a descheduled OpenMP thread stalls every matmul.
+    cpu_threads: int = opt(0, "torch intra-op threads of the engine; 0: all cores but one on CPU, "
+                           "torch's default on CUDA")
+    revision: str | None = opt(None, "hub revision (branch, tag or commit) of --model and --tokenizer")
+    tokenizer: str | None = opt(None, "tokenizer source (directory or hub id) when not --model's")
+    served_model_name: str | None = opt(None, "the model name clients see (ModelInfo); unset: from --model")
+    chat_template: str | None = opt(None, "chat template for `messages` requests: a Jinja file or the "
+                                    "template itself; unset: the tokenizer's")
+    generation_config: str = opt("auto", "auto: the checkpoint's generation_config.json sampling defaults "
+                                 "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests "
+                                 "that leave them unset; none: pipeserve's defaults",
+                                 choices=("auto", "none"))
 
     def __post_init__(self) -> None:
-        if self.admission not in ADMISSION_POLICIES:
-            raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
-        if self.backend not in (*BACKENDS, "auto"):
-            raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {self.backend!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        check_choices(self)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.predictor_mode not in PREDICTOR_MODES:
-            raise ValueError(f"predictor_mode must be one of {PREDICTOR_MODES}, got {self.predictor_mode!r}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+def check_choices(obj: Any) -> None:
+    """ValueError naming the field whose value is not one of its declared choices."""
+    for f in fields(obj):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(obj, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}; "
+                             f"got {getattr(obj, f.name)!r}")
+
+
+# The EngineConfig fields a tokenizer or detokenizer process reads: which tokenizer, and the context.
+TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "chat_template", "max_model_len")
+
+
+def cache_dir() -> str:
+    """pipeserve's own cache (the demo model, converted tokenizers): $PIPESERVE_CACHE or ~/.cache."""
+    return os.environ.get("PIPESERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pipeserve")
+
+
+def new_instance_id() -> str:
+    """A gateway's instance id: the health service name only that gateway answers SERVING for."""
+    return f"pipeserve-{uuid.uuid4().hex}"
+
+
+def address(name: str, help: str) -> Any:
+    """An Addresses field: $PIPESERVE_<NAME>_ADDR, else an ipc:// path under /tmp/pipeserve."""
+    return opt(help=help, factory=lambda: os.environ.get(f"PIPESERVE_{name.upper()}_ADDR",
+                                                        f"ipc:///tmp/pipeserve/{name}"))
 
 
 @dataclass
@@ -83,13 +128,14 @@ class Addresses:
     `errors` carries only per-request failures (RequestError); `status` carries liveness and process
     state (the engine's EngineInfo heartbeats, the supervisor's ProcessStatus)."""
 
-    tokenize: str = field(default_factory=lambda: _env("PIPESERVE_TOKENIZE_ADDR", "ipc:///tmp/pipeserve/tokenize"))
-    requests: str = field(default_factory=lambda: _env("PIPESERVE_REQUESTS_ADDR", "ipc:///tmp/pipeserve/requests"))
-    control: str = field(default_factory=lambda: _env("PIPESERVE_CONTROL_ADDR", "ipc:///tmp/pipeserve/control"))
-    steps: str = field(default_factory=lambda: _env("PIPESERVE_STEPS_ADDR", "ipc:///tmp/pipeserve/steps"))
-    deltas: str = field(default_factory=lambda: _env("PIPESERVE_DELTAS_ADDR", "ipc:///tmp/pipeserve/deltas"))
-    errors: str = field(default_factory=lambda: _env("PIPESERVE_ERRORS_ADDR", "ipc:///tmp/pipeserve/errors"))
-    status: str = field(default_factory=lambda: _env("PIPESERVE_STATUS_ADDR", "ipc:///tmp/pipeserve/status"))
+    tokenize: str = address("tokenize", "gateway -> tokenizers: requests to tokenize (gateway binds)")
+    requests: str = address("requests", "tokenizers -> engine: token ids (engine binds)")
+    control: str = address("control", "gateway and detokenizer -> engine: aborts (engine binds)")
+    steps: str = address("steps", "engine -> detokenizer: generated tokens (detokenizer binds)")
+    deltas: str = address("deltas", "detokenizer -> gateway: text deltas (gateway binds)")
+    errors: str = address("errors", "any process -> gateway: per-request failures (gateway binds)")
+    status: str = address("status", "engine and supervisor -> gateway: heartbeats, process state "
+                                    "(gateway binds)")
 
     @classmethod
     def under(cls, directory: str) -> Addresses:
@@ -105,17 +151,18 @@ class Addresses:
 class GatewayConfig:
     """Options of the gRPC gateway (`pipeserve gateway`, and passed through by `pipeserve up`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_inflight: int = 4096  # admission limit: more concurrent streams get RESOURCE_EXHAUSTED
-    max_request_bytes: int = 4 * 1024 * 1024  # larger requests get INVALID_ARGUMENT
-    max_response_bytes: int = 1024 * 1024  # a coalesced response is cut at about this size
-    liveness_timeout: float = 10.0  # no heartbeat for this long: NOT_SERVING, streams end UNAVAILABLE
-    grace: float = 10.0  # on SIGTERM, in-flight streams get this long to finish
-    metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
-    api_key: str | None = None  # when set, calls need "authorization: Bearer <key>" (health is exempt)
-    tls_cert: str | None = None  # PEM files: serve gRPC over TLS instead of plaintext
-    tls_key: str | None = None
+    host: str = opt("127.0.0.1", "address the gRPC server listens on (0.0.0.0: every interface)")
+    port: int = opt(50051, "gRPC port; the server owns it exclusively (a second server on it exits)")
+    max_inflight: int = opt(4096, "admission limit: more concurrent streams get RESOURCE_EXHAUSTED")
+    max_request_bytes: int = opt(4 * 1024 * 1024, "larger requests get INVALID_ARGUMENT")
+    max_response_bytes: int = opt(1024 * 1024, "a coalesced response is cut at about this size")
+    liveness_timeout: float = opt(10.0, "seconds without a heartbeat before NOT_SERVING (open streams "
+                                  "end UNAVAILABLE)")
+    grace: float = opt(10.0, "on SIGTERM, seconds in-flight streams get to finish")
+    metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port; unset: off")
+    api_key: str | None = opt(None, 'require "authorization: Bearer KEY" on every call but health')
+    tls_cert: str | None = opt(None, "PEM certificate: serve gRPC over TLS only (with --tls-key)")
+    tls_key: str | None = opt(None, "PEM private key of --tls-cert")
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_request_bytes < 1024 or self.max_response_bytes < 1024:
@@ -124,28 +171,37 @@ class GatewayConfig:
             raise ValueError("tls_cert and tls_key go together")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (`--page-size`, `--tokenize`). Flags default to None, so
-    from_args() leaves unset fields to the dataclass (and its env defaults)."""
-    group = parser.add_argument_group(cls.__name__)
+def add_arguments(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
+    """One flag per dataclass field (`--page-size`, `--tokenize`; `only` these fields), described by
+    the field's opt() help, choices and default. Flags default to None, so from_args() leaves unset
+    fields to the dataclass (and its env defaults)."""
+    group = parser.add_argument_group(f"{cls.__name__} options")
     for f, hint in _field_hints(cls):
+        if only is not None and f.name not in only:
+            continue
         flag = f"--{f.name.replace('_', '-')}"
         default = f.default_factory() if f.default is MISSING else f.default
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
                                else {"type": kind, "metavar": kind.__name__.upper()})
-        group.add_argument(flag, default=None, help=f"default {default}", **how)
+        if f.metadata.get("choices"):
+            how |= {"choices": f.metadata["choices"], "metavar": "{" + ",".join(f.metadata["choices"]) + "}"}
+        shown = "unset" if default is None else default
+        text = f.metadata.get("help", "")
+        group.add_argument(flag, default=None, help=f"{text} (default: {shown})".lstrip(), **how)
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:
-    values = {f.name: getattr(args, f.name) for f, _ in _field_hints(cls)}
+    values = {f.name: getattr(args, f.name, None) for f, _ in _field_hints(cls)}
     return cls(**{name: value for name, value in values.items() if value is not None})
 
 
-def to_argv(obj: Any) -> list[str]:
-    """The flags that reproduce obj's non-default fields in a child process."""
+def to_argv(obj: Any, only: tuple[str, ...] | None = None) -> list[str]:
+    """The flags that reproduce obj's non-default fields (`only` these) in a child process."""
     argv = []
     for f, _ in _field_hints(type(obj)):
+        if only is not None and f.name not in only:
+            continue
         value = getattr(obj, f.name)
         if f.default is not MISSING and value == f.default or value is None:
             continue

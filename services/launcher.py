@@ -9,6 +9,11 @@ in order: the gateway first (in-flight streams get --grace seconds to finish whi
 runs), then the others. Children run in their own sessions (a terminal's Ctrl-C reaches only this
 process, which orders the shutdown) and die with it if it is killed (PR_SET_PDEATHSIG).
 
+Before any process starts, services/preflight.py checks the ports, the model and the tokenizer, and a
+problem ends `up` with one line saying what to do. The gateway's readiness is checked for the
+instance id this launcher gave it, so another server on the same port can never answer for it.
+Every process is named in `ps` (`pipeserve: engine`, `pipeserve: tokenizer 0`, ...).
+
 `running()` is that start and stop without the supervision loop, for a benchmark that swaps in its
 own engine (bench/pipeline.py); services/local_cluster.py runs the whole of `pipeserve up` in a
 subprocess for tests and benchmarks, and finds its children through children_of().
@@ -35,9 +40,11 @@ from typing import Any
 import zmq
 
 from services import config as cfg
-from services.config import Addresses, EngineConfig, GatewayConfig
+from services import preflight
+from services.config import Addresses, EngineConfig, GatewayConfig, new_instance_id
 from services.cpus import cpu_split, cpus_env
 from services.messages import ProcessStatus, encode
+from services.preflight import StartupError, check_ports
 
 log = logging.getLogger("pipeserve.up")
 
@@ -50,17 +57,33 @@ RESTART_WINDOW = 60.0
 STOP_TIMEOUT = 10.0
 
 
+TITLE = "pipeserve: "
+
+
 def children_of(pid: int) -> dict[int, str]:
     """pid -> subcommand ("engine", "tokenizer", ...) of a launcher's live (not zombie) children."""
     out = {}
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         try:
             argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
-            if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
-                out[int(child)] = argv[3]  # python -c CHILD <subcommand> ...
+            if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] == "Z":
+                continue
+            if argv[0].startswith(TITLE):  # named: "pipeserve: tokenizer 1"
+                out[int(child)] = argv[0].removeprefix(TITLE).split()[0]
+            else:  # not yet named: python -c CHILD <subcommand> ...
+                out[int(child)] = argv[3]
         except (FileNotFoundError, IndexError):
             continue
     return out
+
+
+def set_title(name: str) -> None:
+    """What `ps`/`top` show for this process: "pipeserve: NAME" rather than the interpreter's argv.
+    Written over argv only (SPT_NOENV), so /proc/PID/environ still shows the process's environment."""
+    os.environ["SPT_NOENV"] = "1"
+    import setproctitle
+
+    setproctitle.setproctitle(TITLE + name)
 
 
 def child_main(argv: list[str]) -> int:
@@ -69,6 +92,7 @@ def child_main(argv: list[str]) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # the launcher died before prctl took effect
             return 1
+    set_title(os.environ.get("PIPESERVE_PROCESS_NAME", argv[0]))
     from services.cpus import apply_from_env
 
     apply_from_env()
@@ -97,8 +121,9 @@ class Supervisor:
         self._status.connect(addrs.status)
 
     def spawn(self, child: Child) -> None:
+        env = self.env | child.env | {"PIPESERVE_PROCESS_NAME": child.name.replace("-", " ")}
         child.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, *child.argv], env=self.env | child.env, start_new_session=True
+            [sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True
         )
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
@@ -149,13 +174,6 @@ class Supervisor:
         self._zmq.destroy(linger=0)
 
 
-def demo_model_dir() -> str:
-    """Build (once, cached) the demo model in a subprocess, so this process never imports torch."""
-    code = "from services.engine.model.demo import ensure_demo_model; print(ensure_demo_model())"
-    out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
-    return out.stdout.strip().splitlines()[-1]
-
-
 def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Child]:
     """The children; on a CPU-only host the engine gets cores of its own (services/cpus.py)."""
     split = cpu_split(engine)
@@ -164,26 +182,27 @@ def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Chi
         engine = replace(engine, cpu_threads=len(split.engine))
         engine_env, others_env = cpus_env(split.engine), cpus_env(split.others)
         log.info("engine on cores %s, the rest of the pipeline on %s", split.engine, split.others)
-    model = ["--model", str(engine.model)]
-    tokenizer = model + (["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else [])
+    tokenizer = cfg.to_argv(engine, only=cfg.TOKENIZER_FIELDS)
     return [
         Child("engine", ["engine", *cfg.to_argv(engine)], env=engine_env),
-        Child("detokenizer", ["detokenizer", *model], env=others_env),
+        Child("detokenizer", ["detokenizer", *tokenizer], env=others_env),
         *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer], env=others_env) for i in range(workers)],
         Child("gateway", ["gateway", *cfg.to_argv(gateway)], env=others_env),
     ]
 
 
 def wait_serving(
-    target: str, supervisor: Supervisor, timeout: float, stopping: list[int], **security: Any
+    target: str, instance_id: str, supervisor: Supervisor, timeout: float, stopping: list[int],
+    **security: Any,
 ) -> bool:
-    """Poll the gateway's health (over TLS when security says so) until SERVING."""
+    """Poll the gateway's health for its instance id (over TLS when security says so) until SERVING:
+    only our own gateway knows that id."""
     from services.gateway.client import Client
 
     deadline = time.monotonic() + timeout
     with Client(target, **security) as client:
         while not stopping:
-            if client.health(timeout=1.0) == "SERVING":
+            if client.health(instance_id, timeout=1.0) == "SERVING":
                 return True
             for child, code in supervisor.dead():
                 log.error("%s exited with %d during start-up", child.name, code)
@@ -235,6 +254,7 @@ def running(
     the engine's subcommand (a benchmark's synthetic engine)."""
     run_dir = tempfile.mkdtemp(prefix="pipeserve-")
     addrs = Addresses.under(run_dir)
+    instance_id = new_instance_id()
     env = {
         **os.environ,
         **addrs.to_env(),
@@ -244,25 +264,45 @@ def running(
     children = plan(engine, gateway, workers)
     if engine_argv is not None:
         children[0].argv = engine_argv
+    children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
     supervisor = Supervisor(children, addrs, env)
     host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
     target = f"{host}:{gateway.port}"
     try:
         for child in supervisor.children:
             supervisor.spawn(child)
-        serving = wait_serving(target, supervisor, startup_timeout, stopping, **(security or {}))
+        serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping, **(security or {}))
         yield Running(supervisor, target, run_dir, serving)
     finally:
         supervisor.stop(gateway.grace)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
+    """The configs `up` serves, every start-up check passed (StartupError otherwise)."""
+    if args.tokenizer_workers < 1:
+        raise StartupError(f"--tokenizer-workers must be >= 1, got {args.tokenizer_workers}")
+    try:
+        engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
+    except ValueError as exc:  # the configs' own checks (ranges, TLS files that go together)
+        raise StartupError(str(exc)) from None
+    for flag, path in (("--tls-cert", gateway.tls_cert), ("--tls-key", gateway.tls_key)):
+        if path is not None and not os.path.isfile(path):
+            raise StartupError(f"{flag} {path}: no such file")
+    check_ports(gateway)
+    if engine.model and os.path.isdir(engine.model):
+        engine = replace(engine, model=os.path.abspath(engine.model))
+    return preflight.run(engine), gateway
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.tokenizer_workers < 1:
-        raise SystemExit("--tokenizer-workers must be >= 1")
-    engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
-    engine = replace(engine, model=os.path.abspath(engine.model) if engine.model else demo_model_dir())
+    set_title("up")
+    try:
+        engine, gateway = configs(args)
+    except StartupError as exc:
+        print(f"pipeserve up: error: {exc}", file=sys.stderr)
+        return 2
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))

@@ -59,9 +59,11 @@ class LocalCluster:
         device: str = "cpu",
         startup: float = 120.0,
         security: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """model None: the demo model. flags go to `pipeserve up`; security to the Client (TLS root
-        certificate and server name, API key) when the flags make the gateway require it."""
+        certificate and server name, API key) when the flags make the gateway require it; env adds
+        to the environment (e.g. a Hugging Face cache)."""
         self.port, self.metrics_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -74,6 +76,7 @@ class LocalCluster:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", *argv],
             cwd=ROOT,
+            env=os.environ | (env or {}),
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

@@ -240,6 +240,9 @@ class ModelInfo:
     page_size: int = 0
     num_pages: int = 0
     max_logprobs: int = 20
+    # The checkpoint's generation_config.json sampling defaults (SamplingParams field -> value): the
+    # gateway applies them to the fields a request leaves unset.
+    sampling_defaults: dict[str, int | float] = field(default_factory=dict)
 
 
 @dataclass

@@ -58,14 +58,42 @@ def context_length(cfg: dict[str, Any]) -> int:
     )
 
 
-def generation_eos(model_dir: str) -> list[int] | None:
-    """generation_config.json's eos ids (often several, e.g. chat end markers), if it states any."""
+# generation_config.json keys that are sampling defaults -> the SamplingParams field each sets (those
+# vLLM applies; max_new_tokens is left out: a request's max_tokens must fit the context it leaves).
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def read_generation_config(model_dir: str) -> dict[str, Any]:
+    """generation_config.json as a dict; {} when the checkpoint has none."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
-        return None
+        return {}
     with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def generation_eos(model_dir: str) -> list[int] | None:
+    """generation_config.json's eos ids (often several, e.g. chat end markers), if it states any."""
+    eos = read_generation_config(model_dir).get("eos_token_id")
     return _ids(eos) if eos is not None else None
+
+
+def generation_defaults(model_dir: str) -> dict[str, int | float]:
+    """The sampling defaults the checkpoint's generation_config.json states, by SamplingParams field:
+    they apply to requests that leave those fields unset."""
+    data = read_generation_config(model_dir)
+    return {
+        name: data[key]
+        for key, name in GENERATION_DEFAULTS.items()
+        if isinstance(data.get(key), (int, float)) and not isinstance(data[key], bool)
+    }
 
 
 def _ids(value: Any) -> list[int]:

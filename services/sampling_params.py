@@ -1,11 +1,15 @@
-"""Per-request sampling parameters. Torch-free: the gateway and tokenizer import it too."""
+"""Per-request sampling parameters. Torch-free: the gateway and tokenizer import it too. Defaults:
+a field a gRPC request leaves unset takes the model's generation_config.json default when it states
+one (ModelInfo.sampling_defaults), else the default here."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from services.config import opt
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -17,27 +21,29 @@ CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 means the whole vocabulary
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF style, on prompt and output tokens
-    presence_penalty: float = 0.0  # OpenAI style, on output tokens
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None  # number of top logprobs per token; None: none
-    skip_special_tokens: bool = True
+    max_tokens: int = opt(16, "most tokens to generate; prompt + max_tokens must fit the context")
+    temperature: float = opt(1.0, "sampling temperature; 0 is greedy")
+    top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass")
+    top_k: int = opt(-1, "keep the k most likely tokens; -1: the whole vocabulary")
+    min_p: float = opt(0.0, "drop tokens below this fraction of the most likely token's probability")
+    repetition_penalty: float = opt(1.0, "HF-style penalty on tokens of the prompt and the output; 1: off")
+    presence_penalty: float = opt(0.0, "OpenAI-style penalty on tokens already in the output")
+    frequency_penalty: float = opt(0.0, "OpenAI-style penalty growing with each output token's count")
+    seed: int | None = opt(None, "per-request sampling seed; unset: the engine's")
+    stop: list[str] = opt(help="stop when the text contains this string (repeatable)", factory=list)
+    stop_token_ids: list[int] = opt(help="stop on this token id (repeatable)", factory=list)
+    ignore_eos: bool = opt(False, "keep generating past the end-of-sequence token")
+    min_tokens: int = opt(0, "generate at least this many tokens before any stop applies")
+    logprobs: int | None = opt(None, "return the log-probability of each token and of its N most likely "
+                               "alternatives; unset: none")
+    skip_special_tokens: bool = opt(True, "leave special tokens out of the text")
     # Structured outputs: the output must match this constraint (at most one is set).
-    json_schema: dict[str, Any] | str | None = None  # a JSON schema, as a dict or JSON text
-    json_object: bool = False  # any JSON object
-    regex: str | None = None
-    choice: list[str] | None = None  # exactly one of these strings
-    grammar: str | None = None  # EBNF (GBNF style), root rule `root`
+    json_schema: dict[str, Any] | str | None = opt(
+        None, "the output must be JSON valid under this JSON schema (a dict or JSON text)")
+    json_object: bool = opt(False, "the output must be a JSON object")
+    regex: str | None = opt(None, "the output must fully match this regular expression")
+    choice: list[str] | None = opt(None, "the output must be exactly one of these strings")
+    grammar: str | None = opt(None, "the output must match this EBNF grammar (GBNF style, root rule `root`)")
 
     def validate(self, max_logprobs: int = 20) -> None:
         """Raise ValueError naming the offending field."""

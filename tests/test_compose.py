@@ -1,6 +1,7 @@
 """compose.yaml validated by `docker-compose config`, and checked for what the deployment promises:
 the ZeroMQ wiring pairs every binder with its connectors, only the gateway is published, the engine
-reserves a GPU, the model is mounted read-only, and every command parses with the real CLI."""
+gets a GPU (none with compose.cpu.yaml), the model is mounted read-only, and every command parses
+with the real CLI; then the CPU deployment is built and really run."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import argparse
 import importlib
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -37,12 +41,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def compose(tmp_path_factory) -> dict:
-    model = tmp_path_factory.mktemp("model")
+def compose_config(model: Path, *files: str) -> dict:
     env = {**os.environ, "MODEL_DIR": str(model)}
     out = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "compose.yaml"), "config"],
+        ["docker-compose", *[arg for name in files for arg in ("-f", str(ROOT / name))], "config"],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -50,9 +52,24 @@ def compose(tmp_path_factory) -> dict:
         timeout=30,
     )
     assert out.returncode == 0, out.stderr
-    config = yaml.safe_load(out.stdout)
+    config: dict = yaml.safe_load(out.stdout)
     config["model_dir"] = str(model)
     return config
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory) -> dict:
+    return compose_config(tmp_path_factory.mktemp("model"), "compose.yaml")
+
+
+def test_the_cpu_override_runs_the_engine_on_the_cpu_without_a_gpu(tmp_path) -> None:
+    config = compose_config(tmp_path, "compose.yaml", "compose.cpu.yaml")
+    engine = config["services"]["engine"]
+    assert engine["command"][-2:] == ["--device", "cpu"] and engine["runtime"] == "runc"
+    base = compose_config(tmp_path, "compose.yaml")["services"]
+    for name in ("gateway", "tokenizer", "detokenizer"):  # only the engine changes
+        assert config["services"][name]["command"] == base[name]["command"], name
+        assert config["services"][name].get("runtime") == base[name].get("runtime") is None, name
 
 
 def test_services_and_networks(compose):
@@ -89,9 +106,10 @@ def test_zeromq_wiring_pairs_binders_and_connectors(compose):
     assert len(set(ports.values())) == len(ports)
 
 
-def test_engine_reserves_a_gpu_and_the_model_is_read_only(compose):
-    devices = compose["services"]["engine"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in d["capabilities"] for d in devices)
+def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
+    engine = compose["services"]["engine"]
+    assert engine["runtime"] == "nvidia" and engine["environment"]["NVIDIA_VISIBLE_DEVICES"] == "0"
+    assert engine["command"][-2:] == ["--device", "cuda"]
     for name in ("tokenizer", "engine", "detokenizer"):
         (volume,) = compose["services"][name]["volumes"]
         assert (volume["source"], volume["target"], volume["read_only"]) == (
@@ -117,3 +135,79 @@ def test_commands_parse_with_the_real_cli(compose):
         module.add_arguments(parser)
         args = parser.parse_args(argv)
         assert getattr(args, "model", "/model") == "/model", name
+
+
+# ---- the deployment, really run (CPU) -------------------------------------------------------
+@pytest.mark.timeout(1200)
+def test_compose_cpu_deployment_really_runs(tmp_path, stories_dir) -> None:
+    """Build the image, `up --scale tokenizer=3` with stories260K, stream a greedy request through the
+    published port, see all three tokenizers serve, SIGKILL the engine and see it restart and serve
+    again; `down` leaves nothing."""
+    from services.gateway.client import Client
+    from services.local_cluster import free_port
+    from tests import docker_env
+
+    problem = docker_env.docker_problem()
+    if problem:
+        pytest.skip(problem)
+    docker_env.build_image(ROOT, "pipeserve:latest")
+    port = free_port()
+    project = f"pipeserve-test-{os.getpid()}"
+    # Test-only: the tokenizers log every request, so the test can see which served.
+    verbose = tmp_path / "compose.verbose.yaml"
+    verbose.write_text('services:\n  tokenizer:\n    command: ["tokenizer", "--model", "/model", '
+                       '"--log-level", "debug"]\n')
+    compose = ["docker-compose", "-p", project, "-f", str(ROOT / "compose.yaml"),
+               "-f", str(ROOT / "compose.cpu.yaml"), "-f", str(verbose)]
+    env = {**os.environ, "MODEL_DIR": stories_dir, "PIPESERVE_PORT": str(port)}
+
+    def dc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        out = subprocess.run([*compose, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=timeout)
+        assert out.returncode == 0, f"docker-compose {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
+        return out
+
+    def serving(client: Client, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while client.health(timeout=2) != "SERVING":
+            assert time.monotonic() < deadline, dc("logs", "--tail", "30").stdout
+            time.sleep(1)
+
+    expected = ", there was a little girl"  # stories260K's greedy continuation (tests/test_pipeline.py)
+    try:
+        dc("up", "-d", "--no-build", "--scale", "tokenizer=3")
+        with Client(f"127.0.0.1:{port}") as client:
+            serving(client, 300)
+            chunks = client.stream("Once upon a time", max_tokens=16, temperature=0)
+            streamed = "".join(c.text for c in chunks)
+            assert streamed.startswith(expected), streamed
+            for i in range(30):
+                client.generate(f"Lily had {i} red balls.", max_tokens=2)
+            logs = dc("logs", "--no-color", "tokenizer").stdout
+            served_by = {line.split("|")[0].strip() for line in logs.splitlines() if "tokenized" in line}
+            assert len(served_by) == 3, served_by
+            engine = dc("ps", "-q", "engine").stdout.split()[0]
+            pid = int(subprocess.check_output(["docker", "inspect", "-f", "{{.State.Pid}}", engine],
+                                              text=True))
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while int(subprocess.check_output(
+                    ["docker", "inspect", "-f", "{{.RestartCount}}", engine], text=True)) < 1:
+                assert time.monotonic() < deadline, "the engine container was not restarted"
+                time.sleep(1)
+            serving(client, 180)
+            deadline = time.monotonic() + 120
+            while True:  # calls in flight while the gateway learns of the restart end UNAVAILABLE
+                try:
+                    again = client.generate("Once upon a time", max_tokens=16, temperature=0, timeout=30).text
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, dc("logs", "--tail", "30").stdout
+                    time.sleep(1)
+            assert again == streamed
+    finally:
+        subprocess.run([*compose, "down", "-v", "--remove-orphans", "-t", "5"], env=env, cwd=ROOT,
+                       capture_output=True, timeout=300)
+    left = subprocess.check_output(
+        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"], text=True)
+    assert left.split() == []

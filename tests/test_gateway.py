@@ -544,7 +544,10 @@ def test_committed_pb_modules_match_the_proto(tmp_path):
     out = tmp_path / "set.pb"
     assert protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--descriptor_set_out={out}", *PROTOS]) == 0
     (fresh,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
-    for message in fresh.message_type:  # the python plugin leaves json_name out of what it embeds
+    messages = list(fresh.message_type)
+    while messages:  # the python plugin leaves json_name out of what it embeds (map entries included)
+        message = messages.pop()
+        messages.extend(message.nested_type)
         for f in message.field:
             f.ClearField("json_name")
     assert descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb) == fresh

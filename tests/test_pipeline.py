@@ -5,7 +5,9 @@ One server for the module; the tests that kill processes run last, the shutdown 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,10 +19,11 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from services.config import Addresses
 from services.gateway.client import AsyncClient, Completion
 from services.gateway.pb import generation_pb2 as pb
 from services.local_cluster import ROOT, LocalCluster
-from services.sampling_params import MAX_STOP_STRINGS
+from services.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from tests.conftest import STORIES
 from tests.deadlines import mid_generation_deadline
 
@@ -253,6 +256,65 @@ def test_pipeserve_generate_cli(server):
     assert "finish=length" in ok.stderr and "completion_tokens=8" in ok.stderr
     bad = cli("Once upon a time", "--top-k", "0")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "top_k" in bad.stderr
+
+
+def test_generate_cli_logprobs_and_json(server, llm):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "generate", *args, "--target", server.target],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+
+    greedy = ("Once upon a time", "--max-tokens", "6", "--temperature", "0")
+    shown = cli(*greedy, "--logprobs", "3")
+    assert shown.returncode == 0, shown.stderr
+    text, header, *rows = shown.stdout.splitlines()
+    assert "logprob" in header and "top 3" in header
+    assert len(rows) == 6 and all(len(row.split("  ")) >= 3 for row in rows), shown.stdout
+    out = cli(*greedy, "--logprobs", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    expected = llm.generate(["Once upon a time"], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert result["text"] == expected.text == text
+    assert result["token_ids"] == expected.token_ids and result["finish_reason"] == "length"
+    assert result["usage"]["completion_tokens"] == 6 and result["ttft_ms"] > 0
+    assert [lp["token_id"] for lp in result["logprobs"]] == expected.token_ids
+    assert all(len(lp["top"]) == 2 and lp["top"][0]["logprob"] >= lp["top"][1]["logprob"]
+               for lp in result["logprobs"])
+    bad = cli("Once upon a time", "--max-tokens", "5000", "--json")
+    assert bad.returncode == 1
+    error = json.loads(bad.stdout)["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and "max_tokens is 5000" in error["message"], error
+    assert "at most 507 can be generated" in error["message"]  # 512 context, 5 prompt tokens
+
+
+def test_processes_are_named(server):
+    names = sorted(Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
+                   for pid in [server.proc.pid, *server.children()])
+    assert names == ["pipeserve: detokenizer", "pipeserve: engine", "pipeserve: gateway",
+                     "pipeserve: tokenizer 0", "pipeserve: tokenizer 1", "pipeserve: tokenizer 2",
+                     "pipeserve: up"], names
+
+
+def test_a_second_server_on_the_port_exits_and_the_first_serves_every_call(server, llm, tmp_path):
+    port = str(server.port)
+    second = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", port],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in second.stderr
+    # The gateway alone (no start-up checks): it cannot bind the port either (no SO_REUSEPORT).
+    env = os.environ | Addresses.under(str(tmp_path)).to_env()
+    gateway = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--port", port],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert gateway.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in gateway.stderr, gateway.stderr
+    expected = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    texts = [server.client.generate("Once upon a time", max_tokens=12, temperature=0.0).text
+             for _ in range(8)]
+    assert texts == [expected] * 8
+    # Readiness is checked for the gateway's own instance id: nobody else answers SERVING for it.
+    instance = re.search(r"instance (pipeserve-[0-9a-f]+)", server.tail(400)).group(1)
+    assert server.client.health(instance) == "SERVING"
+    assert server.client.health("pipeserve-" + "0" * 32) == "UNREACHABLE"  # NOT_FOUND
 
 
 # ---- faults: these change the processes, so they run last -----------------------------------

@@ -137,9 +137,12 @@ def test_request_shape_and_sampling_are_the_gateways(worker: Tokenizer) -> None:
 
 
 def test_length_rules(worker: Tokenizer) -> None:
-    """The context is 64 here: a prompt must leave room for one token; max_tokens is clamped."""
+    """The context is 64 here: a prompt must leave room for one token, and max_tokens must fit in
+    what it leaves (refused with the numbers, never silently cut short)."""
     ids = [1] + [403] * 62
-    out = worker.handle(request(prompt_ids=pack_ids(ids), sampling={"max_tokens": 100, "min_tokens": 50}))
+    msg = error(worker, request(prompt_ids=pack_ids(ids), sampling={"max_tokens": 100, "min_tokens": 50}))
+    assert "max_tokens is 100" in msg and "at most 1 can be generated" in msg, msg
+    out = worker.handle(request(prompt_ids=pack_ids(ids), sampling={"max_tokens": 1, "min_tokens": 1}))
     assert isinstance(out, EngineRequest)
     assert (out.sampling.max_tokens, out.sampling.min_tokens) == (1, 1)
     msg = error(worker, request(prompt_ids=pack_ids(ids + [407])))
@@ -195,9 +198,10 @@ def test_two_worker_processes(stories_dir: str, stories, tmp_path) -> None:
         push.send(encode(EngineRequest("wrong-type", b"", SamplingParams())))
         n = 40
         for i in range(n):
-            req = request(f"r{i}", prompt=f"Lily had {i} red balls.", sampling={"max_tokens": 60})
+            req = request(f"r{i}", prompt=f"Lily had {i} red balls.", sampling={"max_tokens": 12})
             push.send(encode(req))
         push.send(encode(request("long", prompt="Once upon a time " * 10)))
+        push.send(encode(request("greedy", prompt="Lily had 7 red balls.", sampling={"max_tokens": 60})))
         push.send(encode(request("bad", prompt_ids=pack_ids([9999]))))
         got = {}
         while len(got) < n:
@@ -206,13 +210,14 @@ def test_two_worker_processes(stories_dir: str, stories, tmp_path) -> None:
             got[msg.rid] = msg
         ids = stories.encode("Lily had 7 red balls.")
         assert unpack_ids(got["r7"].prompt_ids).tolist() == ids
-        assert got["r7"].sampling.max_tokens == 32 - len(ids)  # clamped to the context
+        assert got["r7"].sampling.max_tokens == 12
         failed = {}
-        while len(failed) < 2:
+        while len(failed) < 3:
             assert errors.poll(10_000), f"errors so far: {failed}"
             msg = decode(errors.recv())
             failed[msg.rid] = msg
-        assert failed["long"].code == failed["bad"].code == "INVALID_ARGUMENT"
+        assert failed["long"].code == failed["bad"].code == failed["greedy"].code == "INVALID_ARGUMENT"
+        assert "max_tokens is 60" in failed["greedy"].message
         assert "prompt" in failed["long"].message and "prompt_token_ids" in failed["bad"].message
         assert all(p.poll() is None for p in procs)
     finally:

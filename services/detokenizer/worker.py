@@ -18,7 +18,8 @@ from typing import Any
 
 import zmq
 
-from services.config import Addresses
+from services import config as cfg
+from services.config import Addresses, EngineConfig
 from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from services.detokenizer.logprobs import TokenTexts, format_logprobs
 from services.messages import (
@@ -32,7 +33,7 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.tokenizer.load import load_tokenizer, resolve_model_dir
+from services.tokenizer.load import load_for
 
 log = logging.getLogger(__name__)
 
@@ -169,18 +170,18 @@ def serve(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     addresses = Addresses()
-    parser.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"),
-                        help="checkpoint dir (default $PIPESERVE_MODEL, else the demo model)")
+    cfg.add_arguments(parser, EngineConfig, only=cfg.TOKENIZER_FIELDS)
     parser.add_argument("--steps", default=addresses.steps, help="bind: step outputs from the engine")
     parser.add_argument("--deltas", default=addresses.deltas, help="connect: text deltas to the gateway")
     parser.add_argument("--control", default=addresses.control, help="connect: stop aborts to the engine")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s detokenizer %(levelname)s %(message)s")
-    detok = Detokenizer(load_tokenizer(resolve_model_dir(args.model)))
+    args.model = args.model or os.environ.get("PIPESERVE_MODEL")
+    detok = Detokenizer(load_for(cfg.from_args(EngineConfig, args))[1])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()
     steps, deltas, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from services import hub
 from services.config import EngineConfig
 from services.engine.backend import get_backend, resolve_backend
 from services.engine.kv.policy import make_policy
@@ -25,7 +27,7 @@ from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
 from services.engine.structured import StructuredOutputs
-from services.model_config import ModelConfig
+from services.model_config import ModelConfig, generation_defaults
 from services.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ class Engine:
         self.config = config = config or EngineConfig(**options)
         self.device = resolve_device(config.device)
         backend = get_backend(resolve_backend(config.backend, self.device))
-        self.model_dir = config.model or ensure_demo_model()
+        self.model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
         model_cfg = ModelConfig.from_dir(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.max_model_len = min(
@@ -270,15 +272,15 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from services.tokenizer.load import load_tokenizer
+            from services.tokenizer.load import load_for
 
-            self._tokenizer = load_tokenizer(self.model_dir)
+            self._tokenizer = load_for(replace(self.config, model=self.model_dir))[1]
         return self._tokenizer
 
     def model_info(self) -> dict[str, Any]:
         cfg = self.model_config
         return {
-            "name": cfg.name,
+            "name": self.config.served_model_name or hub.display_name(self.config.model or cfg.name),
             "context_length": self.max_model_len,
             "vocab_size": cfg.vocab_size,
             "eos_token_ids": list(cfg.eos_token_ids),
@@ -289,4 +291,7 @@ class Engine:
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "page_size": self.pool.page_size,
             "num_pages": self.pool.num_pages,
+            "sampling_defaults": (
+                generation_defaults(self.model_dir) if self.config.generation_config == "auto" else {}
+            ),
         }

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import grpc
@@ -249,8 +249,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text (a user message with --chat)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="gateway host:port")
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
-    parser.add_argument("--request-id", default="")
-    parser.add_argument("--app", default="")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, token ids, logprobs, usage, timings) instead "
+                             "of streaming the text")
+    parser.add_argument("--request-id", default="", help="the request's id; unset: the server assigns one")
+    parser.add_argument("--app", default="", help="application label (the output-length predictor learns "
+                                                  "per application)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     tls = parser.add_argument_group("security (a gateway run with --tls-cert/--tls-key, --api-key)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
@@ -261,18 +265,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PIPESERVE_API_KEY"),
         help="bearer token (default: $PIPESERVE_API_KEY)",
     )
+    sampling = parser.add_argument_group(
+        "sampling (unset: the model's generation_config.json default when it has one, else the default shown)"
+    )
     hints = typing.get_type_hints(SamplingParams)
     for f in fields(SamplingParams):
         flag, hint = f"--{f.name.replace('_', '-')}", hints[f.name]
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        help_ = f"{f.metadata['help']} (default: {'unset' if default is None else default})"
         if f.name == "choice":
-            parser.add_argument(flag, action="append", default=None, help="repeat: one of these strings")
+            sampling.add_argument(flag, action="append", default=None, help=f"{help_}; repeat for each")
         elif hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            sampling.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(hint) is list:
-            parser.add_argument(flag, type=typing.get_args(hint)[0], action="append", default=None)
+            kind = typing.get_args(hint)[0]
+            sampling.add_argument(flag, type=kind, action="append", default=None, help=help_)
         else:
             kind = next(t for t in (*typing.get_args(hint), hint) if t in (int, float, str))
-            parser.add_argument(flag, type=kind, default=None)
+            sampling.add_argument(flag, type=kind, default=None, metavar=kind.__name__.upper(), help=help_)
+
+
+def completion_json(completion: Completion, ttft: float | None, total: float) -> dict[str, Any]:
+    """`generate --json`: everything the server returned, plain JSON types."""
+
+    def top(entry: Any) -> dict[str, Any]:
+        return {"token_id": entry.token_id, "token": entry.token, "logprob": entry.logprob}
+
+    return {
+        "request_id": completion.request_id,
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason,
+        "usage": {"prompt_tokens": completion.prompt_tokens,
+                  "completion_tokens": completion.completion_tokens},
+        "logprobs": [top(lp) | {"top": [top(t) for t in lp.top]} for lp in completion.logprobs] or None,
+        "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
+        "total_s": round(total, 6),
+    }
+
+
+def logprob_lines(completion: Completion) -> list[str]:
+    """--logprobs in text form: one line per generated token, its logprob and the alternatives."""
+    return [
+        f"{lp.token!r:>16} {lp.logprob:9.4f}   " + "  ".join(f"{t.token!r} {t.logprob:.4f}" for t in lp.top)
+        for lp in completion.logprobs
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -294,18 +331,30 @@ def main(args: argparse.Namespace) -> int:
             ):
                 first = first or time.perf_counter()
                 completion.add(chunk)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            message = f"{exc.code().name}: {exc.details()}"
+            if args.json:
+                print(json.dumps({"error": {"code": exc.code().name, "message": exc.details()}}))
+            else:
+                print(f"\nerror: {message}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - start
+    ttft = None if first is None else first - start
+    if args.json:
+        print(json.dumps(completion_json(completion, ttft, elapsed)))
+        return 0
     print()
-    ttft = f"{(first - start) * 1e3:.1f} ms" if first else "-"
+    if completion.logprobs:
+        print(f"{'token':>16} {'logprob':>9}   top {args.logprobs}")
+        print("\n".join(logprob_lines(completion)))
+    shown = "-" if ttft is None else f"{ttft * 1e3:.1f} ms"
     print(
         f"[{completion.request_id}] finish={completion.finish_reason} "
         f"prompt_tokens={completion.prompt_tokens} completion_tokens={completion.completion_tokens} "
-        f"ttft={ttft} total={elapsed:.2f} s",
+        f"ttft={shown} total={elapsed:.2f} s",
         file=sys.stderr,
     )
     return 0

@@ -13,6 +13,11 @@ gets them coalesced into one message instead of an unbounded queue. Any way a ca
 its finish (cancel, deadline, Abort RPC, a pipeline failure) sends an Abort to the engine, and
 the id stays reserved until the engine confirms, so a reused id can never meet a stale
 tombstone or stale deltas.
+
+It owns its port (SO_REUSEPORT off: a second server on the port fails to start instead of sharing
+its calls), and its health service answers for one more service name, its instance id
+($PIPESERVE_INSTANCE_ID, set by `pipeserve up`, else random): a readiness check for that name can only
+be answered SERVING by this very process.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import collections
 import hmac
 import logging
+import os
 import signal
 import time
 import uuid
@@ -41,7 +47,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services import config as cfg
-from services.config import ABORTED_HOLD, Addresses, GatewayConfig
+from services.config import ABORTED_HOLD, Addresses, GatewayConfig, new_instance_id
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.messages import (
@@ -160,8 +166,9 @@ def token_logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
 
 
 class Gateway(pb_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, addrs: Addresses) -> None:
+    def __init__(self, config: GatewayConfig, addrs: Addresses, instance_id: str = "") -> None:
         self.config, self.addrs = config, addrs
+        self.instance_id = instance_id or new_instance_id()
         self.streams: dict[str, Stream] = {}
         self.aborted: dict[str, float] = {}  # rid -> monotonic expiry
         self.outcomes: collections.Counter[str] = collections.Counter()
@@ -204,6 +211,7 @@ class Gateway(pb_grpc.GenerationServicer):
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.so_reuseport", 0),  # see the module docstring: one server per port
             ]
         )
         handlers = {
@@ -224,14 +232,18 @@ class Gateway(pb_grpc.GenerationServicer):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{self.config.host}:{self.config.port}"
-        if self.config.tls_cert and self.config.tls_key:
-            with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
-                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-            self.port = server.add_secure_port(address, credentials)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.config.tls_cert and self.config.tls_key:
+                with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
+                    credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc versions differ: some raise, some return port 0
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+            self._zmq.destroy(linger=0)
+            raise PortInUse(self.config.host, self.config.port)
         await self._set_health(False)
         await server.start()
         self._server = server
@@ -336,7 +348,10 @@ class Gateway(pb_grpc.GenerationServicer):
                 f"{which or 'request'} is too large: the request is {size} bytes, "
                 f"at most {self.config.max_request_bytes} allowed"
             )
-        sampling = {name: getattr(request, name) for name in OPTIONAL_SAMPLING if request.HasField(name)}
+        # Unset fields take the model's generation_config.json defaults (as vLLM), then SamplingParams'.
+        sampling: dict[str, Any] = dict(self.info.sampling_defaults) if self.info else {}
+        sampling.update({name: getattr(request, name) for name in OPTIONAL_SAMPLING
+                         if request.HasField(name)})
         constraint = request.WhichOneof("constraint")
         if constraint == "choice":
             sampling["choice"] = list(request.choice.choices)
@@ -547,7 +562,7 @@ class Gateway(pb_grpc.GenerationServicer):
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for service in ("", SERVICE):
+        for service in ("", SERVICE, self.instance_id):
             await self.health.set(service, status)
 
     async def _update_health(self) -> None:
@@ -643,14 +658,24 @@ def _log_failure(future: asyncio.Future[Any]) -> None:
         log.error("zmq send failed: %s", future.exception())
 
 
+class PortInUse(OSError):
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: the port is in use (another pipeserve?); "
+                         "stop that server or pick another --port")
+
+
 async def serve(config: GatewayConfig, addrs: Addresses) -> int:
-    gateway = Gateway(config, addrs)
-    port = await gateway.start()
+    gateway = Gateway(config, addrs, os.environ.get("PIPESERVE_INSTANCE_ID", ""))
+    try:
+        port = await gateway.start()
+    except PortInUse as exc:
+        log.error("%s", exc)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("gateway listening on %s:%d", config.host, port)
+    log.info("gateway listening on %s:%d (instance %s)", config.host, port, gateway.instance_id)
     await stop.wait()
     log.info("shutting down, %d streams get %.1f s to finish", len(gateway.streams), config.grace)
     await gateway.stop(config.grace)

@@ -5,7 +5,7 @@ connect, the gateway and the engine bind.
 It trusts the gateway's validation (request shape, sampling parameters) and checks only what needs
 the tokenizer: prompt length against the context, ids against the vocabulary, the chat template,
 and that a structured-output constraint builds into a grammar (xgrammar, and with it torch, is
-imported on the first such request); max_tokens is clamped to what the context leaves."""
+imported on the first such request), and that max_tokens fits in what the context leaves."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import replace
 from typing import Any
 
 import zmq
 
-from services.config import Addresses
+from services import config as cfg
+from services.config import Addresses, EngineConfig
 from services.messages import (
     ChatMessage,
     EngineRequest,
@@ -31,7 +31,7 @@ from services.messages import (
     unpack_ids,
 )
 from services.sampling_params import SamplingParams
-from services.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
+from services.tokenizer.load import load_for, model_limits
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,12 @@ class Tokenizer:
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
                                  f"context of {self.max_model_len} tokens")
-        # Clamp to the context instead of rejecting: "as many tokens as fit" is what clients mean.
-        params = replace(req.sampling)
-        params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        room = self.max_model_len - len(ids)
+        if req.sampling.max_tokens > room:  # refused, not silently cut short (as vLLM does)
+            raise InvalidRequest(f"max_tokens is {req.sampling.max_tokens}, but the context is "
+                                 f"{self.max_model_len} tokens and {name} takes {len(ids)}: at most {room} "
+                                 "can be generated; lower max_tokens")
+        params = req.sampling
         return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival)
 
     @staticmethod
@@ -134,24 +136,22 @@ def serve(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     addresses = Addresses()
-    parser.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"),
-                        help="checkpoint dir (default $PIPESERVE_MODEL, else the demo model)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context length prompts are checked against (default: the model's); "
-                             "give the engine's value when it serves a shorter one")
+    # --max-model-len: give the engine's value when it serves a shorter context than the model's.
+    cfg.add_arguments(parser, EngineConfig, only=cfg.TOKENIZER_FIELDS)
     parser.add_argument("--tokenize", default=addresses.tokenize, help="connect: requests from the gateway")
     parser.add_argument("--requests", default=addresses.requests, help="connect: token ids to the engine")
     parser.add_argument("--errors", default=addresses.errors, help="connect: rejections to the gateway")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s tokenizer %(levelname)s %(message)s")
-    model_dir = resolve_model_dir(args.model)
+    args.model = args.model or os.environ.get("PIPESERVE_MODEL")
+    model_dir, tokenizer = load_for(cfg.from_args(EngineConfig, args))
     limits = model_limits(model_dir)
     max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
-    worker = Tokenizer(load_tokenizer(model_dir), max_model_len, limits.vocab_size)
+    worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()
     pull, requests, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)

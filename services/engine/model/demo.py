@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from services.config import cache_dir
 from services.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ DEMO_CONFIG = {
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("PIPESERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pipeserve")
-    return os.path.join(root, DEMO_NAME)
+    return os.path.join(cache_dir(), DEMO_NAME)
 
 
 def random_llama_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
