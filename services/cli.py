@@ -38,6 +38,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "quant": ("bench.quant", "quantization accuracy, memory and speed"),
     "reliability": ("bench.reliability", "fault, overload and soak figures"),
     "soak": ("bench.soak", "steady load for minutes: RSS of every process, KV pages"),
+    "prefix": ("bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
 }
 
 

@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
     page_size: int = 16
+    prefix_caching: bool = True  # reuse the KV of prompt prefixes already computed (exact; per cache_salt)
     kv_cache_gb: float | None = None  # None: a fraction of free GPU memory, or 0.25 GB on CPU
     gpu_memory_utilization: float = 0.9
     num_pages: int | None = None  # overrides kv_cache_gb (tests use tiny pools)

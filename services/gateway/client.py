@@ -43,6 +43,7 @@ def build_request(
     *,
     request_id: str = "",
     app: str = "",
+    cache_salt: str = "",
     params: SamplingParams | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
@@ -50,7 +51,7 @@ def build_request(
     SamplingParams field names; None means the server default). `params` supplies every field."""
     values = params.to_dict() if params is not None else {}
     values.update({k: v for k, v in sampling.items() if v is not None})
-    request = pb.GenerateRequest(request_id=request_id, app=app, **values)
+    request = pb.GenerateRequest(request_id=request_id, app=app, cache_salt=cache_salt, **values)
     if isinstance(prompt, str):
         request.prompt = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -69,6 +70,7 @@ class Completion:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     chunks: int = 0  # messages received (fewer than tokens when the server coalesced)
 
@@ -82,6 +84,7 @@ class Completion:
             self.finish_reason = response.finish_reason
             self.prompt_tokens = response.usage.prompt_tokens
             self.completion_tokens = response.usage.completion_tokens
+            self.cached_prompt_tokens = response.usage.cached_prompt_tokens
 
 
 def _health_name(status: int) -> str:
@@ -238,6 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     parser.add_argument("--request-id", default="")
     parser.add_argument("--app", default="")
+    parser.add_argument("--cache-salt", default="", help="prefix-cache isolation: share KV only with this salt")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     tls = parser.add_argument_group("security (a gateway run with --tls-cert/--tls-key, --api-key)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
@@ -275,7 +279,8 @@ def main(args: argparse.Namespace) -> int:
     with Client(args.target, **security) as client:
         try:
             for chunk in client.stream(
-                prompt, timeout=args.timeout, request_id=args.request_id, app=args.app, **sampling
+                prompt, timeout=args.timeout, request_id=args.request_id, app=args.app,
+                cache_salt=args.cache_salt, **sampling
             ):
                 first = first or time.perf_counter()
                 completion.add(chunk)

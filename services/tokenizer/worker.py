@@ -75,7 +75,7 @@ class Tokenizer:
         params = replace(req.sampling)
         params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         params.min_tokens = min(params.min_tokens, params.max_tokens)
-        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival)
+        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival, req.cache_salt)
 
     def _encode_messages(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
