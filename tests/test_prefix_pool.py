@@ -86,6 +86,14 @@ def test_the_last_prompt_token_is_always_computed() -> None:
     assert batch.sampling() == [b]
 
 
+def test_a_request_admitted_in_the_same_step_shares_the_pages_that_step_writes() -> None:
+    h = Harness()
+    a, b = h.add("a", PROMPT), h.add("b", PROMPT[:12] + [1, 2])
+    batch = h.step()
+    assert chunks(batch) == {"a": (0, 18), "b": (12, 2)} and b.pages[:3] == a.pages[:3]
+    assert b.num_cached_tokens == 12
+
+
 def test_requests_share_pages_held_by_a_running_request_and_pay_only_for_new_ones() -> None:
     h = Harness(num_pages=8, policy=MaxPolicy())
     a = h.add("a", PROMPT, max_tokens=2)  # max: 20 tokens = 5 pages promised
@@ -168,6 +176,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.h.sched.has_work())
     @rule()
     def step(self) -> None:
+        hashed = set(self.h.pool.hash_of)  # full pages before this step: never written again
         batch = self.h.sched.schedule()
         rows = [(s, s.num_computed, 1) for s in batch.decode]
         rows += [(s, s.num_computed, n) for s, n in zip(batch.prefill, batch.prefill_lens, strict=True)]
@@ -175,7 +184,7 @@ class PoolMachine(RuleBasedStateMachine):
             for i in range(start, start + n):
                 page = seq.pages[i // PAGE]
                 assert self.h.pool.refs[page] >= 1
-                assert page not in self.h.pool.hash_of, "a full, findable page is written again"
+                assert page not in hashed, "a full, findable page is written again"
                 self.content[(page, i % PAGE)] = tuple(seq.token_ids[: i + 1])
         sampled = batch.sampling()
         self.h.sched.postprocess(batch, sampled, [TOKEN] * len(sampled))

@@ -2,7 +2,9 @@
 and prefill chunks (new or partially prefilled requests), under a token budget and a request cap.
 FCFS admission through the admission policy; preemption by recompute when the pool runs dry. With
 prefix caching a request is admitted on the longest run of cached pages that starts its tokens, and
-its prefill starts at the first token they do not hold."""
+its prefill starts at the first token they do not hold; the pages a step fills are findable from
+that step on (the model writes every row's K/V before any attention reads the cache, so a request
+admitted later in the same step shares them)."""
 
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ class Scheduler:
             else:
                 batch.prefill.append(seq)
                 batch.prefill_lens.append(chunk)
+            if self.pool.prefix_caching:
+                self.pool.commit(seq, seq.num_computed + chunk)
             budget -= chunk
         # New requests, strictly first come first served; none in a step that had to preempt.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -125,6 +129,8 @@ class Scheduler:
                 break
             batch.prefill.append(seq)
             batch.prefill_lens.append(chunk)
+            if self.pool.prefix_caching:
+                self.pool.commit(seq, seq.num_computed + chunk)
             budget -= chunk
         return batch
 
@@ -137,9 +143,6 @@ class Scheduler:
             seq.num_computed += 1
         for seq, n in zip(batch.prefill, batch.prefill_lens, strict=True):
             seq.num_computed += n
-        if self.pool.prefix_caching:  # before finishing: a finished request's pages stay findable
-            for seq in batch.decode + batch.prefill:
-                self.pool.commit(seq)
         finished = []
         for seq, token in zip(sampled, tokens, strict=True):
             seq.token_ids.append(token)

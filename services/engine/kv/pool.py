@@ -196,11 +196,11 @@ class KVPool:
         self.block_table[seq.slot, : len(pages)] = pages
         seq.num_computed = len(pages) * self.page_size
 
-    def commit(self, seq: Sequence) -> None:
-        """Make the pages `seq` has fully computed findable (called after each step advances it). A page
-        whose hash another page already holds (computed by two requests at once) stays private."""
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """Make findable the pages `seq` fills up to `num_computed` tokens (when scheduling the step
+        that writes them). A page whose hash another page already holds stays private."""
         size = self.page_size
-        for i in range(len(seq.page_hashes), seq.num_computed // size):
+        for i in range(len(seq.page_hashes), num_computed // size):
             parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
             h = page_hash(parent, seq.token_ids[i * size : (i + 1) * size])
             seq.page_hashes.append(h)
