@@ -40,13 +40,15 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[Any]:
 
 
 def cold_and_warm(model_dir: str, base: list[int], prompts: list[list[int]], tol: float = 1e-5,
-                  **options: Any) -> tuple[LLM, list[Any]]:
-    """Run `prompts` on a cold engine and on one whose cache holds `base`; assert they agree.
-    Returns the warm engine and its outputs."""
+                  between: list[list[int]] | None = None, **options: Any) -> tuple[LLM, list[Any]]:
+    """Run `prompts` on a cold engine and on one whose cache holds `base` (and then ran `between`);
+    assert they agree. Returns the warm engine and its outputs."""
     options = dict(device="cpu", dtype="float32", page_size=PAGE) | options
     cold = generate(LLM(model_dir, prefix_caching=False, **options), prompts)
     llm = LLM(model_dir, **options)
     generate(llm, [base])
+    if between:
+        generate(llm, between)
     warm = generate(llm, prompts)
     for c, w in zip(cold, warm, strict=True):
         assert w.token_ids == c.token_ids
@@ -101,7 +103,9 @@ def test_warm_equals_cold_with_quantized_kv(tiny_model, kv_cache_dtype):
     # The stored keys depend on the mean key of the request's first prefill chunk: pages are shared
     # only where that chunk is the same (here, the same prompt resubmitted), so warm equals cold.
     prompts = [base, fresh[0], base[: 6 * PAGE] + fresh[3]]
-    llm, warm = cold_and_warm(model_dir, base, prompts, kv_cache_dtype=kv_cache_dtype)
+    # Other requests run in between, in the request slot base had: its pages keep their own mean.
+    llm, warm = cold_and_warm(model_dir, base, prompts, between=[fresh[1], fresh[2]],
+                              kv_cache_dtype=kv_cache_dtype)
     assert [o.num_cached_tokens for o in warm] == [8 * PAGE, 0, 0]
 
 
