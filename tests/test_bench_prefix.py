@@ -21,13 +21,14 @@ def test_ideal_shared_tokens_counts_whole_pages_shared_with_earlier_or_sibling_p
     assert ideal.shared_tokens([[7] * 9, [7] * 9]) == 16  # siblings share with each other
 
 
+@pytest.mark.slow
 def test_bench_prefix(stories_dir: str, tmp_path) -> None:
     parser = argparse.ArgumentParser()
     prefix.add_arguments(parser)
     args = parser.parse_args(["--models", stories_dir, "--requests", "4", "--system-len", "32",
                               "--user-len", "8", "--output-len", "2", "--chats", "2", "--turns", "2",
-                              "--repeats", "2", "--page-size", "4", "--threads", "1", "--json", str(tmp_path / "p.json"),
-                              "--out", str(tmp_path)])  # fmt: skip
+                              "--repeats", "2", "--page-size", "4", "--threads", "1",
+                              "--json", str(tmp_path / "p.json"), "--out", str(tmp_path)])  # fmt: skip
     assert prefix.main(args) == 0
     result = json.loads((tmp_path / "p.json").read_text())
     model = result["models"]["stories260K"]

@@ -215,7 +215,8 @@ def test_stream_roundtrip_and_request_fields(fake):
     fake.send([("r1", " there", [9, 10], "length")])
     last = next(call)
     assert (last.text, list(last.token_ids), last.finish_reason) == (" there", [9, 10], "length")
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (3, 2, 2)
+    usage = last.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 2, 2)
     assert list(call) == []
     fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
     assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1

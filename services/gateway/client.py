@@ -57,7 +57,7 @@ def build_request(
     elif prompt and isinstance(prompt[0], dict):
         request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
-        request.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+        request.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type, unused-ignore]
         request.prompt_token_ids.SetInParent()  # an empty list is still this oneof (and then rejected)
     return request
 
@@ -241,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     parser.add_argument("--request-id", default="")
     parser.add_argument("--app", default="")
-    parser.add_argument("--cache-salt", default="", help="prefix-cache isolation: share KV only with this salt")
+    parser.add_argument("--cache-salt", default="", help="share prefix-cache pages only with this salt")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     tls = parser.add_argument_group("security (a gateway run with --tls-cert/--tls-key, --api-key)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")

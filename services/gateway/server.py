@@ -352,7 +352,9 @@ class Gateway(pb_grpc.GenerationServicer):
         except ValueError as exc:
             raise invalid(str(exc)) from None
         if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
-            raise invalid(f"cache_salt is {len(request.cache_salt)} characters, at most {MAX_CACHE_SALT_LEN} allowed")
+            raise invalid(
+                f"cache_salt is {len(request.cache_salt)} characters, at most {MAX_CACHE_SALT_LEN} allowed"
+            )
         message = TokenizeRequest(rid=rid, sampling=params, app=request.app, arrival=time.time(),
                                   cache_salt=request.cache_salt)
         if which is None:
