@@ -46,6 +46,7 @@ TARGETS = {"shared_ttft_x": 3.0, "shared_throughput_x": 2.0, "hit_rate_of_ideal"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["stories260K", "llama-20m"],
                         help="stories260K (the shared assets), llama-20m (random weights) or checkpoint dirs")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--system-len", type=int, default=384)
     parser.add_argument("--user-len", type=int, default=32)
@@ -213,9 +214,10 @@ def bench_model(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     if max(args.system_len + args.user_len, (args.user_len + args.output_len) * args.turns) >= context:
         raise SystemExit(f"pipeserve bench prefix: a prompt and its output exceed the context ({context})")
     system = draw(np.random.default_rng(args.seed), cfg.vocab_size, args.system_len)
-    reps: dict[str, dict[bool, list[dict[str, Any]]]] = {w: {True: [], False: []} for w in WORKLOADS}
+    names = [w for w in WORKLOADS if w in args.workloads]
+    reps: dict[str, dict[bool, list[dict[str, Any]]]] = {w: {True: [], False: []} for w in names}
     for rep in range(-1, args.repeats):  # -1: the warm-up
-        for name in WORKLOADS:
+        for name in names:
             order = (True, False) if rep % 2 == 0 else (False, True)
             for on in order:
                 rng = np.random.default_rng([args.seed, rep + 1, WORKLOADS.index(name)])
@@ -224,7 +226,7 @@ def bench_model(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
                 if rep >= 0:
                     reps[name][on].append(result)
     out: dict[str, Any] = {}
-    for name in WORKLOADS:
+    for name in names:
         cached, cold = figures(reps[name][True]), figures(reps[name][False])
         out[name] = {
             "on": cached,
@@ -244,33 +246,42 @@ def bench_model(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def targets(model: dict[str, Any]) -> dict[str, Any]:
-    shared, unique = model["shared"], model["unique"]
-    return {
-        "shared_ttft_p50_x": shared["ttft_p50_x"],
-        "shared_ttft_met": shared["ttft_p50_x"] >= TARGETS["shared_ttft_x"],
-        "shared_throughput_x": shared["throughput_x"],
-        "shared_throughput_met": shared["throughput_x"] >= TARGETS["shared_throughput_x"],
-        "shared_hit_rate_of_ideal": shared["hit_rate_of_ideal"],
-        "shared_hit_rate_met": (shared["hit_rate_of_ideal"] or 0.0) >= TARGETS["hit_rate_of_ideal"],
-        "chat_hit_rate_of_ideal": model["chat"]["hit_rate_of_ideal"],
-        "unique_throughput_x": unique["throughput_x"],
-        "unique_throughput_x_paired": unique["throughput_x_paired"],
-        "unique_scheduler_overhead": unique["scheduler_overhead"],
-        "unique_met": unique["throughput_x_paired"] >= 1 - TARGETS["unique_within"],
-    }
+    out: dict[str, Any] = {}
+    if "shared" in model:
+        shared = model["shared"]
+        out |= {
+            "shared_ttft_p50_x": shared["ttft_p50_x"],
+            "shared_ttft_met": shared["ttft_p50_x"] >= TARGETS["shared_ttft_x"],
+            "shared_throughput_x": shared["throughput_x"],
+            "shared_throughput_met": shared["throughput_x"] >= TARGETS["shared_throughput_x"],
+            "shared_hit_rate_of_ideal": shared["hit_rate_of_ideal"],
+            "shared_hit_rate_met": (shared["hit_rate_of_ideal"] or 0.0) >= TARGETS["hit_rate_of_ideal"],
+        }
+    if "chat" in model:
+        out["chat_hit_rate_of_ideal"] = model["chat"]["hit_rate_of_ideal"]
+    if "unique" in model:
+        unique = model["unique"]
+        out |= {
+            "unique_throughput_x": unique["throughput_x"],
+            "unique_throughput_x_paired": unique["throughput_x_paired"],
+            "unique_scheduler_overhead": unique["scheduler_overhead"],
+            "unique_met": unique["throughput_x_paired"] >= 1 - TARGETS["unique_within"],
+        }
+    return out
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    xs = list(range(len(WORKLOADS)))
-    ttft = Panel("TTFT p50 (ms)", xlabel=" / ".join(f"{i}: {w}" for i, w in enumerate(WORKLOADS)),
+    names = result["config"]["workloads"]
+    xs = list(range(len(names)))
+    ttft = Panel("TTFT p50 (ms)", xlabel=" / ".join(f"{i}: {w}" for i, w in enumerate(names)),
                  logy=True, title="time to first token")
     tput = Panel("tokens / s", xlabel=ttft.xlabel, logy=True, title="throughput (prompt + generated)")
     for i, (name, model) in enumerate(result["models"].items()):
         for mode, style in (("on", "-"), ("off", "--")):
             label = f"{name}, cache {mode}"
-            ttft.series.append(Series(label, xs, [model[w][mode]["ttft_p50_ms"] for w in WORKLOADS],
+            ttft.series.append(Series(label, xs, [model[w][mode]["ttft_p50_ms"] for w in names],
                                       color=f"C{i}", linestyle=style))
-            tput.series.append(Series(label, xs, [model[w][mode]["tokens_per_s"] for w in WORKLOADS],
+            tput.series.append(Series(label, xs, [model[w][mode]["tokens_per_s"] for w in names],
                                       color=f"C{i}", linestyle=style))
     return plot_panels(path, [ttft, tput], title="prefix caching on vs off (medians)")
 
@@ -296,7 +307,7 @@ def main(args: argparse.Namespace) -> int:
             name, model_dir = resolve_model(model, tmp)
             figures_ = result["models"][name] = bench_model(model_dir, args)
             figures_["targets"] = targets(figures_)
-            for w in WORKLOADS:
+            for w in args.workloads:
                 f = figures_[w]
                 rows.append([name, w, f["off"]["ttft_p50_ms"], f["on"]["ttft_p50_ms"], f["ttft_p50_x"],
                              f["off"]["tokens_per_s"], f["on"]["tokens_per_s"], f["throughput_x"],
