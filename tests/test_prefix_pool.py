@@ -177,9 +177,11 @@ class PoolMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         pool = self.h.pool
-        # Full pages some request holds: never written again (a free cached page may be evicted).
-        protected = {p for p in pool.hash_of if pool.refs[p] > 0}
+        # Full pages some request holds are never written again unless this step evicted them (their
+        # holders were preempted first); a free cached page may be evicted and reused any time.
+        held = {p: h for p, h in pool.hash_of.items() if pool.refs[p] > 0}
         batch = self.h.sched.schedule()
+        protected = {p for p, h in held.items() if pool.hash_of.get(p) == h}
         rows = [(s, s.num_computed, 1) for s in batch.decode]
         rows += [(s, s.num_computed, n) for s, n in zip(batch.prefill, batch.prefill_lens, strict=True)]
         for seq, start, n in rows:  # what the model writes this step
@@ -229,4 +231,4 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
