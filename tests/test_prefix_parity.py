@@ -68,7 +68,10 @@ def cold_and_warm(model_dir: str, base: list[int], prompts: list[list[int]], tol
     ],
     ids=["llama", "qwen2-bias", "mistral-window"],
 )
-@pytest.mark.parametrize("chunk", [1, 4, 16])
+# Chunks of 1 and 4 tokens take many steps: slow (make test-fast runs 16).
+@pytest.mark.parametrize(
+    "chunk", [pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 16]
+)
 def test_warm_equals_cold_on_every_architecture_and_chunk_size(tiny_model, kind, overrides, chunk):
     model_dir = tiny_model(kind, **overrides)
     base, fresh = case(320)
