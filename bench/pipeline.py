@@ -95,6 +95,7 @@ class SyntheticEngine:
         params: SamplingParams,
         app: str = "",
         arrival: float | None = None,
+        cache_salt: str = "",
     ) -> None:
         if rid in self.running:
             raise ValueError(f"request_id {rid!r} is already in flight")

@@ -41,6 +41,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "steady load for minutes: RSS of every process, KV pages"),
     "structured": ("bench.structured", "structured outputs: step overhead and grammar compile time"),
     "moe": ("bench.moe", "MoE vs dense decode steps at the same active parameters"),
+    "prefix": ("bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
 }
 
 

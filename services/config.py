@@ -51,6 +51,8 @@ class EngineConfig:
                               choices=KV_CACHE_DTYPES)
     quantization: str = opt("none", "weight quantization applied at load time", choices=QUANTIZATIONS)
     page_size: int = opt(16, "tokens per KV cache page")
+    prefix_caching: bool = opt(True, "reuse the KV cache of prompt prefixes already computed (exact; "
+                               "pages are shared only among requests with the same cache_salt)")
     kv_cache_gb: float | None = opt(None, "KV cache size in GB; unset: --gpu-memory-utilization of free GPU "
                                     "memory, or 0.25 GB on CPU")
     gpu_memory_utilization: float = opt(0.9, "fraction of free GPU memory the KV cache may take")

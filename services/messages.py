@@ -100,6 +100,7 @@ class TokenizeRequest(Message):
     prompt_ids: bytes | None = None
     app: str = ""
     arrival: float = 0.0  # wall clock (time.time()) at the gateway; the engine process converts it
+    cache_salt: str = ""  # prefix caching: pages are shared only among requests with the same salt
 
 
 @dataclass
@@ -112,6 +113,7 @@ class EngineRequest(Message):
     sampling: SamplingParams
     app: str = ""
     arrival: float = 0.0
+    cache_salt: str = ""
 
 
 @dataclass
@@ -136,6 +138,7 @@ class NewRequestInfo:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (usage)
 
 
 @dataclass
@@ -191,7 +194,8 @@ class TextDeltas(Message):
     """detokenizer -> gateway: every delta produced by one receive, batched.
 
     Row i: request rids[i] gets text[i] and the ids tokens[offsets[i]:offsets[i+1]]; one row per
-    request per message. completion_tokens[i] counts the request's ids so far (usage).
+    request per message. completion_tokens[i] counts the request's ids so far and
+cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     logprobs, when a row asked: for row i None or one entry per id. stats: the engine's latest
     counters plus "detok_requests" (live detokenizer states); sent on every receive, heartbeats
     included."""
@@ -204,6 +208,7 @@ class TextDeltas(Message):
     finish: list[str]
     prompt_tokens: list[int]
     completion_tokens: list[int]
+    cached_prompt_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
 

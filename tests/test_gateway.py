@@ -113,6 +113,7 @@ class FakePipeline:
                             finish=[],
                             prompt_tokens=[],
                             completion_tokens=[],
+                            cached_prompt_tokens=[],
                             stats=dict(self.stats),
                         )
                     )
@@ -148,6 +149,7 @@ class FakePipeline:
                     finish=[r[3] for r in rows],
                     prompt_tokens=[3] * len(rows),
                     completion_tokens=[len(r[2]) for r in rows],
+                    cached_prompt_tokens=[2] * len(rows),
                     logprobs=logprobs,
                 )
             )
@@ -196,9 +198,10 @@ def test_stream_roundtrip_and_request_fields(fake):
         stop=["."],
         logprobs=2,
         app="chat",
+        cache_salt="tenant-a",
     )
     req = fake.next_request()
-    assert (req.rid, req.prompt, req.app) == ("r1", "Hello", "chat")
+    assert (req.rid, req.prompt, req.app, req.cache_salt) == ("r1", "Hello", "chat", "tenant-a")
     assert req.sampling.max_tokens == 7 and req.sampling.temperature == 0.7  # exact: doubles on the wire
     sampling = req.sampling
     assert (sampling.top_k, sampling.seed, sampling.stop, sampling.logprobs) == (5, 11, ["."], 2)
@@ -212,7 +215,8 @@ def test_stream_roundtrip_and_request_fields(fake):
     fake.send([("r1", " there", [9, 10], "length")])
     last = next(call)
     assert (last.text, list(last.token_ids), last.finish_reason) == (" there", [9, 10], "length")
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 2)
+    usage = last.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 2, 2)
     assert list(call) == []
     fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
     assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1
@@ -249,6 +253,7 @@ def test_ids_and_chat_inputs_and_assigned_ids(fake):
         ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ({"prompt": "x" * (5 * 1024 * 1024)}, "prompt"),  # over max_request_bytes (4 MiB)
         ({"prompt": "x", "request_id": "r" * 300}, "request_id"),
+        ({"prompt": "x", "cache_salt": "s" * 300}, "cache_salt"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(fake, kwargs, field):
@@ -397,6 +402,7 @@ def test_malformed_messages_are_dropped(fake):
                 finish=[""],
                 prompt_tokens=[1],
                 completion_tokens=[1],
+                cached_prompt_tokens=[0],
             )
         )
     )

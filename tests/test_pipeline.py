@@ -241,6 +241,19 @@ def test_logprobs_stream_with_token_text(server):
     assert "".join(lp.token for lp in got.logprobs) == got.text
 
 
+def test_prefix_cache_reports_cached_prompt_tokens_per_salt_and_in_metrics(server):
+    prompt = list(range(100, 160))  # 60 ids: 3 full pages of 16 before the last token
+    hits = server.engine("prefix_cache_hits")
+    first = server.client.generate(prompt, max_tokens=2, temperature=0, cache_salt="tenant-a")
+    again = server.client.generate(prompt, max_tokens=2, temperature=0, cache_salt="tenant-a")
+    other = server.client.generate(prompt, max_tokens=2, temperature=0, cache_salt="tenant-b")
+    assert (first.prompt_tokens, again.prompt_tokens) == (60, 60)
+    assert (first.cached_prompt_tokens, again.cached_prompt_tokens, other.cached_prompt_tokens) == (0, 48, 0)
+    assert again.token_ids == first.token_ids and other.token_ids == first.token_ids
+    server.wait(lambda: server.engine("prefix_cache_hits") >= hits + 48, what="prefix-cache hits in metrics")
+    assert server.engine("prefix_cache_queries") >= 3 * 60
+
+
 def test_pipeserve_generate_cli(server):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

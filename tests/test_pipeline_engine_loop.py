@@ -56,10 +56,11 @@ class FakeEngine:
     def capacity_problem(self, prompt_len: int) -> str | None:
         return f"prompt has {prompt_len} tokens, more than the KV cache holds" if prompt_len > 10 else None
 
-    def add(self, rid, prompt_ids, params, app="", arrival=None) -> None:
+    def add(self, rid, prompt_ids, params, app="", arrival=None, cache_salt="") -> None:
         assert params.temperature >= 0, "unvalidated params"
         self.calls.append(("add", rid, prompt_ids, app, arrival))
-        self.requests[rid] = Sequence(rid, list(prompt_ids), len(prompt_ids), params, arrival or 0.0, app)
+        self.requests[rid] = Sequence(rid, list(prompt_ids), len(prompt_ids), params, arrival or 0.0, app,
+                                      cache_salt)
         self.left[rid] = params.max_tokens
 
     def abort(self, rid, reason="abort") -> bool:
@@ -117,11 +118,11 @@ class Harness:
         self.engine = FakeEngine()
         self.loop = EngineLoop(self.engine, heartbeat=heartbeat, **socks)
 
-    def request(self, rid: str, ids: list[int], arrival: float = 0.0, **sampling) -> None:
+    def request(self, rid: str, ids: list[int], arrival: float = 0.0, cache_salt: str = "",
+                **sampling) -> None:
         params = SamplingParams(**sampling)
-        self.requests.send(
-            encode(EngineRequest(rid=rid, prompt_ids=pack_ids(ids), sampling=params, arrival=arrival))
-        )
+        self.requests.send(encode(EngineRequest(rid=rid, prompt_ids=pack_ids(ids), sampling=params,
+                                                arrival=arrival, cache_salt=cache_salt)))
 
     def received(self, sock: zmq.Socket) -> list:
         out = []
@@ -149,11 +150,12 @@ def test_drains_everything_queued_then_aborts_then_steps(h):
     h.loop.once()  # the first heartbeat
     h.received(h.steps), h.received(h.status)
     for i in range(5):
-        h.request(f"r{i}", [1, 2], max_tokens=3)
+        h.request(f"r{i}", [1, 2], max_tokens=3, cache_salt=f"t{i % 2}")
     h.control.send(encode(Abort(rids=["r1", "ghost"], reason="stop")))
     time.sleep(0.05)
     h.engine.calls.clear()
     h.loop.once()
+    assert [h.engine.requests[rid].cache_salt for rid in ("r0", "r3")] == ["t0", "t1"]
     assert [c[:2] for c in h.engine.calls] == [("add", f"r{i}") for i in range(5)] + [
         ("abort", "r1"),
         ("abort", "ghost"),

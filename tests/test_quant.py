@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from services.engine.backend import get_backend, reference
-from services.engine.kv.pool import kv_bytes_per_token
+from services.engine.kv.pool import kv_bytes_per_page, kv_bytes_per_token
 from services.engine.model.accuracy import logits_error, teacher_forced_logits
 from services.engine.model.llama import RMSNorm
 from services.engine.model.loader import load_model
@@ -160,7 +160,9 @@ def test_engine_applies_quantization_and_kv_dtype_and_fits_more_tokens(stories_d
     budget = 0.002  # GiB
     tokens = {}
     for kv in ("auto", "int8", "fp8"):
-        llm = LLM(stories_dir, device="cpu", quantization="w8a8-int8", kv_cache_dtype=kv, kv_cache_gb=budget)
+        # Prefix caching off: with it, int8/fp8 pools also keep a mean-key row per page (kv_bytes_per_page).
+        llm = LLM(stories_dir, device="cpu", quantization="w8a8-int8", kv_cache_dtype=kv, kv_cache_gb=budget,
+                  prefix_caching=False)
         info = llm.engine.model_info()
         assert info["quantization"] == "w8a8-int8" and info["kv_cache_dtype"] == kv
         assert isinstance(llm.engine.model.layers[0].mlp.down_proj, W8A8Linear)
@@ -172,6 +174,9 @@ def test_engine_applies_quantization_and_kv_dtype_and_fits_more_tokens(stories_d
     # fp32 K/V: 4 bytes per element; int8/fp8: 1 byte + one fp16 scale per 8 channels (head_dim 8)
     assert kv_bytes_per_token(cfg, torch.float32) == 1280
     assert kv_bytes_per_token(cfg, torch.float32, "int8") == 400
+    # With prefix caching a key-smoothed page also holds its sequence's mean key: 160 fp32 per page.
+    assert kv_bytes_per_page(cfg, torch.float32, 16, "int8", prefix_caching=True) == 400 * 16 + 640
+    assert kv_bytes_per_page(cfg, torch.float32, 16, "auto", prefix_caching=True) == 1280 * 16
     assert tokens["int8"] == tokens["fp8"]
     assert 3.0 < tokens["int8"] / tokens["auto"] < 3.3
 

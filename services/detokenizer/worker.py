@@ -45,6 +45,7 @@ class RequestState:
     text: RequestText
     prompt_tokens: int
     logprobs: bool
+    cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -126,7 +127,8 @@ class Detokenizer:
             return  # announced again (e.g. after preemption): keep the text state
         detok = IncrementalDetokenizer(self.tokenizer, tail.tolist(), info.stop, info.skip_special_tokens,
                                        decode=self._decode, skip=self._skip)
-        self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None)
+        self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None,
+                                               info.cached_prompt_tokens)
 
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
@@ -138,6 +140,7 @@ class Detokenizer:
             rids=list(rows), text=["".join(row.text) for row in rows.values()], tokens=pack_ids(tokens),
             offsets=offsets, finish=[row.finish for row in rows.values()],
             prompt_tokens=[row.state.prompt_tokens for row in rows.values()],
+            cached_prompt_tokens=[row.state.cached_prompt_tokens for row in rows.values()],
             completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             stats=self.engine_stats | {"detok_requests": len(self.requests)})

@@ -17,7 +17,7 @@ from services import hub
 from services.config import EngineConfig
 from services.engine.backend import get_backend, resolve_backend
 from services.engine.kv.policy import make_policy
-from services.engine.kv.pool import KVPool, kv_bytes_per_token
+from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
 from services.engine.model.demo import ensure_demo_model
 from services.engine.model.loader import load_model, resolve_dtype
@@ -67,7 +67,8 @@ class Engine:
         )
         self.backend = backend.name
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
-        per_page = kv_bytes_per_token(model_cfg, self.dtype, config.kv_cache_dtype) * config.page_size
+        per_page = kv_bytes_per_page(model_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
+                                     config.prefix_caching)
         num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page
         self.pool = KVPool(
             model_cfg,
@@ -78,6 +79,7 @@ class Engine:
             config.max_num_seqs,
             self.max_model_len,
             config.kv_cache_dtype,
+            config.prefix_caching,
         )
         unquantized = num_pages * per_page // kv_bytes_per_token(model_cfg, self.dtype)
         log.info(
@@ -155,9 +157,11 @@ class Engine:
         params: SamplingParams,
         app: str = "",
         arrival: float | None = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request. Its id, ids and params were validated by the caller's edge. arrival:
-        time.monotonic() of its arrival (default now). Unseeded params get a seed drawn here."""
+        time.monotonic() of its arrival (default now). cache_salt: prefix-cache pages are shared only
+        among requests with the same salt. Unseeded params get a seed drawn here."""
         assert rid not in self.requests, f"request_id {rid!r} is already in flight"
         assert 0 < len(prompt_ids) <= self.max_prompt_len, f"prompt of {len(prompt_ids)} tokens"
         vocab = self.model_config.vocab_size
@@ -173,6 +177,7 @@ class Engine:
             params,
             time.monotonic() if arrival is None else arrival,
             app,
+            cache_salt,
             stop_ids=frozenset(stop),
         )
         if params.seed is None:  # unseeded requests still sample reproducibly per engine seed
@@ -265,6 +270,9 @@ class Engine:
             "pages_used": pool.pages_used,
             "pages_reserved": pool.pages_reserved,
             "preemptions": self.scheduler.num_preemptions,
+            "pages_cached": pool.pages_cached,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "requests": len(self.requests),
             "steps": self.step_count,
         }

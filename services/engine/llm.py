@@ -27,6 +27,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Per generated token, when asked: {"logprob": float, "top": {token_id: logprob}}.
     logprobs: list[dict[str, Any]] | None = None
 
@@ -59,8 +60,9 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt (text, or token ids) to completion; outputs in prompt order."""
+                 use_tqdm: bool = False, cache_salt: str = "") -> list[RequestOutput]:
+        """Run every prompt (text, or token ids) to completion; outputs in prompt order. cache_salt:
+        these prompts share prefix-cache pages only with requests of the same salt."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch: list[Any] = [prompts] if single else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -79,7 +81,7 @@ class LLM:
         decode, skip = make_decoder(self.tokenizer), skipped_ids(self.tokenizer)
         for ids, params in requests:  # all valid: none is added unless every one is
             rid = f"offline-{next(self._ids)}"
-            self.engine.add(rid, ids, params)
+            self.engine.add(rid, ids, params, cache_salt=cache_salt)
             outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
             texts[rid] = RequestText(IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.skip_special_tokens, decode=decode, skip=skip))
@@ -91,6 +93,7 @@ class LLM:
                     continue
                 out = outputs[update.rid]
                 out.token_ids += update.token_ids
+                out.num_cached_tokens = update.seq.num_cached_tokens
                 if out.logprobs is not None and update.logprobs is not None:
                     out.logprobs += [
                         {"logprob": lp.logprob,

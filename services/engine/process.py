@@ -72,7 +72,7 @@ def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | No
             seq, p = u.seq, u.seq.params
             tail = pack_ids(seq.token_ids[max(0, seq.prompt_len - PROMPT_TAIL) : seq.prompt_len])
             new.append(NewRequestInfo(seq.rid, seq.prompt_len, tail, list(p.stop), p.skip_special_tokens,
-                                      p.logprobs))
+                                      p.logprobs, seq.num_cached_tokens))
     logprobs: list[StepLogprobs | None] | None = None
     if any(u.logprobs for u in updates):
         logprobs = [
@@ -225,7 +225,7 @@ class EngineLoop:
         arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
         self.recently_done.pop(msg.rid, None)
         try:
-            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival)
+            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt)
             if self.tombstones.take(msg.rid):  # its abort overtook it: it ends at the next step
                 self.engine.abort(msg.rid)
         except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine

@@ -1,6 +1,10 @@
 """Continuous batching: every step is one merge step of decode rows (one token per running request)
 and prefill chunks (new or partially prefilled requests), under a token budget and a request cap.
-FCFS admission through the admission policy; preemption by recompute when the pool runs dry."""
+FCFS admission through the admission policy; preemption by recompute when the pool runs dry. With
+prefix caching a request is admitted on the longest run of cached pages that starts its tokens, and
+its prefill starts at the first token they do not hold; the pages a step fills are findable from
+that step on (the model writes every row's K/V before any attention reads the cache, so a request
+admitted later in the same step shares them)."""
 
 from __future__ import annotations
 
@@ -53,6 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of those, tokens found
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,6 +91,8 @@ class Scheduler:
             else:
                 batch.prefill.append(seq)
                 batch.prefill_lens.append(chunk)
+            if self.pool.prefix_caching:
+                self.pool.commit(seq, seq.num_computed + chunk)
             budget -= chunk
         # New requests, strictly first come first served; none in a step that had to preempt.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -93,13 +101,25 @@ class Scheduler:
                 self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
                 self.pool.num_pages,
             )
-            if need > self.pool.available or not self.policy.admits(
+            root = b""
+            cached: list[int] = []
+            hashes: list[bytes] = []
+            if self.pool.prefix_caching:  # its first chunk, were it computed cold, is the budget's
+                root = self.pool.root(seq, min(seq.num_tokens, budget))
+                cached, hashes = self.pool.match(seq, root)
+            if self.pool.cost(cached, need) > self.pool.available or not self.policy.admits(
                 seq, self.running, self.pool, self.max_model_len
             ):
                 break
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()
             seq.status = Status.RUNNING
+            if self.pool.prefix_caching:
+                self.pool.attach(seq, root, cached, hashes)
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed
+                if seq.num_output == 0:
+                    seq.num_cached_tokens = seq.num_computed
             self.pool.reserve(seq, need)
             self.running.append(seq)
             self.on_admit(seq)
@@ -109,6 +129,8 @@ class Scheduler:
                 break
             batch.prefill.append(seq)
             batch.prefill_lens.append(chunk)
+            if self.pool.prefix_caching:
+                self.pool.commit(seq, seq.num_computed + chunk)
             budget -= chunk
         return batch
 

@@ -26,6 +26,7 @@ class Sequence:
     params: SamplingParams
     arrival: float
     app: str = ""
+    cache_salt: str = ""  # prefix caching: only requests with the same salt share KV pages
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and stop_token_ids
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -37,6 +38,9 @@ class Sequence:
     num_preemptions: int = 0
     predicted_len: int | None = None  # the `predicted` policy's reservation of output tokens
     first_scheduled: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was admitted
+    hash_root: bytes = b""  # prefix caching: the chain its page hashes start from (kv.prefix)
+    page_hashes: list[bytes] = field(default_factory=list)  # of its full computed pages, in order
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,7 @@ def build_request(
     *,
     request_id: str = "",
     app: str = "",
+    cache_salt: str = "",
     params: SamplingParams | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
@@ -53,7 +54,7 @@ def build_request(
     values.update({k: v for k, v in sampling.items() if v is not None})
     # The constraint is a oneof: set only the one given (json_object=False would select it too).
     constraint = {name: values.pop(name, None) for name in CONSTRAINTS}
-    request = pb.GenerateRequest(request_id=request_id, app=app, **values)
+    request = pb.GenerateRequest(request_id=request_id, app=app, cache_salt=cache_salt, **values)
     for name, value in constraint.items():
         if value is None or value is False:
             continue
@@ -82,6 +83,7 @@ class Completion:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     chunks: int = 0  # messages received (fewer than tokens when the server coalesced)
 
@@ -95,6 +97,7 @@ class Completion:
             self.finish_reason = response.finish_reason
             self.prompt_tokens = response.usage.prompt_tokens
             self.completion_tokens = response.usage.completion_tokens
+            self.cached_prompt_tokens = response.usage.cached_prompt_tokens
 
 
 def _health_name(status: int) -> str:
@@ -255,6 +258,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default="", help="the request's id; unset: the server assigns one")
     parser.add_argument("--app", default="", help="application label (the output-length predictor learns "
                                                   "per application)")
+    parser.add_argument("--cache-salt", default="", help="share prefix-cache pages only with requests that "
+                                                         "give the same salt")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     tls = parser.add_argument_group("security (a gateway run with --tls-cert/--tls-key, --api-key)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
@@ -327,7 +332,8 @@ def main(args: argparse.Namespace) -> int:
     with Client(args.target, **security) as client:
         try:
             for chunk in client.stream(
-                prompt, timeout=args.timeout, request_id=args.request_id, app=args.app, **sampling
+                prompt, timeout=args.timeout, request_id=args.request_id, app=args.app,
+                cache_salt=args.cache_salt, **sampling
             ):
                 first = first or time.perf_counter()
                 completion.add(chunk)

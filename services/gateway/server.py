@@ -88,6 +88,7 @@ OPTIONAL_SAMPLING = (
     "skip_special_tokens",
 )
 MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 256
 MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32; the tokenizer checks them against the vocabulary
@@ -119,6 +120,7 @@ class Stream:
     finish: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
     error: Failure | None = None
     abort_in_engine: bool = True  # when closed without a finish, does the engine need an Abort?
     done: bool = False  # the final message was written
@@ -149,6 +151,7 @@ class Stream:
             response.finish_reason = self.finish
             response.usage.prompt_tokens = self.prompt_tokens
             response.usage.completion_tokens = self.completion_tokens
+            response.usage.cached_prompt_tokens = self.cached_prompt_tokens
         return response, last
 
 
@@ -368,7 +371,12 @@ class Gateway(pb_grpc.GenerationServicer):
             params.validate(max_logprobs=self.info.max_logprobs if self.info else 20)
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        message = TokenizeRequest(rid=rid, sampling=params, app=request.app, arrival=time.time())
+        if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
+            raise invalid(
+                f"cache_salt is {len(request.cache_salt)} characters, at most {MAX_CACHE_SALT_LEN} allowed"
+            )
+        message = TokenizeRequest(rid=rid, sampling=params, app=request.app, arrival=time.time(),
+                                  cache_salt=request.cache_salt)
         if which is None:
             raise invalid("prompt is missing: set one of prompt, prompt_token_ids or messages")
         if which == "prompt":
@@ -447,7 +455,8 @@ class Gateway(pb_grpc.GenerationServicer):
         ids = unpack_ids(msg.tokens)
         if (
             len(msg.offsets) != n + 1
-            or any(len(c) != n for c in (msg.text, msg.finish, msg.prompt_tokens, msg.completion_tokens))
+            or any(len(c) != n for c in (msg.text, msg.finish, msg.prompt_tokens, msg.completion_tokens,
+                                         msg.cached_prompt_tokens))
             or (msg.logprobs is not None and len(msg.logprobs) != n)
             or (n and msg.offsets[-1] > len(ids))
         ):
@@ -470,6 +479,7 @@ class Gateway(pb_grpc.GenerationServicer):
             logprobs = token_logprobs(row_logprobs) if row_logprobs is not None else None
             stream.pending.append((msg.text[i], ids[msg.offsets[i] : msg.offsets[i + 1]], logprobs))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
+            stream.cached_prompt_tokens = msg.cached_prompt_tokens[i]
             stream.finish = msg.finish[i]
             stream.wake.set()
         if orphans:

@@ -81,7 +81,7 @@ class Tokenizer:
                                  f"{self.max_model_len} tokens and {name} takes {len(ids)}: at most {room} "
                                  "can be generated; lower max_tokens")
         params = req.sampling
-        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival)
+        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival, req.cache_salt)
 
     @staticmethod
     def _check_constraint(params: SamplingParams) -> None:
