@@ -55,18 +55,19 @@ def configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of both models")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of both models")
+    parser.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
     parser.add_argument("--expert-size", type=int, default=1024, help="intermediate size of one expert")
-    parser.add_argument("--batch", nargs="+", type=int, default=[1, 4, 16, 64])
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 4, 16, 64],
+                        help="decode batch sizes to time")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=5, help="alternated runs of each model per batch size")
     parser.add_argument("--backend", default="cpu", help="engine backend (cpu, reference, triton)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 

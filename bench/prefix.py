@@ -46,18 +46,20 @@ TARGETS = {"shared_ttft_x": 3.0, "shared_throughput_x": 2.0, "hit_rate_of_ideal"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["stories260K", "llama-20m"],
                         help="stories260K (the shared assets), llama-20m (random weights) or checkpoint dirs")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--system-len", type=int, default=384)
-    parser.add_argument("--user-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("--chats", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                        help="shared: one system prompt; chat: growing histories; unique: no sharing")
+    parser.add_argument("--requests", type=int, default=32, help="shared: requests submitted together")
+    parser.add_argument("--system-len", type=int, default=384, help="shared: system prompt tokens")
+    parser.add_argument("--user-len", type=int, default=32, help="tokens of each distinct user turn")
+    parser.add_argument("--output-len", type=int, default=8, help="tokens generated per request")
+    parser.add_argument("--chats", type=int, default=8, help="chat workload: conversations replayed")
+    parser.add_argument("--turns", type=int, default=4, help="chat workload: turns per conversation")
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions of cache on and off, alternated")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (the unit of sharing)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the engine's token budget per step")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--out", metavar="DIR", help="write the PNG plot into DIR")
 
