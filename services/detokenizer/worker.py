@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from services import config as cfg
-from services.config import Addresses, EngineConfig
 from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from services.detokenizer.logprobs import TokenTexts, format_logprobs
 from services.messages import (
@@ -33,7 +28,7 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.tokenizer.load import load_for
+from services.tokenizer.load import add_worker_arguments, load_for, start_worker, worker_sockets
 
 log = logging.getLogger(__name__)
 
@@ -172,30 +167,18 @@ def serve(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    addresses = Addresses()
-    cfg.add_arguments(parser, EngineConfig, only=cfg.TOKENIZER_FIELDS)
-    parser.add_argument("--steps", default=addresses.steps, help="bind: step outputs from the engine")
-    parser.add_argument("--deltas", default=addresses.deltas, help="connect: text deltas to the gateway")
-    parser.add_argument("--control", default=addresses.control, help="connect: stop aborts to the engine")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_worker_arguments(parser, {"steps": "bind: step outputs from the engine",
+                                  "deltas": "connect: text deltas to the gateway",
+                                  "control": "connect: stop aborts to the engine"})
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), force=True,
-                        format="%(asctime)s detokenizer %(levelname)s %(message)s")
-    args.model = args.model or os.environ.get("PIPESERVE_MODEL")
-    detok = Detokenizer(load_for(cfg.from_args(EngineConfig, args))[1])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ctx = zmq.Context()
-    steps, deltas, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
-    try:
+    detok = Detokenizer(load_for(start_worker(args, "detokenizer"))[1])
+    with worker_sockets() as ctx:
+        steps, deltas, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
         steps.bind(args.steps)
         deltas.connect(args.deltas)
         control.connect(args.control)
         log.info("ready: steps %s -> deltas %s, aborts -> %s", args.steps, args.deltas, args.control)
         serve(detok, steps, deltas, control)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        ctx.destroy(linger=500)  # let queued messages out on a clean exit
     return 0

@@ -12,14 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import sys
 from typing import Any
 
 import zmq
 
-from services import config as cfg
-from services.config import Addresses, EngineConfig
 from services.messages import (
     ChatMessage,
     EngineRequest,
@@ -31,7 +27,7 @@ from services.messages import (
     unpack_ids,
 )
 from services.sampling_params import SamplingParams
-from services.tokenizer.load import load_for, model_limits
+from services.tokenizer.load import add_worker_arguments, load_for, model_limits, start_worker, worker_sockets
 
 log = logging.getLogger(__name__)
 
@@ -135,35 +131,23 @@ def serve(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    addresses = Addresses()
     # --max-model-len: give the engine's value when it serves a shorter context than the model's.
-    cfg.add_arguments(parser, EngineConfig, only=cfg.TOKENIZER_FIELDS)
-    parser.add_argument("--tokenize", default=addresses.tokenize, help="connect: requests from the gateway")
-    parser.add_argument("--requests", default=addresses.requests, help="connect: token ids to the engine")
-    parser.add_argument("--errors", default=addresses.errors, help="connect: rejections to the gateway")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_worker_arguments(parser, {"tokenize": "connect: requests from the gateway",
+                                  "requests": "connect: token ids to the engine",
+                                  "errors": "connect: rejections to the gateway"})
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), force=True,
-                        format="%(asctime)s tokenizer %(levelname)s %(message)s")
-    args.model = args.model or os.environ.get("PIPESERVE_MODEL")
-    model_dir, tokenizer = load_for(cfg.from_args(EngineConfig, args))
+    model_dir, tokenizer = load_for(start_worker(args, "tokenizer"))
     limits = model_limits(model_dir)
     max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
     worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ctx = zmq.Context()
-    pull, requests, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
-    try:
+    with worker_sockets() as ctx:
+        pull, requests, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
         pull.connect(args.tokenize)
         requests.connect(args.requests)
         errors.connect(args.errors)
         log.info("ready (pid %d): %s -> %s, context %d", os.getpid(), args.tokenize, args.requests,
                  max_model_len)
         serve(worker, pull, requests, errors)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        ctx.destroy(linger=500)  # let queued messages out on a clean exit
     return 0
