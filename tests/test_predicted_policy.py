@@ -257,3 +257,24 @@ def test_engine_close_saves_what_the_predictor_learned_and_mode_is_configurable(
     assert OutputLengthPredictor.load(path).num_updates == 2
     with pytest.raises(ValueError, match="predictor_mode"):
         LLM(stories_dir, device="cpu", num_pages=64, admission="predicted", predictor_mode="hopeful")
+
+
+def test_peak_admission_counts_a_shared_prefix_once():
+    """Prefix caching: requests that share their prompt's pages hold them once, until the last of
+    them finishes, so the peak check charges each shared page to its latest-finishing holder."""
+    policy = PredictedPolicy(predictor=trained({"short": range(1, 9), "long": range(30, 41)}))
+    running = [make_seq("a", 40, "long"), make_seq("b", 40, "short")]
+    new = make_seq("c", 40, "short")
+    for s in (*running, new):
+        policy.reservation_tokens(s, MAX_LEN)
+    shared = list(range(10))  # the 40-token prompt in 4-token pages, held by a and b alike
+    for s in running:
+        s.pages = list(shared)
+    # Lefts are 39 (a) and 8 (b, c); a finishes last and holds the prompt throughout. Before b and c
+    # end: 40 + 3 x (8 + 3) = 73 tokens; before a ends: 40 + 39 + 3 = 82 tokens.
+    assert policy.admits(new, running, KVPool.accounting_only(21, 4, 8, MAX_LEN), MAX_LEN, shared)
+    assert not policy.admits(new, running, KVPool.accounting_only(20, 4, 8, MAX_LEN), MAX_LEN, shared)
+    # Counted per request, as without sharing, the same pool of 21 pages would refuse it.
+    for s in running:
+        s.pages = []
+    assert not policy.admits(new, running, KVPool.accounting_only(21, 4, 8, MAX_LEN), MAX_LEN)

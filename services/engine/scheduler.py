@@ -108,7 +108,7 @@ class Scheduler:
                 root = self.pool.root(seq, min(seq.num_tokens, budget))
                 cached, hashes = self.pool.match(seq, root)
             if self.pool.cost(cached, need) > self.pool.available or not self.policy.admits(
-                seq, self.running, self.pool, self.max_model_len
+                seq, self.running, self.pool, self.max_model_len, cached
             ):
                 break
             self.waiting.popleft()

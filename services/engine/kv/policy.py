@@ -3,6 +3,7 @@ pool runs dry. The pool enforces the promises; a policy only sizes them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from typing import Any, Protocol
 
 from services.engine.kv.pool import KVPool
@@ -16,9 +17,11 @@ class AdmissionPolicy(Protocol):
         """Tokens of KV to promise this request at admission (at least the tokens it prefills)."""
         ...
 
-    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
+    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int,
+               cached: Sequence_[int] = ()) -> bool:
         """Whether to admit `seq` now, beyond its reservation fitting in the pool (the `predicted`
-        policy checks the predicted future KV peak of the running set)."""
+        policy checks the predicted future KV peak of the running set). `cached`: the cached pages
+        `seq` would attach."""
         ...
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
@@ -38,7 +41,8 @@ class OptimisticPolicy:
     def reservation_tokens(self, seq: Sequence, max_model_len: int) -> int:
         return seq.num_tokens
 
-    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
+    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int,
+               cached: Sequence_[int] = ()) -> bool:
         return True
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:

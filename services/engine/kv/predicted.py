@@ -26,6 +26,7 @@ latency; the requests left running are likely to finish and free pages soon.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence as Sequence_
 
 import numpy as np
 
@@ -77,7 +78,8 @@ class PredictedPolicy:
         final = self.final_tokens(seq, max_model_len)
         return final if self.mode == "reserve" else seq.num_tokens
 
-    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int) -> bool:
+    def admits(self, seq: Sequence, running: list[Sequence], pool: KVPool, max_model_len: int,
+               cached: Sequence_[int] = ()) -> bool:
         if self.mode != "peak" or not running:
             return True
         n = len(running) + 1
@@ -86,6 +88,7 @@ class PredictedPolicy:
         for i, s in enumerate((*running, seq)):
             cur[i] = s.num_tokens
             left[i] = self.final_tokens(s, max_model_len) - s.num_tokens
+        cur -= pool.page_size * self._shared_elsewhere([*(s.pages for s in running), cached], left)
         order = np.argsort(left, kind="stable")
         cur, left = cur[order], left[order]
         alive = np.arange(n, 0, -1)
@@ -93,6 +96,20 @@ class PredictedPolicy:
         # page rounding adds at most page_size - 1 per request.
         held = np.cumsum(cur[::-1])[::-1] + alive * (left + pool.page_size - 1)
         return int(held.max()) <= pool.num_pages * pool.page_size
+
+    @staticmethod
+    def _shared_elsewhere(pages: list[Sequence_[int]], left: np.ndarray) -> np.ndarray:
+        """Per request, its pages that a prefix-sharing request finishing later also holds. A shared
+        page stays in the pool until its last holder finishes, so only that holder is charged for it."""
+        counts = [len(p) for p in pages]
+        if not sum(counts):
+            return np.zeros(len(pages), dtype=np.int64)
+        page = np.concatenate([np.asarray(p, dtype=np.int64) for p in pages])
+        owner = np.repeat(np.arange(len(pages)), counts)
+        order = np.lexsort((left[owner], page))  # by page, its latest-finishing holder last
+        page, owner = page[order], owner[order]
+        charged_elsewhere = np.append(page[1:] == page[:-1], False)
+        return np.bincount(owner[charged_elsewhere], minlength=len(pages)).astype(np.int64)
 
     def remaining_work(self, seq: Sequence) -> int:
         out = self.predict_output(seq, 0.5)
