@@ -7,7 +7,6 @@ import asyncio
 import socket
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import grpc
@@ -22,6 +21,7 @@ from services.config import Addresses, GatewayConfig
 from services.gateway.client import AsyncClient, Client, build_request
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.server import Gateway
+from services.local_cluster import scrape
 from services.messages import (
     Abort,
     ChatMessage,
@@ -50,16 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """The gateway's Prometheus metrics, by sample name with labels."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
 
 
 class FakePipeline:
