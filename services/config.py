@@ -73,6 +73,9 @@ class EngineConfig:
     # too, and a descheduled OpenMP thread stalls every matmul.
     cpu_threads: int = opt(0, "torch intra-op threads of the engine; 0: all cores but one on CPU, "
                            "torch's default on CUDA")
+    tensor_parallel_size: int = opt(1, "processes the model is sharded across (torch.distributed: gloo on "
+                                    "CPU, NCCL on CUDA, one GPU per rank); the engine is rank 0 and "
+                                    "spawns the others")
     revision: str | None = opt(None, "hub revision (branch, tag or commit) of --model and --tokenizer")
     tokenizer: str | None = opt(None, "tokenizer source (directory or hub id) when not --model's")
     served_model_name: str | None = opt(None, "the model name clients see (ModelInfo); unset: from --model")
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def check_choices(obj: Any) -> None:
