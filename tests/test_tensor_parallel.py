@@ -143,12 +143,22 @@ def test_models_that_do_not_split_are_refused_at_the_edges(tiny_model) -> None:
     ],
 )
 def test_tp2_matches_tp1(tiny_model, kind: str, overrides: dict[str, object]) -> None:
-    assert_same(tiny_model(kind, **overrides))
+    assert_same(tiny_model(kind, **overrides)).engine.close()
 
 
 @pytest.mark.slow
 def test_tp2_matches_tp1_on_stories260k(stories_dir: str) -> None:
-    assert_same(stories_dir)
+    tp = assert_same(stories_dir)
+    # One step of 1000 prompt tokens: a plan too large to travel inside the header's broadcast.
+    prompts = [[1, *range(3 + i, 203 + i)] for i in range(5)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    base = LLM(stories_dir, device="cpu", dtype="float32", max_num_batched_tokens=1024)
+    big = LLM(stories_dir, device="cpu", dtype="float32", max_num_batched_tokens=1024, tensor_parallel_size=2)
+    assert [o.token_ids for o in big.generate(prompts, params)] == [
+        o.token_ids for o in base.generate(prompts, params)]
+    assert big.engine.step_count == 3
+    tp.engine.close()
+    big.engine.close()
 
 
 @pytest.mark.slow
@@ -158,6 +168,7 @@ def test_tp2_matches_tp1_with_int8_kv_cache_and_prefix_caching(tiny_model) -> No
     again, _ = generate(tp)  # the prompts' pages come from the prefix cache now
     assert again == generate(tp)[0]
     assert tp.engine.stats()["prefix_cache_hits"] > 0
+    tp.engine.close()
 
 
 @pytest.mark.slow
@@ -208,8 +219,8 @@ def test_workers_never_outlive_their_engine_process(tiny_model, tmp_path: Path, 
     """The interpreter exiting (no close) or rank 0 killed outright: the workers exit too."""
     script = tmp_path / "rank0.py"
     script.write_text(SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), tiny_model("llama"), "wait" if end == "sigkill" else ""],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    argv = [sys.executable, str(script), tiny_model("llama"), "wait" if end == "sigkill" else ""]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
         pids = [int(p) for p in proc.stdout.readline().split()]

@@ -127,13 +127,12 @@ class ShardPlan:
         return index, tensor  # replicated: norms, the router, the shared expert's gate
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Embedding):
     """The rank's rows of the embedding: a token outside them contributes zeros, and the all-reduce
     sums the one rank's row that holds it."""
 
     def __init__(self, num_rows: int, hidden: int, group: TPGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_rows, hidden))
+        super().__init__(num_rows, hidden)
         self.start, self.num_rows, self.group = group.rank * num_rows, num_rows, group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -145,7 +144,8 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
 
-def _all_reduce_output(group: TPGroup, _module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+def _all_reduce_output(group: TPGroup, _module: nn.Module, _inputs: Any,
+                       output: torch.Tensor) -> torch.Tensor:
     group.all_reduce(output)
     return output
 

@@ -19,15 +19,17 @@ import multiprocessing as mp
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
-from torch.distributed import (
+from torch.distributed import (  # type: ignore[attr-defined]  # TCPStore: exported, not in the stubs
     AllreduceOptions,
     BroadcastOptions,
     GatherOptions,
     ProcessGroupGloo,
+    ReduceOp,
     TCPStore,
 )
 
@@ -56,7 +58,7 @@ class TPGroup:
             opts._timeout = IDLE_TIMEOUT
             self.pg = ProcessGroupNCCL(store, rank, world, opts)
         else:
-            gloo = ProcessGroupGloo._Options()
+            gloo = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the devices option
             gloo._devices = [ProcessGroupGloo.create_device(hostname=HOST)]
             gloo._timeout = IDLE_TIMEOUT
             self.pg = ProcessGroupGloo(store, rank, world, gloo)
@@ -95,10 +97,8 @@ class TPGroup:
         return -int(t.item())
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        from torch.distributed import ReduceOp
-
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MAX
+        opts.reduceOp = ReduceOp(ReduceOp.MAX)
         self.pg.allreduce([tensor], opts).wait()
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def _broadcast(pg: Any, tensor: torch.Tensor) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
-def _stop_workers(pg: Any, procs: list[BaseProcess], device: torch.device) -> None:
+def _stop_workers(pg: Any, procs: Sequence[BaseProcess], device: torch.device) -> None:
     """Send the stop plan (workers leave their loop and exit), then kill any worker still running.
     Holds no reference to the group: it runs when the group is collected."""
     from .step_plan import stop_header

@@ -3,10 +3,13 @@ shards. It is the model's input as the runner staged it (token ids, positions, s
 tables, sequence lengths, sampled rows), so the workers need no scheduler, no block table and no
 request state of their own.
 
-One plan is two broadcasts over the group (gloo or NCCL, device tensors on CUDA): a fixed-size
-int64 header (the kind, the sizes and the host-side maxima of AttentionMetadata), then every index
-tensor flattened into one int64 payload. A quantized KV cache adds a third, the page -> mean-key row
+A plan is one broadcast over the group (gloo or NCCL, device tensors on CUDA) of a fixed-size int64
+buffer: the header (the kind, the sizes and the host-side maxima of AttentionMetadata), then every
+index tensor flattened into one payload, inline when it fits (decode batches up to a few dozen rows
+of long contexts) or else in a second broadcast. A quantized KV cache adds the page -> mean-key row
 map (`seq_of_page`), which the pool writes on rank 0 when it hands out a request's first page.
+Collective latency, not bytes, is what a plan costs (docs/engine.md has the measurement), hence
+one fixed-size broadcast rather than a header and a payload of its size.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from .group import TPGroup
 
 STOP, STEP = 0, 1
 HEADER = 12
+INLINE = 2048  # payload elements sent inside the header's broadcast (16 KiB)
 # Header slots.
-KIND, TOKENS, DECODE, PREFILL, PAGES, SAMPLED, MAX_Q, MAX_PREFILL, MAX_DECODE, MAX_SAMPLE, SIZE, MEANS = range(
-    HEADER
-)
+(KIND, TOKENS, DECODE, PREFILL, PAGES, SAMPLED,
+ MAX_Q, MAX_PREFILL, MAX_DECODE, MAX_SAMPLE, SIZE, MEANS) = range(HEADER)
 
 
 def stop_header(device: torch.device) -> torch.Tensor:
-    return torch.zeros(HEADER, dtype=torch.int64, device=device)  # KIND == STOP
+    return torch.zeros(HEADER + INLINE, dtype=torch.int64, device=device)  # KIND == STOP
 
 
 @dataclass
@@ -46,10 +49,10 @@ class StepSender:
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
-        self.header = torch.zeros(HEADER, dtype=torch.int64, device=group.device)
+        self.plan = torch.zeros(HEADER + INLINE, dtype=torch.int64, device=group.device)
         # On CUDA the header is written on the host and uploaded without a sync.
         pin = group.device.type == "cuda"
-        self.host = torch.zeros(HEADER, dtype=torch.int64, pin_memory=pin) if pin else self.header
+        self.host = torch.zeros(HEADER, dtype=torch.int64, pin_memory=pin) if pin else self.plan[:HEADER]
 
     def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
              seq_of_page: torch.Tensor | None) -> None:
@@ -66,10 +69,14 @@ class StepSender:
                      meta.decode_block_tables.shape[1], sampled, meta.prefill_max_q_len,
                      meta.prefill_max_seq_len, meta.decode_max_seq_len, meta.sample_max_seq_len,
                      payload.shape[0], seq_of_page is not None)
-        if self.host is not self.header:
-            self.header.copy_(self.host, non_blocking=True)
-        self.group.broadcast(self.header)
-        self.group.broadcast(payload)
+        if self.host.device != self.plan.device:
+            self.plan[:HEADER].copy_(self.host, non_blocking=True)
+        inline = payload.shape[0] <= INLINE
+        if inline:
+            self.plan[HEADER : HEADER + payload.shape[0]] = payload
+        self.group.broadcast(self.plan)
+        if not inline:
+            self.group.broadcast(payload)
         if seq_of_page is not None:
             self.group.broadcast(seq_of_page)
 
@@ -79,18 +86,21 @@ class StepReceiver:
 
     def __init__(self, group: TPGroup, seq_of_page: torch.Tensor | None) -> None:
         self.group, self.seq_of_page = group, seq_of_page
-        self.header = torch.zeros(HEADER, dtype=torch.int64, device=group.device)
+        self.plan = torch.zeros(HEADER + INLINE, dtype=torch.int64, device=group.device)
         self.payload = torch.zeros(0, dtype=torch.int64, device=group.device)  # grown, then reused
 
     def receive(self) -> Step | None:
-        self.group.broadcast(self.header)
-        h = self.header.tolist()
+        self.group.broadcast(self.plan)
+        h = self.plan[:HEADER].tolist()
         if h[KIND] == STOP:
             return None
-        if self.payload.shape[0] < h[SIZE]:
-            self.payload = torch.zeros(h[SIZE], dtype=torch.int64, device=self.group.device)
-        payload = self.payload[: h[SIZE]]
-        self.group.broadcast(payload)
+        if h[SIZE] <= INLINE:
+            payload = self.plan[HEADER : HEADER + h[SIZE]]
+        else:
+            if self.payload.shape[0] < h[SIZE]:
+                self.payload = torch.zeros(h[SIZE], dtype=torch.int64, device=self.group.device)
+            payload = self.payload[: h[SIZE]]
+            self.group.broadcast(payload)
         if h[MEANS]:
             assert self.seq_of_page is not None, "rank 0's KV cache is quantized, this rank's is not"
             self.group.broadcast(self.seq_of_page)
@@ -98,7 +108,7 @@ class StepReceiver:
         sizes = [t, t, t, nd * pages, nd, bp * pages, bp + 1, bp]
         if sampled >= 0:
             sizes += [sampled, sampled * pages, sampled]
-        views = list(payload.split(sizes))
+        views = list(torch.split(payload, sizes))
         ids, positions, slots, d_tables, d_lens, p_tables, p_cu, p_lens = views[:8]
         i32 = torch.int32
         meta = AttentionMetadata(

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 def main(config: EngineConfig, rank: int, world: int, port: int, threads: int) -> None:
     """The worker process's entry point (spawned by group.start)."""
     exit_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
     from services.engine.engine import Engine  # the engine module imports this one
 
