@@ -118,7 +118,8 @@ def plan_transport(batches: list[int], iters: int) -> list[dict[str, Any]]:
     push.bind(address + "-plan")
     pull.bind(address + "-ack")
     store = TCPStore(HOST, 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
-    child = mp.get_context("spawn").Process(target=_echo, args=(store.port, address, batches, iters), daemon=True)
+    child = mp.get_context("spawn").Process(target=_echo, args=(store.port, address, batches, iters),
+                                            daemon=True)
     child.start()
     group = TPGroup(0, 2, store, torch.device("cpu"))
     sender, ack = StepSender(group), torch.zeros(1)

@@ -109,17 +109,20 @@ class TPGroup:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
+    """Rank r's device: the r-th GPU from the configured one (cuda:r for auto or cuda), else the CPU."""
     cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if not cuda:
+        return torch.device("cpu")
+    first = torch.device(config.device).index if config.device.startswith("cuda") else None
+    return torch.device("cuda", (first or 0) + rank)
 
 
 def check_devices(config: EngineConfig) -> None:
     """ValueError when the host cannot give every rank its own GPU."""
-    world = config.tensor_parallel_size
-    if rank_device(config, 0).type == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; "
-                         f"{torch.cuda.device_count()} are visible")
+    last = rank_device(config, config.tensor_parallel_size - 1)
+    if last.type == "cuda" and torch.cuda.device_count() <= (last.index or 0):
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} from {config.device} needs "
+                         f"{last} but {torch.cuda.device_count()} GPUs are visible")
 
 
 def start(config: EngineConfig) -> TPGroup:

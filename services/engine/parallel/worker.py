@@ -6,6 +6,7 @@ the gather of the logits. No scheduling and no sampling happen here."""
 from __future__ import annotations
 
 import logging
+import signal
 
 import torch
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 def main(config: EngineConfig, rank: int, world: int, port: int, threads: int) -> None:
     """The worker process's entry point (spawned by group.start)."""
     exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches every rank; rank 0 decides
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
