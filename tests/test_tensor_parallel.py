@@ -114,20 +114,23 @@ def test_shards_reassemble_the_checkpoint_tensors() -> None:
     assert torch.equal(torch.cat([part for _, part in placed]), up)
 
 
-def test_models_that_do_not_split_are_refused_at_the_edges(tiny_model) -> None:
+def test_models_that_do_not_split_are_named() -> None:
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         check_shardable(config(), 3)
     with pytest.raises(ValueError, match="3 KV heads"):
         check_shardable(config(num_attention_heads=6, num_key_value_heads=3), 2)
     with pytest.raises(ValueError, match="intermediate size 250"):
         check_shardable(config(intermediate_size=250), 4)
-    model = tiny_model("llama")
-    with pytest.raises(ValueError, match="does not divide"):  # before any worker is spawned
-        LLM(model, device="cpu", tensor_parallel_size=3)
-    with pytest.raises(StartupError, match="tensor_parallel_size 3 does not divide"):
-        resolve(EngineConfig(model=model, tensor_parallel_size=3))
+    check_shardable(config(num_attention_heads=8, num_key_value_heads=1), 8)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_the_edges_refuse_them_before_any_process_starts(stories_dir: str) -> None:
+    with pytest.raises(ValueError, match="8 attention heads"):  # 8 heads, 4 KV heads
+        LLM(stories_dir, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(StartupError, match="tensor_parallel_size 3 does not divide"):
+        resolve(EngineConfig(model=stories_dir, tensor_parallel_size=3))
 
 
 # -- TP=2 against TP=1 ----------------------------------------------------------------------------
