@@ -165,9 +165,10 @@ def test_tp2_matches_tp1_on_stories260k(stories_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_matches_tp1_with_int8_kv_cache_and_prefix_caching(tiny_model) -> None:
-    # A key one ulp apart (the rank's matmul sums in another order) may round to the next int8 code.
-    tp = assert_same(tiny_model("llama", num_key_value_heads=1), atol=1e-3, kv_cache_dtype="int8")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_tp2_matches_tp1_with_quantized_kv_cache_and_prefix_caching(tiny_model, kv_cache_dtype: str) -> None:
+    # A key one ulp apart (the rank's matmul sums in another order) may round to the next code.
+    tp = assert_same(tiny_model("llama", num_key_value_heads=1), atol=1e-3, kv_cache_dtype=kv_cache_dtype)
     again, _ = generate(tp)  # the prompts' pages come from the prefix cache now
     assert again == generate(tp)[0]
     assert tp.engine.stats()["prefix_cache_hits"] > 0
@@ -201,6 +202,20 @@ def test_dropping_the_llm_stops_its_workers(tiny_model) -> None:
     del llm
     gc.collect()
     wait_gone(pids)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_next_step_at_once(tiny_model) -> None:
+    """Not a hang: the engine process then exits, and its supervisor restarts it with new workers."""
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
+    (pid,) = workers_of(llm)
+    os.kill(pid, signal.SIGKILL)
+    wait_gone([pid])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="[Cc]onnection (closed|reset)"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert time.monotonic() - start < 10
+    llm.engine.close()  # nothing left to stop, and no error
 
 
 SCRIPT = """
