@@ -3,27 +3,29 @@ rank's threads, and the step plan's round trip over both transports."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import tp
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_tp_tiny(tmp_path):
     out = tmp_path / "tp.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "tp", "--hidden", "128", "--layers", "1",
-         "--kv-heads", "1", "--batch", "1", "3", "--input-len", "4", "--output-len", "3", "--repeats", "2",
-         "--threads", "2", "--plan-iters", "5", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parser = argparse.ArgumentParser()
+    tp.add_arguments(parser)
+    args = parser.parse_args(["--hidden", "128", "--layers", "1", "--kv-heads", "1", "--batch", "1", "3",
+                              "--input-len", "4", "--output-len", "3", "--repeats", "2", "--threads", "2",
+                              "--plan-iters", "5", "--json", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        assert tp.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)  # the bench sets this process's threads per engine
     result = json.loads(out.read_text())
     assert result["config"]["threads"] == 2 and result["model"]["num_key_value_heads"] == 1
     assert [p["batch"] for p in result["points"]] == [1, 3]
