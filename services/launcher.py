@@ -41,8 +41,8 @@ import zmq
 
 from services import config as cfg
 from services import preflight
-from services.config import Addresses, EngineConfig, GatewayConfig, new_instance_id
-from services.cpus import cpu_split, cpus_env
+from services.config import Addresses, EngineConfig, GatewayConfig, LaunchConfig, new_instance_id
+from services.cpus import cpu_split, cpus_env, engine_core_sets
 from services.messages import ProcessStatus, encode
 from services.preflight import StartupError, check_ports
 
@@ -174,17 +174,26 @@ class Supervisor:
         self._zmq.destroy(linger=0)
 
 
-def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Child]:
-    """The children; on a CPU-only host the engine gets cores of its own (services/cpus.py)."""
+def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int, engines: int = 1) -> list[Child]:
+    """The children: `engines` engines (data parallel; each binds its own requests/control
+    endpoint), one detokenizer, the tokenizers and the gateway. On a CPU-only host the engines get
+    cores of their own (services/cpus.py), dealt out among them."""
     split = cpu_split(engine)
-    engine_env, others_env = {}, {}
+    engine_children = []
+    others_env: dict[str, str] = {}
     if split is not None:
-        engine = replace(engine, cpu_threads=len(split.engine))
-        engine_env, others_env = cpus_env(split.engine), cpus_env(split.others)
-        log.info("engine on cores %s, the rest of the pipeline on %s", split.engine, split.others)
+        others_env = cpus_env(split.others)
+        log.info("engines on cores %s, the rest of the pipeline on %s", split.engine, split.others)
+    for i in range(engines):
+        config, env = engine, {}
+        if split is not None:
+            cores = engine_core_sets(split, engines)[i]
+            config, env = replace(engine, cpu_threads=len(cores)), cpus_env(cores)
+        argv = ["engine", *cfg.to_argv(config), "--engine-index", str(i)]
+        engine_children.append(Child(f"engine-{i}", argv, env=env))
     tokenizer = cfg.to_argv(engine, only=cfg.TOKENIZER_FIELDS)
     return [
-        Child("engine", ["engine", *cfg.to_argv(engine)], env=engine_env),
+        *engine_children,
         Child("detokenizer", ["detokenizer", *tokenizer], env=others_env),
         *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer], env=others_env) for i in range(workers)],
         Child("gateway", ["gateway", *cfg.to_argv(gateway)], env=others_env),
@@ -221,6 +230,7 @@ def wait_serving(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-workers", type=int, default=2, help="tokenizer processes")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    cfg.add_arguments(parser, LaunchConfig)
     parser.add_argument(
         "--tls-server-name",
         default="localhost",
@@ -248,12 +258,14 @@ def running(
     stopping: list[int],
     security: dict[str, Any] | None = None,
     engine_argv: list[str] | None = None,
+    engines: int = 1,
 ) -> Iterator[Running]:
     """Start every child wired through a private run dir and wait for SERVING; on exit stop them in
     order (the gateway first, within gateway.grace) and remove the run dir. engine_argv replaces
-    the engine's subcommand (a benchmark's synthetic engine)."""
+    the engine's subcommand (a benchmark's synthetic engine; one engine only). engines: data
+    parallel size."""
     run_dir = tempfile.mkdtemp(prefix="pipeserve-")
-    addrs = Addresses.under(run_dir)
+    addrs = Addresses.under(run_dir, engines)
     instance_id = new_instance_id()
     env = {
         **os.environ,
@@ -261,8 +273,9 @@ def running(
         "PIPESERVE_MODEL": str(engine.model),
         "PIPESERVE_PARENT_PID": str(os.getpid()),
     }
-    children = plan(engine, gateway, workers)
+    children = plan(engine, gateway, workers, engines)
     if engine_argv is not None:
+        assert engines == 1, "a replaced engine runs alone"
         children[0].argv = engine_argv
     children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
     supervisor = Supervisor(children, addrs, env)
@@ -295,11 +308,20 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
     return preflight.run(engine), gateway
 
 
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    try:
+        launch: LaunchConfig = cfg.from_args(LaunchConfig, args)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return launch
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_title("up")
     try:
         engine, gateway = configs(args)
+        launch = launch_config(args)
     except StartupError as exc:
         print(f"pipeserve up: error: {exc}", file=sys.stderr)
         return 2
@@ -313,7 +335,8 @@ def main(args: argparse.Namespace) -> int:
         else {}
     )
     code = 1
-    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security) as up:
+    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
+                 engines=launch.data_parallel_size) as up:
         if up.serving:
             where = (engine.model, gateway.host, gateway.port, up.run_dir)
             log.info("serving %s on %s:%d (ipc sockets in %s)", *where)
