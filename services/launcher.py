@@ -32,10 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -101,19 +101,42 @@ def child_main(argv: list[str]) -> int:
     return main(argv)
 
 
+class Proc(Protocol):
+    """A started child: a local subprocess.Popen, or one on a Ray node (services/ray_launcher.py)."""
+
+    pid: int
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# Starts a child's process with this environment (the supervisor's, the child's, its name on top).
+Starter = Callable[["Child", dict[str, str]], Proc]
+
+
+def start_local(child: Child, env: dict[str, str]) -> Proc:
+    return subprocess.Popen([sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True)
+
+
 @dataclass
 class Child:
-    name: str  # "engine", "detokenizer", "tokenizer-0", ..., "gateway"
+    name: str  # "engine-0", "detokenizer", "tokenizer-0", ..., "gateway"
     argv: list[str]  # pipeserve subcommand and flags
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
     restarts: list[float] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (e.g. PIPESERVE_CPUS)
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], addrs: Addresses, env: dict[str, str]) -> None:
+    def __init__(
+        self, children: list[Child], addrs: Addresses, env: dict[str, str], start: Starter = start_local
+    ) -> None:
         self.children = children
         self.env = env
+        self.start = start
         self._zmq = zmq.Context()
         self._status = self._zmq.socket(zmq.PUSH)
         self._status.setsockopt(zmq.LINGER, 0)
@@ -122,9 +145,7 @@ class Supervisor:
 
     def spawn(self, child: Child) -> None:
         env = self.env | child.env | {"PIPESERVE_PROCESS_NAME": child.name.replace("-", " ")}
-        child.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True
-        )
+        child.proc = self.start(child, env)
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     def dead(self) -> list[tuple[Child, int]]:
@@ -174,11 +195,14 @@ class Supervisor:
         self._zmq.destroy(linger=0)
 
 
-def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int, engines: int = 1) -> list[Child]:
+def plan(
+    engine: EngineConfig, gateway: GatewayConfig, workers: int, engines: int = 1, pin: bool = True
+) -> list[Child]:
     """The children: `engines` engines (data parallel; each binds its own requests/control
-    endpoint), one detokenizer, the tokenizers and the gateway. On a CPU-only host the engines get
-    cores of their own (services/cpus.py), dealt out among them."""
-    split = cpu_split(engine)
+    endpoint), one detokenizer, the tokenizers and the gateway. On a CPU-only host (pin: the
+    children run on this host) the engines get cores of their own (services/cpus.py), dealt out
+    among them."""
+    split = cpu_split(engine) if pin else None
     engine_children = []
     others_env: dict[str, str] = {}
     if split is not None:
@@ -335,11 +359,18 @@ def main(args: argparse.Namespace) -> int:
         else {}
     )
     code = 1
-    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
-                 engines=launch.data_parallel_size) as up:
+    if launch.ray:
+        from services import ray_launcher
+
+        context = ray_launcher.running(engine, gateway, args.tokenizer_workers, args.startup_timeout,
+                                       stopping, launch, security)
+    else:
+        context = running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
+                          engines=launch.data_parallel_size)
+    with context as up:
         if up.serving:
             where = (engine.model, gateway.host, gateway.port, up.run_dir)
-            log.info("serving %s on %s:%d (ipc sockets in %s)", *where)
+            log.info("serving %s on %s:%d (sockets: %s)", *where)
             code = 0
             while not stopping:
                 for child, status in up.supervisor.dead():

@@ -575,7 +575,7 @@ class Gateway(pb_grpc.GenerationServicer):
                 view.down = True
                 # Aborted in that engine too: its successor may still get adds queued on the way
                 # (tombstones drop them). The other engines' requests go on.
-                self._fail(grpc.StatusCode.UNAVAILABLE, f"{msg.process} died", abort_in_engine=True,
+                self._fail(grpc.StatusCode.UNAVAILABLE, f"the engine {index} died", abort_in_engine=True,
                            which=on_engine(index))
         elif msg.process in PIPELINE:
             if msg.up:
