@@ -161,7 +161,8 @@ def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> N
     info = fake2.client.model_info()
     assert (info.data_parallel_size, info.tensor_parallel_size) == (2, 1)
     fake2.wait(lambda: fake2.gateway.router.engines[1].load() == 7)
-    assert [(e.index, e.serving, e.running, e.waiting, e.routed) for e in fake2.client.model_info().engines] == [
+    engines = fake2.client.model_info().engines
+    assert [(e.index, e.serving, e.running, e.waiting, e.routed) for e in engines] == [
         (0, True, 0, 0, 1), (1, True, 7, 0, 2)]
 
 

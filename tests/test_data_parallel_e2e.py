@@ -67,7 +67,8 @@ def test_200_concurrent_requests_complete_on_both_engines_with_the_single_engine
     expected = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens])
     for i, (got, want) in enumerate(zip(results, expected, strict=True)):
         assert isinstance(got, Completion), f"stream {i}: {got}"
-        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), i
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids, want.text, want.finish_reason), i
     share = [after - b for after, b in zip(routed(dp2), before, strict=True)]
     assert sum(share) == 200 and min(share) >= 60, share  # both engines served a fair share
     dp2.wait_idle()

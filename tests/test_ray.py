@@ -50,7 +50,8 @@ def pipeserve_processes() -> dict[str, str]:
     for proc in Path("/proc").iterdir():
         try:
             title = (proc / "cmdline").read_text().split("\0")[0]
-            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+            items = (proc / "environ").read_text().split("\0")
+            environ = dict(item.split("=", 1) for item in items if "=" in item)
         except (OSError, ValueError):
             continue
         if title.startswith("pipeserve: ") and "PIPESERVE_RAY_NODE" in environ:
