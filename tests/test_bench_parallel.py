@@ -28,8 +28,8 @@ LINK = INTERCONNECTS["nvlink4"]
 
 
 def tp_step(ranks: int, link=LINK) -> TensorParallelStepTime:
-    return TensorParallelStepTime(sharded(COST, SHAPE, ranks), ranks, link, SHAPE.hidden_size, SHAPE.num_layers,
-                                  SHAPE.vocab_size)
+    return TensorParallelStepTime(sharded(COST, SHAPE, ranks), ranks, link, SHAPE.hidden_size,
+                                  SHAPE.num_layers, SHAPE.vocab_size)
 
 
 def test_collectives_cost_nothing_on_one_gpu_and_the_ring_formula_beyond() -> None:
