@@ -66,6 +66,7 @@ def run_one(args: argparse.Namespace, size: int, log_dir: Path) -> dict[str, Any
     model = args.model or default_model()
     with LocalCluster(log_dir / f"up-dp{size}.log", model, "--data-parallel-size", str(size),
                       workers=args.tokenizer_workers, startup=300) as cluster:
+        cluster.wait_engines(size)
         _, outcomes, duration = asyncio.run(serve.replay(workload(args, cluster.target)))
         metrics = cluster.metrics()
     records = [o.record for o in outcomes]

@@ -4,10 +4,13 @@ Starts the engine, the detokenizer, N tokenizer workers and the gateway as subpr
 through ipc:// sockets in a private temp dir, waits until the gateway's health says SERVING,
 then supervises: a process that dies is restarted (engine included), and the gateway is told at
 once (ProcessStatus on its `status` socket) so that it ends the streams the death broke with
-UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. SIGINT/SIGTERM shut down
-in order: the gateway first (in-flight streams get --grace seconds to finish while the rest still
-runs), then the others. Children run in their own sessions (a terminal's Ctrl-C reaches only this
-process, which orders the shutdown) and die with it if it is killed (PR_SET_PDEATHSIG).
+UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. With --data-parallel-size N
+it starts N engines (engine-0 ...), each binding its own requests/control endpoint; with --ray the
+same children run on a Ray cluster's nodes (services/ray_launcher.py), supervised the same way.
+SIGINT/SIGTERM shut down in order: the gateway first (in-flight streams get --grace seconds to
+finish while the rest still runs), then the others. Children run in their own sessions (a
+terminal's Ctrl-C reaches only this process, which orders the shutdown) and die with it if it is
+killed (PR_SET_PDEATHSIG).
 
 Before any process starts, services/preflight.py checks the ports, the model and the tokenizer, and a
 problem ends `up` with one line saying what to do. The gateway's readiness is checked for the
@@ -269,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Running:
     supervisor: Supervisor
     target: str  # host:port of the gateway, for clients on this host
-    run_dir: str  # the ipc sockets' directory
+    where: str  # the ipc sockets' directory, or the Ray cluster
     serving: bool  # the gateway said SERVING before the start-up timeout (or a signal)
 
 
@@ -283,36 +286,43 @@ def running(
     security: dict[str, Any] | None = None,
     engine_argv: list[str] | None = None,
     engines: int = 1,
+    ray: str | None = None,
 ) -> Iterator[Running]:
-    """Start every child wired through a private run dir and wait for SERVING; on exit stop them in
-    order (the gateway first, within gateway.grace) and remove the run dir. engine_argv replaces
-    the engine's subcommand (a benchmark's synthetic engine; one engine only). engines: data
-    parallel size."""
-    run_dir = tempfile.mkdtemp(prefix="pipeserve-")
-    addrs = Addresses.under(run_dir, engines)
-    instance_id = new_instance_id()
-    env = {
-        **os.environ,
-        **addrs.to_env(),
-        "PIPESERVE_MODEL": str(engine.model),
-        "PIPESERVE_PARENT_PID": str(os.getpid()),
-    }
-    children = plan(engine, gateway, workers, engines)
+    """Start every child and wait for SERVING; on exit stop them in order (the gateway first, within
+    gateway.grace). On this host the children are wired through a private run dir (removed at the
+    end); with `ray` (a cluster address) they are placed on its nodes (services/ray_launcher.py).
+    engine_argv replaces the engine's subcommand (a benchmark's synthetic engine; one engine only).
+    engines: data parallel size."""
+    children = plan(engine, gateway, workers, engines, pin=ray is None)
     if engine_argv is not None:
         assert engines == 1, "a replaced engine runs alone"
         children[0].argv = engine_argv
+    instance_id = new_instance_id()
     children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
-    supervisor = Supervisor(children, addrs, env)
-    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
-    target = f"{host}:{gateway.port}"
-    try:
-        for child in supervisor.children:
-            supervisor.spawn(child)
-        serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping, **(security or {}))
-        yield Running(supervisor, target, run_dir, serving)
-    finally:
-        supervisor.stop(gateway.grace)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        if ray is None:
+            run_dir = tempfile.mkdtemp(prefix="pipeserve-")
+            stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
+            start: Starter = start_local
+            addrs, where = Addresses.under(run_dir, engines), run_dir
+            env = {**os.environ, "PIPESERVE_PARENT_PID": str(os.getpid())}
+        else:
+            from services import ray_launcher
+
+            addrs, start = stack.enter_context(ray_launcher.placed(ray, children, engine, engines))
+            where, env = f"ray {ray}", {}  # each node's actor adds its own environment
+        env |= {**addrs.to_env(), "PIPESERVE_MODEL": str(engine.model)}
+        supervisor = Supervisor(children, addrs, env, start)
+        host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
+        target = f"{host}:{gateway.port}"
+        try:
+            for child in supervisor.children:
+                supervisor.spawn(child)
+            serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping,
+                                   **(security or {}))
+            yield Running(supervisor, target, where, serving)
+        finally:
+            supervisor.stop(gateway.grace)
 
 
 def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
@@ -359,17 +369,10 @@ def main(args: argparse.Namespace) -> int:
         else {}
     )
     code = 1
-    if launch.ray:
-        from services import ray_launcher
-
-        context = ray_launcher.running(engine, gateway, args.tokenizer_workers, args.startup_timeout,
-                                       stopping, launch, security)
-    else:
-        context = running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
-                          engines=launch.data_parallel_size)
-    with context as up:
+    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
+                 engines=launch.data_parallel_size, ray=launch.ray) as up:
         if up.serving:
-            where = (engine.model, gateway.host, gateway.port, up.run_dir)
+            where = (engine.model, gateway.host, gateway.port, up.where)
             log.info("serving %s on %s:%d (sockets: %s)", *where)
             code = 0
             while not stopping:

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.config import Addresses, EngineConfig, GatewayConfig, LaunchConfig, new_instance_id
-from services.launcher import CHILD, Child, Proc, Running, Supervisor, plan, wait_serving
+from services.config import Addresses, EngineConfig
+from services.launcher import CHILD, Child, Proc, Starter
 from services.preflight import StartupError
 
 log = logging.getLogger("pipeserve.ray")
@@ -221,49 +221,32 @@ def place(children: list[Child], engine: EngineConfig, engines: int) -> Placemen
 
 
 @contextlib.contextmanager
-def running(
-    engine: EngineConfig,
-    gateway: GatewayConfig,
-    workers: int,
-    startup_timeout: float,
-    stopping: list[int],
-    launch: LaunchConfig,
-    security: dict[str, Any] | None = None,
-) -> Iterator[Running]:
-    """launcher.running() on a Ray cluster: connect, place, start every child, wait for SERVING; on
-    exit stop them in order, then release the actors and placement groups."""
+def placed(
+    address: str, children: list[Child], engine: EngineConfig, engines: int
+) -> Iterator[tuple[Addresses, Starter]]:
+    """Connect to the cluster and place every child (each child's env gains its node, and an
+    engine's its GPUs); yields the addresses and how to start a child on its node. On exit the actors
+    (their processes with them) and placement groups are released."""
     import ray
 
-    ray.init(address=launch.ray, log_to_driver=True)
-    children = plan(engine, gateway, workers, launch.data_parallel_size, pin=False)
-    placement = place(children, engine, launch.data_parallel_size)
-    instance_id = new_instance_id()
-    env = {**placement.addrs.to_env(), "PIPESERVE_MODEL": str(engine.model)}
-    for child in children:
-        node, _ = placement.nodes[child.name]
-        child.env["PIPESERVE_RAY_NODE"] = node  # where it runs, for `ps e` and the tests
-        if child.name in placement.gpus:
-            child.env["CUDA_VISIBLE_DEVICES"] = placement.gpus[child.name]
-    children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
-
-    def start(child: Child, child_env: dict[str, str]) -> Proc:
-        host = placement.hosts[child.name]
-        pid = ray.get(host.start.remote(child.argv, child_env), timeout=CALL_TIMEOUT)
-        return RemoteProc(host, pid)
-
-    supervisor = Supervisor(children, placement.addrs, env, start)
-    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host  # on this node
-    target = f"{host}:{gateway.port}"
+    ray.init(address=address, log_to_driver=True)
     try:
+        placement = place(children, engine, engines)
         for child in children:
-            supervisor.spawn(child)
-        serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping, **(security or {}))
-        yield Running(supervisor, target, f"ray {launch.ray}", serving)
-    finally:
-        supervisor.stop(gateway.grace)
-        for actor in placement.hosts.values():
-            ray.kill(actor)
-        for group in placement.groups:
-            ray.util.remove_placement_group(group)
-        ray.shutdown()
+            child.env["PIPESERVE_RAY_NODE"] = placement.nodes[child.name][0]  # for `ps e` and the tests
+            if child.name in placement.gpus:
+                child.env["CUDA_VISIBLE_DEVICES"] = placement.gpus[child.name]
 
+        def start(child: Child, env: dict[str, str]) -> Proc:
+            host = placement.hosts[child.name]
+            return RemoteProc(host, ray.get(host.start.remote(child.argv, env), timeout=CALL_TIMEOUT))
+
+        try:
+            yield placement.addrs, start
+        finally:
+            for actor in placement.hosts.values():
+                ray.kill(actor)
+            for group in placement.groups:
+                ray.util.remove_placement_group(group)
+    finally:
+        ray.shutdown()

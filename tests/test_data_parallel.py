@@ -191,8 +191,10 @@ def test_one_engine_down_fails_only_its_streams_and_its_aborts_go_to_it(fake2) -
     fake2.boots[1] = 2
     fake2.status.send(encode(ProcessStatus(process="engine-1", up=True)))
     fake2.wait(lambda: fake2.gateway.router.engines[1].live)
-    fake2.client.stream("z", request_id="n2")
+    last = fake2.client.stream("z", request_id="n2")  # kept: a dropped call is cancelled
     assert fake2.next_request().engine == 1  # back, and idle
+    fake2.send([("n2", "e", [5], "stop")])
+    assert [r.text for r in last] == ["e"]
 
 
 def test_an_engine_that_stops_beating_loses_its_streams_the_others_serve_on(fake2) -> None:

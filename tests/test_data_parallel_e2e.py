@@ -31,6 +31,7 @@ ROUTED = 'pipeserve_gateway_routed_requests_total{{engine="{}"}}'
 def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_path = tmp_path_factory.mktemp("pipeserve-dp") / "up.log"
     with LocalCluster(log_path, str(STORIES), "--data-parallel-size", "2", workers=2, startup=120) as srv:
+        srv.wait_engines(2)
         yield srv
 
 

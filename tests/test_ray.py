@@ -63,6 +63,7 @@ def test_two_engines_one_per_node_serve_a_stream(cluster, tmp_path) -> None:
     address, nodes = cluster
     flags = ("--ray", address, "--data-parallel-size", "2", "--cpu-threads", "1")
     with LocalCluster(tmp_path / "up.log", str(STORIES), *flags, workers=1, startup=240) as srv:
+        srv.wait_engines(2)
         chunks = list(srv.client.stream("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True))
         assert len(chunks) > 1 and chunks[-1].finish_reason == "length"
         assert sum(len(c.token_ids) for c in chunks) == 12
