@@ -151,7 +151,13 @@ def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> N
     assert fake2.next_request().engine == 1
     third = fake2.client.stream("a short prompt", request_id="p3")
     assert fake2.next_request().engine == 0
-    fake2.send([("p1", "a", [1], "stop"), ("p2", "b", [2], "stop"), ("p3", "c", [3], "stop")])
+    fourth = fake2.client.stream("another", request_id="p4")
+    assert fake2.next_request().engine == 0
+    assert fake2.client.abort("p4")  # the Abort RPC reaches the engine running it, only that one
+    assert fake2.next_abort(engine=0).rids == ["p4"] and not fake2.controls[1].poll(200)
+    assert [r.finish_reason for r in fourth][-1] == "abort"
+    fake2.send([("p1", "a", [1], "stop"), ("p2", "b", [2], "stop"), ("p3", "c", [3], "stop"),
+                ("p4", "", [], "abort")])
     assert [r.text for r in first] == ["a"] and [r.text for r in second] == ["b"]
     assert [r.text for r in third] == ["c"]
     assert fake2.metric('pipeserve_gateway_routed_requests_total{engine="1"}') == 2
@@ -163,7 +169,7 @@ def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> N
     fake2.wait(lambda: fake2.gateway.router.engines[1].load() == 7)
     engines = fake2.client.model_info().engines
     assert [(e.index, e.serving, e.running, e.waiting, e.routed) for e in engines] == [
-        (0, True, 0, 0, 1), (1, True, 7, 0, 2)]
+        (0, True, 0, 0, 2), (1, True, 7, 0, 2)]
 
 
 def test_one_engine_down_fails_only_its_streams_and_its_aborts_go_to_it(fake2) -> None:
