@@ -5,6 +5,7 @@ per-engine state, the launcher's plan."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import grpc
 import numpy as np
@@ -172,15 +173,18 @@ def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> N
         (0, True, 0, 0, 2), (1, True, 7, 0, 2)]
 
 
+def stream_on(fake2: FakePipeline, engine: int, rid: str) -> Any:
+    """A stream the router sends to `engine`: the other engine reports a queue, this one none."""
+    loads = {engine: 0, 1 - engine: 20}
+    fake2.per_engine = {engine: {"running": 0, "waiting": 0}, 1 - engine: {"running": 0, "waiting": 5}}
+    fake2.wait(lambda: all(fake2.gateway.router.engines[i].load() == load for i, load in loads.items()))
+    call = fake2.client.stream("x", request_id=rid)
+    assert fake2.next_request().engine == engine
+    return call
+
+
 def test_one_engine_down_fails_only_its_streams_and_its_aborts_go_to_it(fake2) -> None:
-    fake2.per_engine[0] = {"running": 0, "waiting": 1}  # engine 1 takes the first, then they alternate
-    fake2.wait(lambda: fake2.gateway.router.engines[0].load() == 4)
-    on1 = fake2.client.stream("x", request_id="e1")
-    assert fake2.next_request().engine == 1
-    fake2.per_engine[1] = {"running": 0, "waiting": 5}
-    fake2.wait(lambda: fake2.gateway.router.engines[1].load() == 20)
-    on0 = fake2.client.stream("x", request_id="e0")
-    assert fake2.next_request().engine == 0
+    on1, on0 = stream_on(fake2, 1, "e1"), stream_on(fake2, 0, "e0")
     fake2.send([("e0", "a", [1], ""), ("e1", "b", [2], "")])
     next(on0), next(on1)
     fake2.status.send(encode(ProcessStatus(process="engine-1", up=False)))
@@ -197,17 +201,13 @@ def test_one_engine_down_fails_only_its_streams_and_its_aborts_go_to_it(fake2) -
     fake2.boots[1] = 2
     fake2.status.send(encode(ProcessStatus(process="engine-1", up=True)))
     fake2.wait(lambda: fake2.gateway.router.engines[1].live)
-    last = fake2.client.stream("z", request_id="n2")  # kept: a dropped call is cancelled
-    assert fake2.next_request().engine == 1  # back, and idle
+    last = stream_on(fake2, 1, "n2")  # back, and taking requests
     fake2.send([("n2", "e", [5], "stop")])
     assert [r.text for r in last] == ["e"]
 
 
 def test_an_engine_that_stops_beating_loses_its_streams_the_others_serve_on(fake2) -> None:
-    fake2.per_engine[0] = {"running": 0, "waiting": 1}
-    fake2.wait(lambda: fake2.gateway.router.engines[0].load() == 4)
-    call = fake2.client.stream("x", request_id="s1")
-    assert fake2.next_request().engine == 1
+    call = stream_on(fake2, 1, "s1")
     fake2.silent.add(1)
     err = rpc_error(call)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "engine 1" in err.details()
@@ -219,14 +219,7 @@ def test_an_engine_that_stops_beating_loses_its_streams_the_others_serve_on(fake
 
 
 def test_a_restarted_engine_fails_only_its_old_streams(fake2) -> None:
-    fake2.per_engine[0] = {"running": 0, "waiting": 1}
-    fake2.wait(lambda: fake2.gateway.router.engines[0].load() == 4)
-    on1 = fake2.client.stream("x", request_id="r1")
-    assert fake2.next_request().engine == 1
-    fake2.per_engine[1] = {"running": 0, "waiting": 5}
-    fake2.wait(lambda: fake2.gateway.router.engines[1].load() == 20)
-    on0 = fake2.client.stream("x", request_id="r0")
-    assert fake2.next_request().engine == 0
+    on1, on0 = stream_on(fake2, 1, "r1"), stream_on(fake2, 0, "r0")
     fake2.boots[1] = 7  # engine 1 restarted without a supervisor (compose)
     assert rpc_error(on1).code() == grpc.StatusCode.UNAVAILABLE
     fake2.send([("r0", "ok", [1], "stop")])
