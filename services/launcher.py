@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib.util
 import logging
 import os
 import shutil
@@ -347,6 +348,8 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         launch: LaunchConfig = cfg.from_args(LaunchConfig, args)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    if launch.ray and importlib.util.find_spec("ray") is None:
+        raise StartupError("--ray needs Ray: pip install 'pipeserve[ray]'")
     return launch
 
 

@@ -224,3 +224,21 @@ def test_a_restarted_engine_fails_only_its_old_streams(fake2) -> None:
     assert rpc_error(on1).code() == grpc.StatusCode.UNAVAILABLE
     fake2.send([("r0", "ok", [1], "stop")])
     assert [r.text for r in on0] == ["ok"]
+
+
+def test_launch_flags_are_checked_before_anything_starts(monkeypatch) -> None:
+    import argparse
+    import importlib.util
+
+    from services.launcher import add_arguments, launch_config
+    from services.preflight import StartupError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert launch_config(parser.parse_args(["--data-parallel-size", "3"])).data_parallel_size == 3
+    with pytest.raises(StartupError, match="data_parallel_size must be >= 1"):
+        launch_config(parser.parse_args(["--data-parallel-size", "0"]))
+    args = parser.parse_args(["--ray", "auto"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(StartupError, match=r"pip install 'pipeserve\[ray\]'"):
+        launch_config(args)
