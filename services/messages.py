@@ -214,6 +214,7 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
     engines: dict[str, dict[str, int]] | None = None  # engine index (as a string) -> its latest counters
+    row_engines: list[int] | None = None  # data parallel: the engine running each row's request
 
 
 # ---- errors socket: request failures -----------------------------------------------------------

@@ -242,3 +242,13 @@ def test_launch_flags_are_checked_before_anything_starts(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(StartupError, match=r"pip install 'pipeserve\[ray\]'"):
         launch_config(args)
+
+
+def test_output_for_no_stream_is_aborted_in_the_engine_running_it(fake2) -> None:
+    from services.messages import TextDeltas
+
+    fake2.deltas.send(encode(TextDeltas(rids=["ghost"], text=["x"], tokens=pack_ids([1]), offsets=[0, 1],
+                                        finish=[""], prompt_tokens=[1], completion_tokens=[1],
+                                        cached_prompt_tokens=[0], row_engines=[1])))
+    assert fake2.next_abort(engine=1).rids == ["ghost"]
+    assert not fake2.controls[0].poll(200)  # a tombstone there could end a later request reusing the id

@@ -149,6 +149,7 @@ class Detokenizer:
             cached_prompt_tokens=[row.state.cached_prompt_tokens for row in rows.values()],
             completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            row_engines=[row.state.engine for row in rows.values()],
             stats={"detok_requests": len(self.requests)},
             engines={str(engine): stats for engine, stats in self.engine_stats.items()})
 

@@ -442,14 +442,14 @@ class Gateway(pb_grpc.GenerationServicer):
                 self._abort_in_engine([stream.rid], stream.engine)
         stream.done = True
 
-    def _abort_in_engine(self, rids: list[str], engine: int | None) -> None:
-        """Abort rids in their engine (None: in every engine, for ids whose engine is unknown)."""
+    def _abort_in_engine(self, rids: list[str], engine: int) -> None:
+        """Abort rids in the engine running them (only there: an abort elsewhere would leave a
+        tombstone that could end a later request reusing the id)."""
         expiry = time.monotonic() + ABORTED_HOLD
         for rid in rids:
             self.aborted[rid] = expiry
-        for sock in self.controls if engine is None else [self.controls[engine]]:
-            future = sock.send(encode(Abort(rids=rids)))
-            future.add_done_callback(_log_failure)  # type: ignore[attr-defined]  # pyzmq types it as Awaitable
+        future = self.controls[engine].send(encode(Abort(rids=rids)))
+        future.add_done_callback(_log_failure)  # type: ignore[attr-defined]  # pyzmq types it as Awaitable
 
     def _fail(
         self,
@@ -484,6 +484,7 @@ class Gateway(pb_grpc.GenerationServicer):
             or any(len(c) != n for c in (msg.text, msg.finish, msg.prompt_tokens, msg.completion_tokens,
                                          msg.cached_prompt_tokens))
             or (msg.logprobs is not None and len(msg.logprobs) != n)
+            or (msg.row_engines is not None and len(msg.row_engines) != n)
             or (n and msg.offsets[-1] > len(ids))
         ):
             log.warning("dropped a malformed TextDeltas of %d rows", n)
@@ -494,14 +495,17 @@ class Gateway(pb_grpc.GenerationServicer):
         for key, stats in (msg.engines or {}).items():
             if key.isdigit() and int(key) < len(self.router.engines):
                 self.router.report(int(key), stats, heartbeat=False)
-        orphans = []
+        orphans: list[tuple[int, str]] = []
         for i, rid in enumerate(msg.rids):
             stream = self.streams.get(rid)
             if stream is None or stream.finish or stream.error is not None:
                 if msg.finish[i]:
                     self.aborted.pop(rid, None)  # the engine is done with it: the id is free again
                 elif stream is None and rid not in self.aborted:
-                    orphans.append(rid)  # output nobody reads (its abort was lost): stop it
+                    # Output nobody reads (its abort was lost): stop it, in the engine running it.
+                    engine = msg.row_engines[i] if msg.row_engines is not None else 0
+                    if 0 <= engine < len(self.controls):
+                        orphans.append((engine, rid))
                 continue
             stream.started = True
             row_logprobs = msg.logprobs[i] if msg.logprobs is not None else None
@@ -512,8 +516,9 @@ class Gateway(pb_grpc.GenerationServicer):
             stream.finish = msg.finish[i]
             stream.wake.set()
         if orphans:
-            log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0])
-            self._abort_in_engine(orphans, None)
+            log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0][1])
+            for engine in sorted({engine for engine, _ in orphans}):
+                self._abort_in_engine([rid for where, rid in orphans if where == engine], engine)
 
     async def _recv_errors(self) -> None:
         while True:
