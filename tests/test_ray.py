@@ -64,9 +64,10 @@ def test_two_engines_one_per_node_serve_a_stream(cluster, tmp_path) -> None:
     flags = ("--ray", address, "--data-parallel-size", "2", "--cpu-threads", "1")
     with LocalCluster(tmp_path / "up.log", str(STORIES), *flags, workers=1, startup=240) as srv:
         srv.wait_engines(2)
-        chunks = list(srv.client.stream("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True))
+        # Enough tokens that the stream comes in several messages (a short one may arrive coalesced).
+        chunks = list(srv.client.stream("Once upon a time", max_tokens=96, temperature=0, ignore_eos=True))
         assert len(chunks) > 1 and chunks[-1].finish_reason == "length"
-        assert sum(len(c.token_ids) for c in chunks) == 12
+        assert sum(len(c.token_ids) for c in chunks) == 96
         info = srv.client.model_info()
         assert (info.data_parallel_size, [e.serving for e in info.engines]) == (2, [True, True])
         results = asyncio.run(stream_all(srv.target, [{"prompt": f"Tom had {i}", "max_tokens": 4}
