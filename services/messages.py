@@ -101,6 +101,7 @@ class TokenizeRequest(Message):
     app: str = ""
     arrival: float = 0.0  # wall clock (time.time()) at the gateway; the engine process converts it
     cache_salt: str = ""  # prefix caching: pages are shared only among requests with the same salt
+    engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends it there)
 
 
 @dataclass
@@ -169,6 +170,7 @@ class StepOutput(Message):
     logprobs: list[StepLogprobs | None] | None = None
     # Engine counters piggy-backed for the gateway's /stats and the tests (running, waiting, pages).
     stats: dict[str, int] | None = None
+    engine: int = 0  # data parallel: which engine sent it (its steps count on their own)
 
 
 # ---- detokenizer -> gateway --------------------------------------------------------------------
@@ -196,9 +198,9 @@ class TextDeltas(Message):
     Row i: request rids[i] gets text[i] and the ids tokens[offsets[i]:offsets[i+1]]; one row per
     request per message. completion_tokens[i] counts the request's ids so far and
 cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
-    logprobs, when a row asked: for row i None or one entry per id. stats: the engine's latest
-    counters plus "detok_requests" (live detokenizer states); sent on every receive, heartbeats
-    included."""
+    logprobs, when a row asked: for row i None or one entry per id. stats: the detokenizer's own
+    counters ("detok_requests": live request states), engines: each engine's latest counters; sent
+    on every receive, heartbeats included."""
 
     TAG: ClassVar[str] = "deltas"
     rids: list[str]
@@ -211,6 +213,8 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     cached_prompt_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
+    engines: dict[str, dict[str, int]] | None = None  # engine index (as a string) -> its latest counters
+    row_engines: list[int] | None = None  # data parallel: the engine running each row's request
 
 
 # ---- errors socket: request failures -----------------------------------------------------------
@@ -260,6 +264,8 @@ class EngineInfo(Message):
     boot: int
     info: ModelInfo
     stats: dict[str, int] | None = None
+    engine: int = 0  # data parallel: which engine (its index in the requests/control address lists)
+    tensor_parallel_size: int = 1  # ranks this engine runs its model on
 
 
 @dataclass
@@ -267,7 +273,7 @@ class ProcessStatus(Message):
     """supervisor (`pipeserve up`) -> gateway (status socket): a process died or was restarted."""
 
     TAG: ClassVar[str] = "process"
-    process: str  # "engine", "detokenizer", "tokenizer-0", ...
+    process: str  # "engine-0", "detokenizer", "tokenizer-0", ... ("engine": engine 0)
     up: bool
 
 
