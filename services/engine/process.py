@@ -63,9 +63,20 @@ MAX_DRAIN = 4096  # messages taken from one socket between two steps (bounded so
 MAX_TOMBSTONES = 65536  # bounds memory under an abort flood; the oldest go first
 
 
+def _one_token_rows(u: StepUpdate) -> list[StepUpdate]:
+    """A StepOutput row carries one token: a request that emitted several this step (speculative
+    decoding) takes one row for each, all but the last still running."""
+    if len(u.token_ids) <= 1:
+        return [u]
+    last = len(u.token_ids) - 1
+    return [StepUpdate(u.seq, [tok], u.finish_reason if i == last else "", None, u.new and i == 0)
+            for i, tok in enumerate(u.token_ids)]
+
+
 def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None) -> StepOutput:
     """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
-    assert all(len(u.token_ids) <= 1 for u in updates), "StepOutput carries one token per row"
+    if any(len(u.token_ids) > 1 for u in updates):
+        updates = [row for u in updates for row in _one_token_rows(u)]
     new = []
     for u in updates:
         if u.new:
