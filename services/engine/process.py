@@ -35,7 +35,7 @@ import zmq
 
 from services import config as cfg
 from services.config import TOMBSTONE_TTL, Addresses, EngineConfig
-from services.engine.sequence import StepUpdate
+from services.engine.sequence import StepUpdate, one_token_updates
 from services.messages import (
     MAX_MESSAGE_BYTES,
     PROMPT_TAIL,
@@ -63,20 +63,9 @@ MAX_DRAIN = 4096  # messages taken from one socket between two steps (bounded so
 MAX_TOMBSTONES = 65536  # bounds memory under an abort flood; the oldest go first
 
 
-def _one_token_rows(u: StepUpdate) -> list[StepUpdate]:
-    """A StepOutput row carries one token: a request that emitted several this step (speculative
-    decoding) takes one row for each, all but the last still running."""
-    if len(u.token_ids) <= 1:
-        return [u]
-    last = len(u.token_ids) - 1
-    return [StepUpdate(u.seq, [tok], u.finish_reason if i == last else "", None, u.new and i == 0)
-            for i, tok in enumerate(u.token_ids)]
-
-
 def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None) -> StepOutput:
     """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
-    if any(len(u.token_ids) > 1 for u in updates):
-        updates = [row for u in updates for row in _one_token_rows(u)]
+    updates = one_token_updates(updates)
     new = []
     for u in updates:
         if u.new:
