@@ -45,7 +45,7 @@ def make_sampler(params: SamplingParams) -> tuple[Sampler, np.ndarray, torch.Ten
 
 
 def speculative_chain(sampler: Sampler, slots: np.ndarray, slots_t: torch.Tensor, target: torch.Tensor,
-                      draft: torch.Tensor | None) -> tuple[np.ndarray, float]:
+                      draft: torch.Tensor | None, K: int = K) -> tuple[np.ndarray, float]:  # noqa: N803
     """N sequences of L tokens after token 0 under target logits [V, V] (row: previous token).
     draft None: deterministic proposals (the next token's argmax under a fixed wrong table, and the
     matching rule); else the draft's logits table, sampled, and rejection sampling. Returns the
@@ -56,9 +56,9 @@ def speculative_chain(sampler: Sampler, slots: np.ndarray, slots_t: torch.Tensor
     fixed = torch.roll(torch.eye(V), 1, dims=1)  # proposes prev + 1: right only by chance
     steps_emitted = []
     while int(count.min()) < L:
-        # Proposals: k tokens autoregressively.
+        # Proposals: k tokens autoregressively (a sampled draft draws one more, for the last row).
         proposals, q, ctx = [], [], prev
-        for j in range(K):
+        for j in range(K + (draft is not None)):
             steps = count + j
             if draft is None:
                 tok = fixed[ctx].argmax(-1)
@@ -68,8 +68,8 @@ def speculative_chain(sampler: Sampler, slots: np.ndarray, slots_t: torch.Tensor
                 tok = race(logw, sampler.noise(slots_t, steps, DRAFT_SALT))
             proposals.append(tok)
             ctx = tok
-        d = torch.stack(proposals, 1)  # [N, K]
-        contexts = torch.cat([prev[:, None], d], 1)  # row j sees the prefix through d_{j-1}
+        d = torch.stack(proposals, 1)  # [N, K] or [N, K + 1]
+        contexts = torch.cat([prev[:, None], d[:, :K]], 1)  # row j sees the prefix through d_{j-1}
         steps = count[:, None] + torch.arange(K + 1)[None, :]
         logits = target[contexts].reshape(-1, V)
         rep_slots = np.repeat(slots, K + 1)
@@ -82,7 +82,7 @@ def speculative_chain(sampler: Sampler, slots: np.ndarray, slots_t: torch.Tensor
             kept = accept_matching(targets.numpy(), d.numpy(), lens.numpy())
             tokens, emitted = targets, torch.as_tensor(kept) + 1
         else:
-            u_accept = sampler.noise(rep_t, steps.reshape(-1), ACCEPT_SALT)[:, 0].view(N, K + 1)[:, :K]
+            u_accept = sampler.noise(rep_t, steps.reshape(-1), ACCEPT_SALT)[:, 0].view(N, K + 1)
             tokens, emitted = rejection_sample(p_logw.view(N, K + 1, V), torch.stack(q, 1), d, lens,
                                                u_accept, u.view(N, K + 1, V))
         steps_emitted.append(emitted.float().mean().item())
@@ -156,3 +156,11 @@ def test_bad_draft_shifts_a_naive_acceptance_rule():
         tokens.append(ctx)
     expected = chain_probabilities(sampler, TARGET) * N
     assert chi2_pvalue(joint_counts(torch.stack(tokens, 1).numpy()), expected) < 1e-6
+
+
+def test_seeded_tokens_do_not_depend_on_the_proposal_size():
+    """Every output index is decided by the same rule from (prefix, seed, index), so the adaptive
+    rule may change k without changing a seeded request's tokens."""
+    sampler, slots, slots_t = make_sampler(SamplingParams(temperature=0.9, top_p=0.95))
+    runs = [speculative_chain(sampler, slots, slots_t, TARGET, GOOD_DRAFT, k)[0] for k in (1, 2, 4)]
+    assert (runs[0] == runs[1]).all() and (runs[0] == runs[2]).all()

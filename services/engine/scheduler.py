@@ -72,9 +72,11 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self, proposals: dict[Sequence, list[int]] | None = None) -> ScheduledBatch:
-        """proposals: speculative tokens of decoding requests (verified this step when the token
-        budget and the pool have room for them, else dropped before anything is preempted)."""
+        """proposals: speculative tokens of decoding requests, verified this step (as many as the
+        token budget and the pool have room for: they are cut before anything is preempted). A
+        request in proposals verifies even with none left (a sampled draft decides its token so)."""
         batch = ScheduledBatch()
+        proposals = proposals or {}
         budget = self.max_num_batched_tokens
         preempted = False
         # Running requests in admission order: decode rows, then chunks of unfinished prefills.
@@ -82,8 +84,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = seq.num_uncomputed
-            proposal = proposals.get(seq, []) if proposals and n == 1 else []
-            proposal = proposal[: budget - 1]
+            verifying = n == 1 and seq in proposals
+            proposal = proposals[seq][: budget - 1] if verifying else []
             chunk = 1 + len(proposal) if n == 1 else min(n, budget)
             while not self.pool.grow(seq, seq.num_computed + chunk):
                 if proposal:  # speculation never costs another request its pages
@@ -97,7 +99,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            if proposal:
+            if verifying:
                 batch.verify.append(seq)
                 batch.proposals.append(proposal)
             elif n == 1:

@@ -42,11 +42,11 @@ class DraftModel:
         return shadow
 
     def propose(
-        self, seqs: list[Sequence], sizes: np.ndarray
+        self, seqs: list[Sequence], rounds: np.ndarray
     ) -> tuple[dict[Sequence, list[int]], DraftProposals]:
-        """Up to sizes[i] tokens for seqs[i] (each decoding: its newest token uncomputed by the
-        target); a request whose draft cache cannot catch up in this step's budget, or whose pages
-        the draft pool lacks, proposes nothing."""
+        """Draw rounds[i] tokens for seqs[i] (each decoding: its newest token uncomputed by the
+        target); the caller proposes a prefix of them. A request whose draft cache cannot catch up
+        in this step's token budget, or whose pages the draft pool lacks, draws nothing."""
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
         active: list[tuple[int, Sequence]] = []
@@ -64,10 +64,11 @@ class DraftModel:
                 batch.prefill_lens.append(chunk)
             if chunk == lag:
                 active.append((i, shadow))
-        k = int(sizes.max(initial=0))
-        q = torch.zeros(len(seqs), max(k, 1), self.sampler.vocab_size, device=self.device)
-        proposals: dict[Sequence, list[int]] = {}
-        for j in range(k):
+        r = max(int(rounds.max(initial=0)), 1)
+        q = torch.zeros(len(seqs), r, self.sampler.vocab_size, device=self.device)
+        drawn = torch.zeros(len(seqs), r, dtype=torch.int64, device=self.device)
+        tokens: dict[Sequence, list[int]] = {}
+        for j in range(r):
             if not batch.num_tokens:
                 break
             order = batch.sampling()  # the active shadows whose chunk reaches their newest token
@@ -76,31 +77,33 @@ class DraftModel:
                 shadow.num_computed += n
             for shadow in batch.decode:
                 shadow.num_computed += 1
-            if logits is None:
+            if logits is None or not order:
                 break
             index = {id(s): i for i, s in active}
-            idx = np.fromiter((index[id(s)] for s in order), np.int64, len(order))
+            idx_np = np.fromiter((index[id(s)] for s in order), np.int64, len(order))
+            idx = torch.as_tensor(idx_np, device=self.device)
             slots = np.fromiter((s.slot for s in order), np.int64, len(order))
             slots_t = torch.as_tensor(slots, device=self.device)
             steps = self.sampler.generated[slots_t] + j
             logw = self.sampler.processed_logits(logits, slots, slots_t, steps)
-            tokens = race(logw, self.sampler.noise(slots_t, steps, DRAFT_SALT))
-            greedy = self.sampler.greedy[slots_t]
-            tokens = torch.where(greedy, logw.argmax(-1), tokens)
-            q[torch.as_tensor(idx, device=self.device), j] = torch.softmax(logw, dim=-1)
-            for s, i, t in zip(order, idx.tolist(), tokens.tolist(), strict=True):
-                proposals.setdefault(seqs[i], []).append(t)
+            # The target's processing of the draft's logits; greedy rows take the argmax.
+            drawn_j = torch.where(self.sampler.greedy[slots_t], logw.argmax(-1),
+                                  race(logw, self.sampler.noise(slots_t, steps, DRAFT_SALT)))
+            q[idx, j] = torch.softmax(logw, dim=-1)
+            drawn[idx, j] = drawn_j
+            for s, i, t in zip(order, idx_np.tolist(), drawn_j.tolist(), strict=True):
+                tokens.setdefault(seqs[i], []).append(t)
                 s.token_ids.append(t)
-            # The next round: shadows that want another token and have room for it.
+            # The next round: shadows that draw another token and have room for it.
             batch = ScheduledBatch()
             still = []
             for i, s in active:
-                if sizes[i] > j + 1 and self.pool.grow(s, s.num_computed + 1):
+                if rounds[i] > j + 1 and self.pool.grow(s, s.num_computed + 1):
                     batch.decode.append(s)
                     still.append((i, s))
             active = still
         rows = {seq: i for i, seq in enumerate(seqs)}
-        return proposals, DraftProposals(rows, q)
+        return tokens, DraftProposals(rows, q, drawn)
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """After verification: the draft's K/V is valid for the request's first num_valid tokens."""

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from services.engine.sampler import MIN_TEMPERATURE
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence, Status
 
@@ -64,18 +65,26 @@ class Speculator:
         )
         sizes = np.clip(np.minimum(sizes, room), 0, None)
         self.adaptive.idle(slots[sizes == 0])
-        chosen = [s for s, n in zip(eligible, sizes, strict=True) if n > 0]
-        sizes = sizes[sizes > 0]
         drafts = None
+        proposals: dict[Sequence, list[int]] = {}
         if self.ngram is not None:
-            proposals = {}
-            for seq, n in zip(chosen, sizes.tolist(), strict=True):
-                proposal = self.ngram.propose(seq.token_ids, n)
+            for seq, n in zip(eligible, sizes.tolist(), strict=True):
+                proposal = self.ngram.propose(seq.token_ids, n) if n else []
                 if proposal:
                     proposals[seq] = proposal
         else:
+            # A sampled request draws one token more than it proposes and always verifies, so each
+            # of its tokens is decided by rejection sampling whatever the size (verify.py).
             assert self.draft is not None
-            proposals, drafts = self.draft.propose(chosen, sizes)
+            sampled = np.fromiter((s.params.temperature >= MIN_TEMPERATURE for s in eligible), bool,
+                                  len(eligible))
+            rounds = sizes + sampled
+            chosen = [s for s, n in zip(eligible, rounds, strict=True) if n > 0]
+            drawn, drafts = self.draft.propose(chosen, rounds[rounds > 0])
+            for seq, n, extra in zip(eligible, sizes.tolist(), sampled.tolist(), strict=True):
+                tokens = drawn.get(seq)
+                if tokens:
+                    proposals[seq] = tokens[: min(n, len(tokens) - extra)]
         self._proposed = list(proposals)
         self.adaptive.record_proposing(sum(map(len, proposals.values())), time.perf_counter() - start)
         return proposals, drafts

@@ -26,11 +26,14 @@ ACCEPT_SALT = 0x2545F4914F6CDD1D
 
 @dataclass
 class DraftProposals:
-    """What a draft model proposed this step: each request's row of q, the probabilities [M, K, V]
-    its proposals were drawn from (greedy requests' rows are unused: they verify by matching)."""
+    """What a draft model drew this step: each request's row of tokens [M, R] and of q [M, R, V], the
+    probabilities they were drawn from. A sampled request has one draft token more than it proposed
+    (rejection_sample decides its last row with it); greedy requests' rows are unused (they verify
+    by matching)."""
 
     rows: dict[Sequence, int]
     q: torch.Tensor
+    tokens: torch.Tensor
 
 
 @dataclass
@@ -76,10 +79,11 @@ class Verifier:
             sampled = np.flatnonzero(~self.sampler._greedy[v_slots])
         if sampled.size:
             assert drafts is not None
-            q_rows = [drafts.rows[batch.verify[i]] for i in sampled]
-            q = drafts.q[torch.as_tensor(q_rows, device=self.device)]
-            sync += self._rejection(logits, rows[sampled], lens[sampled], proposals[sampled],
-                                    v_slots[sampled], q)
+            index = torch.as_tensor([drafts.rows[batch.verify[i]] for i in sampled], device=self.device)
+            pad = max(0, k + 1 - drafts.q.shape[1])  # a greedy request proposed the most: no extra row
+            q = torch.nn.functional.pad(drafts.q[index], (0, 0, 0, pad))[:, : k + 1]
+            d = torch.nn.functional.pad(drafts.tokens[index], (0, pad))[:, : k + 1]
+            sync += self._rejection(logits, rows[sampled], lens[sampled], d, v_slots[sampled], q)
         host = np.asarray(torch.cat([t.reshape(-1) for t in sync]).tolist(), dtype=np.int64)  # the sync
         num_rows = row_tokens.shape[0]
         targets = host[:num_rows][rows]
@@ -109,15 +113,14 @@ class Verifier:
         logits: torch.Tensor,
         rows: np.ndarray,
         lens: np.ndarray,
-        proposals: np.ndarray,
+        draft: torch.Tensor,
         slots: np.ndarray,
         q: torch.Tensor,
     ) -> list[torch.Tensor]:
-        """Rejection sampling of the draft's sampled proposals (drawn from q [n, >= k, V]):
+        """Rejection sampling of the draft's samples draft [n, k + 1] (drawn from q [n, k + 1, V]):
         [tokens [n, k + 1], emitted [n]]."""
         n, k1 = rows.shape
         dev, sampler = self.device, self.sampler
-        q = q[:, : k1 - 1]
         slots_t = torch.as_tensor(np.repeat(slots, k1), device=dev)
         steps = (sampler.generated[torch.as_tensor(slots, device=dev)][:, None]
                  + torch.arange(k1, device=dev)[None, :]).reshape(-1)
@@ -127,12 +130,6 @@ class Verifier:
         u_race = sampler.noise(slots_t, steps)
         u_accept = sampler.noise(slots_t, steps, ACCEPT_SALT)[:, 0]
         v = p_logw.shape[-1]
-        tokens, emitted = rejection_sample(
-            p_logw.view(n, k1, v),
-            q,
-            torch.as_tensor(proposals, device=dev).clamp(min=0),
-            torch.as_tensor(lens, device=dev),
-            u_accept.view(n, k1)[:, : k1 - 1],
-            u_race.view(n, k1, v),
-        )
+        tokens, emitted = rejection_sample(p_logw.view(n, k1, v), q, draft, torch.as_tensor(lens, device=dev),
+                                           u_accept.view(n, k1), u_race.view(n, k1, v))
         return [tokens, emitted]

@@ -9,7 +9,8 @@ distribution p_j after the prefix extended by d_0..d_{j-1}.
   independent of whatever else runs in the batch (`accept_matching`).
 - Sampled proposals (a draft model at temperature > 0, drawn from q_j): keep d_j with probability
   min(1, p_j(d_j) / q_j(d_j)); at the first rejection emit a sample of the normalised residual
-  max(0, p_j - q_j); when all k are kept, emit a sample of p_k (`rejection_sample`)."""
+  max(0, p_j - q_j). When all k are kept, row k decides the same way with one more draft sample,
+  so every output index is decided alike whatever k was (`rejection_sample`)."""
 
 from __future__ import annotations
 
@@ -39,28 +40,31 @@ def rejection_sample(
     u_accept: torch.Tensor,
     u_race: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify sampled proposals. p_logw [N, K + 1, V]: the target's log-weights at each row (-inf
-    outside its kept set); q [N, K, V]: the draft's probabilities that drew draft [N, K]; lengths
-    [N]: proposals per request (the rest padding); u_accept [N, K] and u_race [N, K + 1, V]:
-    uniforms in (0, 1). Returns (tokens [N, K + 1], emitted [N]): request i emits
-    tokens[i, :emitted[i]], its kept proposals followed by one corrected or bonus token."""
+    """Verify sampled proposals. Every row j decides its token the same way: the draft's sample d_j
+    of q_j if kept (probability min(1, p_j(d_j) / q_j(d_j))), else a sample of the normalised
+    residual max(0, p_j - q_j); rows before lengths[i] are the proposals the target saw, and the run
+    goes on while they are kept. Row lengths[i] has a draft sample too (one the target did not
+    see), so the token at every output index is the same function of (prefix, seed, index) however
+    many tokens were proposed: seeded outputs do not depend on the adaptive proposal sizes.
+
+    p_logw [N, K + 1, V]: the target's log-weights at each row (-inf outside its kept set); q
+    [N, K + 1, V]: the draft's probabilities that drew draft [N, K + 1]; lengths [N] <= K; u_accept
+    [N, K + 1] and u_race [N, K + 1, V]: uniforms in (0, 1). Returns (tokens [N, K + 1], emitted
+    [N]): request i emits tokens[i, :emitted[i]], its kept proposals and one more token."""
     n, k1, v = p_logw.shape
-    k = k1 - 1
     p = torch.softmax(p_logw.float(), dim=-1)
-    # Padded rows and the bonus row are a draft of probability zero: never kept, residual = p.
-    valid = torch.arange(k, device=q.device)[None, :] < lengths[:, None]
-    q_full = torch.zeros_like(p)
-    q_full[:, :k] = q.float() * valid[:, :, None]
+    q = q.float()
     d = draft.clamp(min=0)
-    p_d = p[:, :k].gather(2, d[:, :, None]).squeeze(2)
-    q_d = q_full[:, :k].gather(2, d[:, :, None]).squeeze(2)
-    keep = valid & (u_accept * q_d <= p_d) & (q_d > 0)
-    kept = torch.cumprod(keep.int(), dim=1).sum(dim=1)  # [N]: leading run of kept proposals
-    residual = (p - q_full).clamp(min=0)
+    p_d = p.gather(2, d[:, :, None]).squeeze(2)
+    q_d = q.gather(2, d[:, :, None]).squeeze(2)
+    keep = (u_accept * q_d <= p_d) & (q_d > 0)
+    proposed = torch.arange(k1, device=q.device)[None, :] < lengths[:, None]
+    kept = torch.cumprod((keep & proposed).int(), dim=1).sum(dim=1)  # [N]: leading run of kept proposals
+    residual = (p - q).clamp(min=0)
     # p == q to the last bit leaves no residual; a rejection is then impossible, p is a safe stand-in.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p, residual)
-    last = race(residual.log(), u_race).view(n, k1)  # the token each row would emit on rejection
-    tokens = torch.cat([d, torch.zeros(n, 1, dtype=d.dtype, device=d.device)], dim=1)
-    tokens = tokens.scatter(1, kept[:, None], last.gather(1, kept[:, None]))
+    rejected = race(residual.log(), u_race).view(n, k1)
+    row_token = torch.where(keep, d, rejected)  # what each row emits when the run reaches it
+    tokens = d.scatter(1, kept[:, None], row_token.gather(1, kept[:, None]))
     return tokens, kept + 1
