@@ -90,6 +90,8 @@ class EngineConfig:
                                       "proposes fewer, or none, where they do not pay)")
     draft_model: str | None = opt(None, "draft checkpoint (directory or hub id) sharing the model's "
                                   "tokenizer, for --speculative-method draft")
+    speculative_adaptive: bool = opt(True, "size each request's proposal by the measured step cost and its "
+                                     "acceptance (none at large batch); false: always num_speculative_tokens")
     prompt_lookup_min: int = opt(2, "ngram: the shortest suffix looked up in the prompt and output")
     prompt_lookup_max: int = opt(4, "ngram: the longest suffix looked up (the longest match wins)")
 

@@ -180,6 +180,22 @@ def test_ngram_proposes_after_the_latest_longest_match():
     assert proposer.propose([3, 3], 4) == [3]  # never past the sequence
 
 
+def test_ngram_matches_a_brute_force_search():
+    def brute(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, rng.integers(1, 30)).tolist()
+        lo = int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        assert NgramProposer(lo, hi).propose(tokens, 3) == brute(tokens, lo, hi, 3), (tokens, lo, hi)
+
+
 def test_accept_matching_counts_the_leading_run():
     targets = np.array([[1, 2, 3, 4], [1, 9, 3, 4], [5, 2, 3, 4]])
     proposals = np.array([[1, 2, 3], [1, 2, 3], [1, 2, -1]])
@@ -197,6 +213,8 @@ def test_adaptive_rule_stops_at_large_batch_and_for_poor_acceptance():
     small = rule.sizes(slots, 1)
     assert small[0] == 4 and small[1] < small[0]
     assert rule.sizes(slots, 1000).tolist() == [0, 0]  # compute-bound: w near 1
+    rule.adaptive = False  # --no-speculative-adaptive: always the configured size
+    assert rule.sizes(slots, 1000).tolist() == [4, 4]
 
 
 def test_pool_shrink_returns_pages_to_the_promise():

@@ -220,10 +220,10 @@ class Engine:
             self.speculator.release(seq)
 
     def _speculator(self, config: EngineConfig, backend: str, model_cfg: ModelConfig) -> Speculator | None:
-        k = config.num_speculative_tokens
+        sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
+                  config.speculative_adaptive)
         if config.speculative_method == "ngram":
-            ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            return Speculator(k, config.max_num_seqs, self.max_model_len, ngram=ngram)
+            return Speculator(*sizing, ngram=NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         if config.speculative_method != "draft":
             return None
         assert config.draft_model is not None
@@ -238,7 +238,7 @@ class Engine:
                       config.max_num_seqs, self.max_model_len)
         draft = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
                            config.max_num_batched_tokens)
-        return Speculator(k, config.max_num_seqs, self.max_model_len, draft=draft)
+        return Speculator(*sizing, draft=draft)
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -12,7 +12,6 @@ toward the prior acceptance, so it tries again later."""
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 
@@ -25,19 +24,25 @@ MIN_FIT = 8
 
 
 class CostModel:
-    """Seconds per step as a + b * tokens, over the last WINDOW steps."""
+    """Seconds per step as a + b * tokens: least squares over recent steps, each step's weight
+    decaying by (1 - 1 / WINDOW) per step after it (running sums: O(1) per step)."""
 
     def __init__(self) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.sums = np.zeros(5)  # weight, x, y, x^2, x*y
+        self.count = 0
         self.fit: tuple[float, float] | None = None
 
     def record(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
-        if len(self.samples) >= MIN_FIT:
-            x, y = np.asarray(self.samples, dtype=np.float64).T
-            if np.ptp(x) > 0:
-                b, a = np.polyfit(x, y, 1)
-                self.fit = (max(float(a), 1e-9), max(float(b), 0.0))
+        s = self.sums
+        s *= 1.0 - 1.0 / WINDOW
+        s += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+        self.count += 1
+        w, x, y, xx, xy = s.tolist()
+        var = w * xx - x * x
+        if self.count >= MIN_FIT and var > 1e-9 * w * xx:  # needs steps of different sizes
+            b = (w * xy - x * y) / var
+            a = (y - b * x) / w
+            self.fit = (max(a, 1e-9), max(b, 0.0))
 
     def token_cost(self, batch: int, extra_seconds: float) -> float:
         """w: one more token in a step of `batch` rows (plus extra_seconds per token of proposing),
@@ -49,8 +54,8 @@ class CostModel:
 
 
 class AdaptiveK:
-    def __init__(self, k: int, max_num_seqs: int) -> None:
-        self.k = k
+    def __init__(self, k: int, max_num_seqs: int, adaptive: bool = True) -> None:
+        self.k, self.adaptive = k, adaptive
         self.cost = CostModel()
         self.kept = np.full(max_num_seqs, PRIOR_ALPHA * PRIOR_WEIGHT)
         self.trials = np.full(max_num_seqs, PRIOR_WEIGHT)
@@ -64,7 +69,7 @@ class AdaptiveK:
 
     def sizes(self, slots: np.ndarray, batch: int) -> np.ndarray:
         """Proposal length per request of these slots in a step of `batch` decoding rows."""
-        w = self.cost.token_cost(batch, self.propose_seconds)
+        w = self.cost.token_cost(batch, self.propose_seconds) if self.adaptive else 0.0
         alpha = np.clip(self.alpha(slots), 1e-6, 1 - 1e-6)
         if w <= 0.0:
             return np.full(len(slots), self.k, dtype=np.int64)

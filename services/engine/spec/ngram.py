@@ -5,7 +5,6 @@ compute and deterministic, so verification keeps exactly the tokens decoding wou
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -13,17 +12,23 @@ class NgramProposer:
         assert 1 <= min_n <= max_n
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: list[int] | np.ndarray, k: int) -> list[int]:
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k tokens continuing token_ids (prompt + output so far), or [] with no match."""
         tokens = np.asarray(token_ids)
         size = len(tokens)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            suffix = tokens[size - n :]
-            # Windows starting before the suffix itself, so at least one token follows each.
-            windows = sliding_window_view(tokens[: size - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                proposal: list[int] = tokens[start : start + k].tolist()
-                return proposal
-        return []
+        # Candidate ends of an earlier match: positions holding the newest token (not the newest
+        # itself); each round keeps those whose match extends one token further back.
+        ends = np.flatnonzero(tokens[: size - 1] == tokens[-1])
+        best = ends if self.min_n <= 1 else ends[:0]
+        for n in range(2, min(self.max_n, size - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[size - n]]
+            if not ends.size:
+                break
+            if n >= self.min_n:
+                best = ends
+        if not best.size:
+            return []
+        start = int(best[-1]) + 1  # the latest of the longest matches
+        proposal: list[int] = tokens[start : start + k].tolist()
+        return proposal

@@ -35,12 +35,12 @@ def speculates(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, k: int, max_num_seqs: int, max_model_len: int,
+    def __init__(self, k: int, max_num_seqs: int, max_model_len: int, adaptive: bool = True,
                  ngram: NgramProposer | None = None, draft: DraftModel | None = None) -> None:
         assert (ngram is None) != (draft is None), "one proposer"
         self.ngram, self.draft = ngram, draft
         self.max_model_len = max_model_len
-        self.adaptive = AdaptiveK(k, max_num_seqs)
+        self.adaptive = AdaptiveK(k, max_num_seqs, adaptive)
         self._proposed: list[Sequence] = []
         self.num_draft_tokens = 0  # proposed tokens that were verified
         self.num_accepted_tokens = 0
