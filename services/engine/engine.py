@@ -223,7 +223,8 @@ class Engine:
         sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
                   config.speculative_adaptive)
         if config.speculative_method == "ngram":
-            return Speculator(*sizing, ngram=NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+            lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            return Speculator(*sizing, ngram=lookup)
         if config.speculative_method != "draft":
             return None
         assert config.draft_model is not None
