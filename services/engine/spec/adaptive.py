@@ -28,16 +28,16 @@ class CostModel:
     decaying by (1 - 1 / WINDOW) per step after it (running sums: O(1) per step)."""
 
     def __init__(self) -> None:
-        self.sums = np.zeros(5)  # weight, x, y, x^2, x*y
+        self.sums = [0.0] * 5  # weight, x, y, x^2, x*y
         self.count = 0
         self.fit: tuple[float, float] | None = None
 
     def record(self, tokens: int, seconds: float) -> None:
-        s = self.sums
-        s *= 1.0 - 1.0 / WINDOW
-        s += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+        keep = 1.0 - 1.0 / WINDOW
+        new = (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+        self.sums = [keep * old + add for old, add in zip(self.sums, new, strict=True)]
         self.count += 1
-        w, x, y, xx, xy = s.tolist()
+        w, x, y, xx, xy = self.sums
         var = w * xx - x * x
         if self.count >= MIN_FIT and var > 1e-9 * w * xx:  # needs steps of different sizes
             b = (w * xy - x * y) / var
