@@ -4,8 +4,9 @@ Models: stories260K and a ~18M Llama with random weights and stories260K's token
 structured's model). Workloads: (a) copy-heavy, a story passage followed by its own opening, so the
 continuation can copy from the prompt; (b) open-ended, short story openings. Batch 1 (the requests
 one after another) and batch 32 (all at once). Variants, alternated within each repeat: no
-speculation, n-gram prompt lookup, and a draft model (the model itself unless --draft is given: a
-draft that always agrees, which bounds what the verification machinery gives back).
+speculation, n-gram prompt lookup (the adaptive rule on, as served by default), and a draft model
+(the model itself unless --draft is given: a draft that always agrees) proposing a fixed k
+(--no-speculative-adaptive), which shows what verification gives back per target step.
 
 Per case and variant: the wall time (median over --repeats), the acceptance rate (kept / proposed
 tokens), the mean tokens per target step (generated tokens, less each request's first, over the
@@ -108,7 +109,9 @@ def main(args: argparse.Namespace) -> int:
         llms = {
             "off": LLM(model, **common),
             "ngram": LLM(model, speculative_method="ngram", **common),
-            "draft": LLM(model, speculative_method="draft", draft_model=args.draft or model, **common),
+            # A fixed k: the figure is what a draft that agrees gives back per target step.
+            "draft": LLM(model, speculative_method="draft", draft_model=args.draft or model,
+                         speculative_adaptive=False, **common),
         }
         for workload in ("copy", "open"):
             for batch in batches:
