@@ -12,7 +12,8 @@ Per case and variant: the wall time (median over --repeats), the acceptance rate
 tokens), the mean tokens per target step (generated tokens, less each request's first, over the
 target rows that produced them: 1 without speculation) and the wall-clock speedup over no
 speculation (median of the baseline over the median of the variant). Each engine generates the
-case once, untimed, before the repeats (warm-up; the adaptive rule keeps learning throughout).
+case once, untimed, before the repeats (warm-up; the adaptive rule keeps learning throughout); the
+repeats rotate which variant goes first.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: stories260K, llama-18m, or checkpoint dirs")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: each model itself)")
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
-    parser.add_argument("--requests-at-1", type=int, default=4, help="requests run one by one at batch 1")
+    parser.add_argument("--requests-at-1", type=int, default=6, help="requests run one by one at batch 1")
     parser.add_argument("--output-len", type=int, default=48, help="tokens generated per request")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant, alternated")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each variant, alternated")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of speedups and tokens per step")
@@ -119,8 +120,8 @@ def main(args: argparse.Namespace) -> int:
                 runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
                 for variant in VARIANTS:  # warm-up
                     run_case(llms[variant], prompts, batch, args.output_len)
-                for _ in range(args.repeats):
-                    for variant in VARIANTS:
+                for rep in range(args.repeats):  # alternated, each variant first in turn
+                    for variant in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:
                         runs[variant].append(run_case(llms[variant], prompts, batch, args.output_len))
                 base = statistics.median(r["wall_s"] for r in runs["off"])
                 for variant in VARIANTS:

@@ -257,3 +257,35 @@ def test_sampler_rows_at_offsets_draw_the_later_steps():
     one = np.zeros(1, dtype=np.int64)
     seq = [plain.sample(logits[i : i + 1], one, torch.as_tensor(one)).tokens.item() for i in range(3)]
     assert rows.tokens.tolist() == seq and seq[2] == 4 and 4 not in seq[:2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
+    """Through real processes: several tokens per step reach the client as the same text, tokens,
+    stop and usage as plain decoding gives, and the counters are exported."""
+    import asyncio
+
+    from services.gateway.client import AsyncClient
+    from services.local_cluster import LocalCluster
+
+    model, _ = stories
+    text = "Lily and Tom went to the park. They saw a big dog. The dog was happy. Lily and Tom went to"
+    requests = [dict(prompt=text, max_tokens=30, temperature=0.0),
+                dict(prompt=text, max_tokens=30, temperature=0.0, stop=[" dog"]),
+                dict(prompt="Once upon a time", max_tokens=20, temperature=0.7, seed=5)]
+    plain = LLM(model, device="cpu")
+    want = [plain.generate(r.pop("prompt"), SamplingParams(**r))[0] for r in [dict(r) for r in requests]]
+
+    async def all_of(target: str) -> list:
+        async with AsyncClient(target) as client:
+            return await asyncio.gather(*(client.generate(**r) for r in requests))
+
+    flags = ("--speculative-method", "ngram", "--prompt-lookup-min", "1")
+    with LocalCluster(tmp_path / "up.log", model, *flags, workers=1, startup=90) as srv:
+        got = asyncio.run(all_of(srv.target))
+        metrics = srv.metrics()
+    for g, w in zip(got, want, strict=True):
+        assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
+        assert g.completion_tokens == len(w.token_ids)
+    assert metrics["pipeserve:spec_decode_num_accepted_tokens_total"] > 0

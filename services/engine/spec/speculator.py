@@ -64,7 +64,8 @@ class Speculator:
             len(eligible),
         )
         sizes = np.clip(np.minimum(sizes, room), 0, None)
-        self.adaptive.idle(slots[sizes == 0])
+        if not sizes.all():
+            self.adaptive.idle(slots[sizes == 0])
         drafts = None
         proposals: dict[Sequence, list[int]] = {}
         if self.ngram is not None:
@@ -86,7 +87,8 @@ class Speculator:
                 if tokens:
                     proposals[seq] = tokens[: min(n, len(tokens) - extra)]
         self._proposed = list(proposals)
-        self.adaptive.record_proposing(sum(map(len, proposals.values())), time.perf_counter() - start)
+        if proposals:
+            self.adaptive.record_proposing(sum(map(len, proposals.values())), time.perf_counter() - start)
         return proposals, drafts
 
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
