@@ -152,11 +152,21 @@ def test_seeded_sampling_with_a_draft_is_reproducible(stories):
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
-def test_requests_may_opt_out(stories):
+def test_opt_out_and_logprob_requests_decode_beside_speculating_ones(stories):
     model, prompts = stories
-    params = SamplingParams(max_tokens=12, temperature=0.0, speculative=False)
-    _, stats = run(model, prompts, params, speculative_method="ngram")
-    assert stats["spec_verifications"] == 0
+    llm = LLM(model, device="cpu", dtype="float32", speculative_method="ngram")
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, speculative=False))
+    assert llm.engine.stats()["spec_verifications"] == 0
+    # A request asking for logprobs decodes one token a step beside one that verifies proposals.
+    requests = [(prompts[0], SamplingParams(max_tokens=16, temperature=0.0)),
+                (prompts[1], SamplingParams(max_tokens=16, temperature=0.0, logprobs=3))]
+    plain = LLM(model, device="cpu", dtype="float32")
+    want = plain.generate([p for p, _ in requests], [s for _, s in requests])
+    got = llm.generate([p for p, _ in requests], [s for _, s in requests])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got[1].logprobs, want[1].logprobs, strict=True):
+        assert list(g["top"]) == list(w["top"]) and g["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
 @pytest.mark.slow
