@@ -252,6 +252,11 @@ class Sampler:
             self._advance(slots, slots_t, tokens, penalized)
         return out
 
+    def is_greedy(self, slots: np.ndarray) -> np.ndarray:
+        """Host view: which of these slots decode greedily."""
+        greedy: np.ndarray = self._greedy[slots]
+        return greedy
+
     def advance(self, slots: np.ndarray, slots_t: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count tokens accepted after a `sample` with offsets: one entry per token, slots repeating."""
         penalized = self.output_counts is not None and bool(self._penalized[slots].any())

@@ -76,7 +76,7 @@ class Verifier:
         sampled = np.zeros(0, dtype=np.int64)  # requests verified by rejection sampling
         sync = [row_tokens]
         if drafts is not None:
-            sampled = np.flatnonzero(~self.sampler._greedy[v_slots])
+            sampled = np.flatnonzero(~self.sampler.is_greedy(v_slots))
         if sampled.size:
             assert drafts is not None
             index = torch.as_tensor([drafts.rows[batch.verify[i]] for i in sampled], device=self.device)
