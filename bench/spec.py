@@ -21,6 +21,7 @@ repeats rotate which variant goes first.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -103,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
     from services.engine import LLM
 
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
     stories = shared_dir() / "models" / "stories260K"
     results: list[dict[str, Any]] = []
     batches = [int(b) for b in args.batches.split(",")]
@@ -154,7 +156,8 @@ def main(args: argparse.Namespace) -> int:
                 ["model", "workload", "batch", "variant", "wall s", "speedup", "cpu speedup", "acceptance",
                  "tokens/step", "speedup / (tokens/step)"], rows)
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "args": vars(args), "results": results})
+        write_json(args.json, {"machine": machine_info(), "loadavg_start": load_start,
+                               "loadavg_end": os.getloadavg(), "args": vars(args), "results": results})
     if args.plot:
         cases = sorted({(r["model"], r["workload"], r["batch"]) for r in results})
         x = list(range(len(cases)))
