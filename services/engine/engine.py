@@ -15,11 +15,12 @@ import torch
 
 from services import hub
 from services.config import EngineConfig
-from services.engine.backend import get_backend, resolve_backend
+from services.engine.backend import Backend, get_backend, resolve_backend
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
 from services.engine.model.demo import ensure_demo_model
+from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model.quantize import quantize_model
 from services.engine.runner import ModelRunner, StepResult
@@ -72,7 +73,10 @@ class Engine:
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
         per_page = kv_bytes_per_page(model_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
                                      config.prefix_caching)
-        num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page
+        # A draft model is loaded before the pool is sized: its pool holds as many pages, of its size.
+        draft = self._load_draft(config, backend, model_cfg) if config.speculative_method == "draft" else None
+        draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
+        num_pages = config.num_pages or kv_budget_bytes(config, self.device) // (per_page + draft_per_page)
         self.pool = KVPool(
             model_cfg,
             num_pages,
@@ -113,7 +117,7 @@ class Engine:
             self.structured,
             config.num_speculative_tokens if config.speculative_method != "none" else 0,
         )
-        self.speculator = self._speculator(config, backend.name, model_cfg)
+        self.speculator = self._speculator(config, draft)
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":
             policy_opts = {
@@ -219,27 +223,33 @@ class Engine:
         if self.speculator is not None:
             self.speculator.release(seq)
 
-    def _speculator(self, config: EngineConfig, backend: str, model_cfg: ModelConfig) -> Speculator | None:
+    def _load_draft(self, config: EngineConfig, backend: Backend,
+                    model_cfg: ModelConfig) -> tuple[LlamaForCausalLM, ModelConfig]:
+        assert config.draft_model is not None
+        draft_dir = hub.resolve(config.draft_model, config.revision)
+        draft_cfg = ModelConfig.from_dir(draft_dir)
+        if draft_cfg.vocab_size != model_cfg.vocab_size:  # preflight says so first under `pipeserve up`
+            raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the model's "
+                             f"({model_cfg.vocab_size}): it must share the tokenizer")
+        model, _ = load_model(draft_dir, backend, self.device, self.dtype, self.max_model_len)
+        return model, draft_cfg
+
+    def _speculator(self, config: EngineConfig,
+                    draft: tuple[LlamaForCausalLM, ModelConfig] | None) -> Speculator | None:
         sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
                   config.speculative_adaptive)
         if config.speculative_method == "ngram":
             lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             return Speculator(*sizing, ngram=lookup)
-        if config.speculative_method != "draft":
+        if draft is None:
             return None
-        assert config.draft_model is not None
-        draft_dir = hub.resolve(config.draft_model, config.revision)
-        draft_cfg = ModelConfig.from_dir(draft_dir)
-        if draft_cfg.vocab_size != model_cfg.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the model's "
-                             f"({model_cfg.vocab_size}): it must share the tokenizer")
-        model, _ = load_model(draft_dir, get_backend(backend), self.device, self.dtype, self.max_model_len)
+        model, draft_cfg = draft
         # As many tokens as the model's pool: every request it holds can be drafted for.
         pool = KVPool(draft_cfg, self.pool.num_pages, self.pool.page_size, self.dtype, self.device,
                       config.max_num_seqs, self.max_model_len)
-        draft = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
-                           config.max_num_batched_tokens)
-        return Speculator(*sizing, draft=draft)
+        drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
+                             config.max_num_batched_tokens)
+        return Speculator(*sizing, draft=drafter)
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:
