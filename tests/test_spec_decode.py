@@ -55,7 +55,7 @@ ARCHS = [
     pytest.param("llama", dict(tie_word_embeddings=True, num_key_value_heads=4), id="llama-tied",
                  marks=pytest.mark.slow),
     pytest.param("qwen2", {}, id="qwen2-bias", marks=pytest.mark.slow),
-    pytest.param("mistral", dict(sliding_window=6), id="mistral-window"),
+    pytest.param("mistral", dict(sliding_window=6), id="mistral-window", marks=pytest.mark.slow),
     pytest.param("mixtral", {}, id="mixtral", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {}, id="qwen2-moe", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", {}, id="qwen3-moe", marks=pytest.mark.slow),
@@ -96,7 +96,8 @@ def stories(stories_dir):
     return stories_dir, prompts
 
 
-@pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_stories_under_preemption(stories, method):
     model, prompts = stories
     # 14 pages of 4 tokens cannot hold five ~35-token requests at once: the engine must preempt.
@@ -152,6 +153,7 @@ def test_seeded_sampling_with_a_draft_is_reproducible(stories):
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_opt_out_and_logprob_requests_decode_beside_speculating_ones(stories):
     model, prompts = stories
     llm = LLM(model, device="cpu", dtype="float32", speculative_method="ngram")
