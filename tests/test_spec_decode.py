@@ -219,12 +219,25 @@ def test_adaptive_rule_stops_at_large_batch_and_for_poor_acceptance():
     rule = AdaptiveK(4, 8)
     slots = np.arange(2)
     assert rule.sizes(slots, 1).tolist() == [4, 4]  # nothing measured yet: try
-    for tokens in range(1, 40):  # 1 ms fixed + 0.1 ms per token
-        rule.record_step(tokens, 1e-3 + 1e-4 * tokens)
+    for tokens in range(1, 41):  # 1 ms fixed + 0.1 ms per token (+ 0.3 ms per verifying request)
+        verifying = tokens % 3
+        rule.record_step(tokens, verifying, 1e-3 + 1e-4 * tokens + 3e-4 * verifying)
+    a, b, c = rule.cost.fit or (0, 0, 0)
+    assert (a, b, c) == pytest.approx((1e-3, 1e-4, 3e-4), rel=1e-3)
     rule.observe(slots, np.array([4, 4]), np.array([4, 0]))
     small = rule.sizes(slots, 1)
     assert small[0] == 4 and small[1] < small[0]
     assert rule.sizes(slots, 1000).tolist() == [0, 0]  # compute-bound: w near 1
+    # A verification costing about a step (1 ms a request) pays for a well-accepted request only.
+    for _ in range(200):
+        rule.record_step(1, 0, 1.1e-3)
+        rule.record_step(3, 1, 1.3e-3 + 1e-3)
+    rule.observe(slots, np.array([1, 1]), np.array([1, 0]))
+    assert rule.sizes(slots, 1).tolist() == [4, 0]
+    for _ in range(200):  # at 5 ms, for neither
+        rule.record_step(1, 0, 1.1e-3)
+        rule.record_step(3, 1, 1.3e-3 + 5e-3)
+    assert rule.sizes(slots, 1).tolist() == [0, 0]
     rule.adaptive = False  # --no-speculative-adaptive: always the configured size
     assert rule.sizes(slots, 1000).tolist() == [4, 4]
 

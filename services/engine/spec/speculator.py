@@ -94,7 +94,7 @@ class Speculator:
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
         """After the runner, before postprocessing (the requests' token lists are still the step's
         input): learn the step's cost and each verified request's outcome."""
-        self.adaptive.record_step(batch.num_tokens, seconds)
+        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds)
         verified: dict[Sequence, int] = {}
         if batch.verify:
             assert accepted is not None
