@@ -44,9 +44,11 @@ def greedy(model: str, prompts: list[list[int]], max_tokens: int = 12, **options
 
 
 def spec(method: str, model: str, draft: str | None = None) -> dict:
+    """Options that speculate at every step: the adaptive rule, which depends on timings, could
+    otherwise leave a test with nothing verified."""
     if method == "ngram":  # 1-gram lookups: random models' outputs repeat single tokens more often
-        return dict(speculative_method="ngram", prompt_lookup_min=1)
-    return dict(speculative_method="draft", draft_model=draft or model)
+        return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    return dict(speculative_method="draft", draft_model=draft or model, speculative_adaptive=False)
 
 
 ARCHS = [
@@ -136,11 +138,13 @@ def test_seeded_sampling_with_ngram_is_the_plain_stream_in_any_batch(stories):
     model, prompts = stories
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11)
     plain, _ = run(model, prompts, params)
-    llm = LLM(model, device="cpu", dtype="float32", speculative_method="ngram")
+    llm = LLM(model, device="cpu", dtype="float32", **spec("ngram", model))
     together, alone = llm.generate(prompts, params), llm.generate(prompts[:1], params)
     assert [o.token_ids for o in together] == [o.token_ids for o in plain]
     assert alone[0].token_ids == plain[0].token_ids
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    adaptive, _ = run(model, prompts, params, speculative_method="ngram")  # whatever sizes the rule picks
+    assert [o.token_ids for o in adaptive] == [o.token_ids for o in plain]
 
 
 @pytest.mark.slow
@@ -156,7 +160,7 @@ def test_seeded_sampling_with_a_draft_is_reproducible(stories):
 @pytest.mark.slow
 def test_opt_out_and_logprob_requests_decode_beside_speculating_ones(stories):
     model, prompts = stories
-    llm = LLM(model, device="cpu", dtype="float32", speculative_method="ngram")
+    llm = LLM(model, device="cpu", dtype="float32", **spec("ngram", model))
     llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, speculative=False))
     assert llm.engine.stats()["spec_verifications"] == 0
     # A request asking for logprobs decodes one token a step beside one that verifies proposals.
@@ -306,7 +310,7 @@ def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
         async with AsyncClient(target) as client:
             return await asyncio.gather(*(client.generate(**r) for r in requests))
 
-    flags = ("--speculative-method", "ngram", "--prompt-lookup-min", "1")
+    flags = ("--speculative-method", "ngram", "--prompt-lookup-min", "1", "--no-speculative-adaptive")
     with LocalCluster(tmp_path / "up.log", model, *flags, workers=1, startup=90) as srv:
         got = asyncio.run(all_of(srv.target))
         metrics = srv.metrics()
