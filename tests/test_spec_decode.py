@@ -238,10 +238,11 @@ def test_adaptive_rule_stops_at_large_batch_and_for_poor_acceptance():
         rule.record_step(3, 1, 1.3e-3 + 1e-3)
     rule.observe(slots, np.array([1, 1]), np.array([1, 0]))
     assert rule.sizes(slots, 1).tolist() == [4, 0]
+    assert not rule.off(1)
     for _ in range(200):  # at 5 ms, for neither
         rule.record_step(1, 0, 1.1e-3)
         rule.record_step(3, 1, 1.3e-3 + 5e-3)
-    assert rule.sizes(slots, 1).tolist() == [0, 0]
+    assert rule.sizes(slots, 1).tolist() == [0, 0] and rule.off(1)
     rule.adaptive = False  # --no-speculative-adaptive: always the configured size
     assert rule.sizes(slots, 1000).tolist() == [4, 4]
 

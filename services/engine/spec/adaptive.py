@@ -90,6 +90,19 @@ class AdaptiveK:
         sizes: np.ndarray = np.where(kept > j * w + v, j, 0).astype(np.int64)
         return sizes
 
+    def off(self, batch: int) -> bool:
+        """Whether no request could gain in a step of `batch` decoding rows, not even the one with
+        the best acceptance (then every request's estimate drifts toward the prior, as idle does)."""
+        costs = self.cost.costs(batch, self.propose_seconds) if self.adaptive else None
+        if costs is None:
+            return False
+        w, v = costs
+        alpha = min(float((self.kept / self.trials).max()), 1 - 1e-6)
+        if any(alpha * (1 - alpha**j) / (1 - alpha) > j * w + v for j in range(1, self.k + 1)):
+            return False
+        self.kept += RECOVER * (PRIOR_ALPHA * self.trials - self.kept)
+        return True
+
     def observe(self, slots: np.ndarray, proposed: np.ndarray, kept: np.ndarray) -> None:
         """Outcome of one verification per slot: kept of proposed tokens (a rejection ends a run)."""
         rejected = (kept < proposed).astype(np.float64)

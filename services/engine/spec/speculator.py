@@ -50,8 +50,10 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         start = time.perf_counter()
         decoding = [s for s in running if s.status is Status.RUNNING and s.num_uncomputed == 1]
-        eligible = [s for s in decoding if speculates(s)]
         self._proposed = []
+        if not decoding or self.adaptive.off(len(decoding)):  # the common case at large batch: cheap
+            return {}, None
+        eligible = [s for s in decoding if speculates(s)]
         if not eligible:
             return {}, None
         slots = np.fromiter((s.slot for s in eligible), np.int64, len(eligible))
