@@ -97,6 +97,24 @@ def paired(base: list[dict[str, float]], runs: list[dict[str, float]], key: str)
     return statistics.median(b[key] / r[key] for b, r in zip(base, runs, strict=True))
 
 
+def plot(path: str, results: list[dict[str, Any]]) -> None:
+    """Speedups and tokens per target step by case; the cases, numbered, in the title."""
+    cases = sorted({(r["model"], r["workload"], r["batch"]) for r in results})
+    x = list(range(len(cases)))
+
+    def series(key: str, variant: str) -> Series:
+        by_case = {(r["model"], r["workload"], r["batch"]): r[key]
+                   for r in results if r["variant"] == variant}
+        return Series(variant, x, [by_case[c] for c in cases])
+
+    key = ", ".join(f"{i}: {m} {w} b{b}" for i, (m, w, b) in enumerate(cases))
+    plot_panels(path, [
+        Panel("wall-clock speedup vs off", [series("speedup", v) for v in ("ngram", "draft")], "case"),
+        Panel("CPU-time speedup vs off", [series("cpu_speedup", v) for v in ("ngram", "draft")], "case"),
+        Panel("tokens per target step", [series("tokens_per_target_step", v) for v in VARIANTS], "case"),
+    ], f"pipeserve bench spec ({key})")
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -159,18 +177,5 @@ def main(args: argparse.Namespace) -> int:
         write_json(args.json, {"machine": machine_info(), "loadavg_start": load_start,
                                "loadavg_end": os.getloadavg(), "args": vars(args), "results": results})
     if args.plot:
-        cases = sorted({(r["model"], r["workload"], r["batch"]) for r in results})
-        x = list(range(len(cases)))
-
-        def series(key: str, variant: str) -> Series:
-            by_case = {(r["model"], r["workload"], r["batch"]): r[key]
-                       for r in results if r["variant"] == variant}
-            return Series(variant, x, [by_case[c] for c in cases])
-
-        label = "cases: " + "; ".join(f"{i}={m}/{w}/b{b}" for i, (m, w, b) in enumerate(cases))
-        plot_panels(args.plot, [
-            Panel("wall-clock speedup vs off", [series("speedup", v) for v in ("ngram", "draft")], label),
-            Panel("CPU-time speedup vs off", [series("cpu_speedup", v) for v in ("ngram", "draft")], label),
-            Panel("tokens per target step", [series("tokens_per_target_step", v) for v in VARIANTS], label),
-        ], "pipeserve bench spec")
+        plot(args.plot, results)
     return 0
