@@ -319,3 +319,26 @@ def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
         assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
         assert g.completion_tokens == len(w.token_ids)
     assert metrics["pipeserve:spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
+    """Proposals become a verification chunk; the pages grown for them shrink back to the kept
+    tokens; max_tokens met inside the kept run ends the request there."""
+    from services.engine.kv.policy import OptimisticPolicy
+    from services.engine.scheduler import Scheduler
+
+    pool = KVPool.accounting_only(32, 4, 2, 64)
+    sched = Scheduler(pool, OptimisticPolicy(), 2, 16, 64, lambda s: None, lambda s: None)
+    short = Sequence("short", [1, 2, 3], 3, SamplingParams(max_tokens=3), 0.0)
+    long = Sequence("long", [1, 2, 3], 3, SamplingParams(max_tokens=20), 0.0)
+    for seq in (short, long):
+        sched.add(seq)
+    batch = sched.schedule()
+    sched.postprocess(batch, batch.sampling(), [9, 9])  # prefill: 3 prompt tokens + 1 generated each
+    batch = sched.schedule({short: [5, 6, 7], long: [5, 6, 7, 8, 9, 10]})
+    assert batch.verify == [short, long] and batch.proposals == [[5, 6, 7], [5, 6, 7, 8, 9, 10]]
+    assert batch.num_tokens == 4 + 7 and len(long.pages) == 3  # positions 3..9 need a third page
+    finished = sched.postprocess(batch, batch.sampling(), [8, 11], [[5, 6, 7], [5]])
+    assert finished == [short] and short.output_ids == [9, 5, 6] and short.finish_reason == "length"
+    assert long.output_ids == [9, 5, 11] and long.num_computed == 5 and len(long.pages) == 2
+    assert pool.num_free == 30  # the short one's pages back, the long one's third page too
