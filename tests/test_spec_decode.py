@@ -150,11 +150,15 @@ def test_seeded_sampling_with_ngram_is_the_plain_stream_in_any_batch(stories):
 @pytest.mark.slow
 def test_seeded_sampling_with_a_draft_is_reproducible(stories):
     model, prompts = stories
-    params = SamplingParams(max_tokens=20, temperature=0.8, seed=11)
+    # Sampled requests beside greedy ones: the greedy ones are plain greedy decoding.
+    params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.8, seed=11)
+              for i in range(len(prompts))]
     llm = LLM(model, device="cpu", dtype="float32", **spec("draft", model))
     first, second = llm.generate(prompts, params), llm.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    plain, _ = run(model, prompts[1::2], SamplingParams(max_tokens=20, temperature=0.0))
+    assert [o.token_ids for o in first[1::2]] == [o.token_ids for o in plain]
 
 
 @pytest.mark.slow

@@ -65,8 +65,11 @@ class DraftModel:
             if chunk == lag:
                 active.append((i, shadow))
         r = max(int(rounds.max(initial=0)), 1)
-        q = torch.zeros(len(seqs), r, self.sampler.vocab_size, device=self.device)
-        drawn = torch.zeros(len(seqs), r, dtype=torch.int64, device=self.device)
+        # Distributions are kept for sampled requests only: greedy ones verify by matching.
+        greedy = self.sampler.is_greedy(np.fromiter((s.slot for s in seqs), np.int64, len(seqs)))
+        q_row = np.cumsum(~greedy) - 1  # row in q of each sampled request
+        q = torch.zeros(int((~greedy).sum()), r, self.sampler.vocab_size, device=self.device)
+        drawn = torch.zeros(q.shape[0], r, dtype=torch.int64, device=self.device)
         tokens: dict[Sequence, list[int]] = {}
         for j in range(r):
             if not batch.num_tokens:
@@ -81,7 +84,6 @@ class DraftModel:
                 break
             index = {id(s): i for i, s in active}
             idx_np = np.fromiter((index[id(s)] for s in order), np.int64, len(order))
-            idx = torch.as_tensor(idx_np, device=self.device)
             slots = np.fromiter((s.slot for s in order), np.int64, len(order))
             slots_t = torch.as_tensor(slots, device=self.device)
             steps = self.sampler.generated[slots_t] + j
@@ -89,8 +91,12 @@ class DraftModel:
             # The target's processing of the draft's logits; greedy rows take the argmax.
             drawn_j = torch.where(self.sampler.greedy[slots_t], logw.argmax(-1),
                                   race(logw, self.sampler.noise(slots_t, steps, DRAFT_SALT)))
-            q[idx, j] = torch.softmax(logw, dim=-1)
-            drawn[idx, j] = drawn_j
+            keep = ~greedy[idx_np]
+            if keep.any():
+                sel = torch.as_tensor(np.flatnonzero(keep), device=self.device)
+                rows_q = torch.as_tensor(q_row[idx_np[keep]], device=self.device)
+                q[rows_q, j] = torch.softmax(logw.index_select(0, sel), dim=-1)
+                drawn[rows_q, j] = drawn_j.index_select(0, sel)
             for s, i, t in zip(order, idx_np.tolist(), drawn_j.tolist(), strict=True):
                 tokens.setdefault(seqs[i], []).append(t)
                 s.token_ids.append(t)
@@ -102,7 +108,7 @@ class DraftModel:
                     batch.decode.append(s)
                     still.append((i, s))
             active = still
-        rows = {seq: i for i, seq in enumerate(seqs)}
+        rows = {seq: int(q_row[i]) for i, seq in enumerate(seqs) if not greedy[i]}
         return tokens, DraftProposals(rows, q, drawn)
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
