@@ -88,6 +88,14 @@ OPTIONAL_SAMPLING = (
     "seed",
     "logprobs",
     "skip_special_tokens",
+    "speculative",
+)
+# Speculative decoding counters from the engine's stats, under vLLM's names (scraped with _total).
+SPEC_DECODE_COUNTERS = (
+    ("spec_draft_tokens", "pipeserve:spec_decode_num_draft_tokens", "tokens proposed and verified"),
+    ("spec_accepted_tokens", "pipeserve:spec_decode_num_accepted_tokens", "proposed tokens the model kept"),
+    ("spec_verifications", "pipeserve:spec_decode_num_drafts",
+     "verifications (a request's proposals in one step): accepted / drafts is the mean accepted length"),
 )
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
@@ -707,6 +715,8 @@ class _Collector:
         total: collections.Counter[str] = collections.Counter(gw.detok_stats)
         for view in engines:
             total.update(view.stats)
+        for key, name, doc in SPEC_DECODE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=total.get(key, 0))
         engine = GaugeMetricFamily("pipeserve_engine", "engine counters as last reported, summed over the "
                                    "engines", labels=["name"])
         for name, value in total.items():
