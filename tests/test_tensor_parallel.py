@@ -165,6 +165,21 @@ def test_tp2_matches_tp1_on_stories260k(stories_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tp2_verifies_speculative_proposals_in_its_step(stories_dir: str, method: str) -> None:
+    """Verification chunks ride the one step plan; only rank 0 proposes (and holds the draft)."""
+    prompts = ["Once upon a time, there was a little girl. Once upon a time, there", "The cat sat. The cat"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    base = LLM(stories_dir, device="cpu", dtype="float32")
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    tp = LLM(stories_dir, device="cpu", dtype="float32", tensor_parallel_size=2, speculative_method=method,
+             draft_model=stories_dir if method == "draft" else None, speculative_adaptive=False)
+    assert [o.token_ids for o in tp.generate(prompts, params)] == want
+    assert tp.engine.stats()["spec_accepted_tokens"] > 0
+    tp.engine.close()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_tp2_matches_tp1_with_quantized_kv_cache_and_prefix_caching(tiny_model, kv_cache_dtype: str) -> None:
     # A key one ulp apart (the rank's matmul sums in another order) may round to the next code.

@@ -84,7 +84,9 @@ class Engine:
         per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
                                      config.prefix_caching)
         # A draft model is loaded before the pool is sized: its pool holds as many pages, of its size.
-        draft = self._load_draft(config, backend, model_cfg) if config.speculative_method == "draft" else None
+        # Only the scheduling rank proposes, so tensor-parallel workers load no draft.
+        drafting = config.speculative_method == "draft" and (tp is None or tp.is_driver)
+        draft = self._load_draft(config, backend, model_cfg) if drafting else None
         draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
         num_pages = config.num_pages or kv_budget_bytes(config, self.device) // (per_page + draft_per_page)
         if tp is not None:  # every rank holds the same pages
