@@ -16,6 +16,7 @@ import torch
 from services import hub
 from services.config import EngineConfig
 from services.engine.backend import get_backend, resolve_backend
+from services.engine.compiled_step import CompiledDecode, compile_mode
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
@@ -100,6 +101,8 @@ class Engine:
             config.max_num_seqs,
             self.device,
         )
+        mode = compile_mode(config.compile, backend.name, self.device)
+        compiled = None if mode is None else CompiledDecode(self.model, self.pool, config.max_num_seqs, mode)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -108,7 +111,9 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.structured,
+            compiled,
         )
+        self.runner.warm_up()  # compiles before the engine reports ready
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":
             policy_opts = {

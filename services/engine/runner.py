@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.engine.compiled_step import CompiledDecode
 from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
@@ -57,9 +58,11 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         structured: StructuredOutputs,
+        compiled: CompiledDecode | None = None,
     ):
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.structured = structured
+        self.compiled = compiled  # decode-only steps, when set
         self.page_size = pool.page_size
         pin = device.type == "cuda"
         max_tokens = max_num_batched_tokens + max_num_seqs
@@ -101,6 +104,11 @@ class ModelRunner:
         host.numpy()[...] = array
         dev.copy_(host, non_blocking=True)
         return dev
+
+    def warm_up(self) -> None:
+        """Compile the default decode buckets (when decode steps are compiled)."""
+        if self.compiled is not None:
+            self.compiled.warm_up(self._stage)
 
     # -- metadata -------------------------------------------------------------------------------
     def build(self, batch: ScheduledBatch) -> FlatBatch:
@@ -181,13 +189,17 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepResult:
         flat = self.build(batch)
         self.structured.begin(flat.sample_slots)  # bitmask rows fill while the model runs
-        meta = self.metadata(flat)
-        input_ids = self._stage("input_ids", flat.input_ids)
-        positions = self._stage("positions", flat.positions)
-        hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the sampled rows'
-        if flat.sample_rows.size == 0:  # only partial prefill chunks this step
-            return StepResult([])
-        logits = self.model.compute_logits(hidden)
+        if self.compiled is not None and self.compiled.covers(flat.num_decode, flat.input_ids.size):
+            table = self.pool.block_table[flat.decode_slots]
+            logits = self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
+        else:
+            meta = self.metadata(flat)
+            input_ids = self._stage("input_ids", flat.input_ids)
+            positions = self._stage("positions", flat.positions)
+            hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the sampled rows'
+            if flat.sample_rows.size == 0:  # only partial prefill chunks this step
+                return StepResult([])
+            logits = self.model.compute_logits(hidden)
         slots_t = self._stage("sample_slots", flat.sample_slots)
         out = self.sampler.sample(logits, flat.sample_slots, slots_t, self.structured.mask())
         result = StepResult(out.tokens.tolist())  # the one intended sync of the step

@@ -117,12 +117,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     page_size = k_cache.shape[1]
-    index, mask = _DECODE_PLAN.get(
-        (block_tables, seq_lens), (max_len, page_size, sliding_window),
-        lambda: _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window),
-    )
-    k = gather_pages(k_cache, block_tables, max_len, k_scale, "k", index)
-    v = gather_pages(v_cache, block_tables, max_len, v_scale, "v", index)
+    plan = lambda: _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window)
+    if torch.compiler.is_compiling():  # the compiler owns buffers and shares common subexpressions
+        (index, mask), names = plan(), (None, None)
+    else:
+        index, mask = _DECODE_PLAN.get((block_tables, seq_lens), (max_len, page_size, sliding_window), plan)
+        names = ("k", "v")
+    k = gather_pages(k_cache, block_tables, max_len, k_scale, names[0], index)
+    v = gather_pages(v_cache, block_tables, max_len, v_scale, names[1], index)
     batch, heads, dim = q.shape
     rows = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)
     out = F.scaled_dot_product_attention(rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
@@ -215,10 +217,16 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
     if q.shape[0] == 0:
         return
-    table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
+    # Memos and pointer checks are host-side; under the compiler, which fuses the ops anyway, no.
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        table, perm = _rotation_table(cos_sin_cache)
+        cos, sin = _rows(table, positions)
+    else:
+        table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
+        cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
     rot = table.shape[-1]
-    cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
-    joint = _heads_together(q, k)
+    joint = None if compiling else _heads_together(q, k)
     for x in (q, k) if joint is None else (joint,):
         part = x[..., :rot]
         xf = part.float()
@@ -313,8 +321,32 @@ def fused_moe_w8a8(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     return moe(x, router_logits, top_k, renormalize, w2_scale.shape[1], mlp)
 
 
+@torch.library.custom_op("pipeserve::store_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> None:
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+@_store_kv_op.register_fake
+def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    return None
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """reference.store_kv; under the compiler as one opaque op that writes the cache in place (traced
+    as plain torch, the write into the pool's one tensor is rewritten as a copy of the whole pool)."""
+    if torch.compiler.is_compiling():
+        _store_kv_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 # Where the reference is already what the CPU runs best.
-store_kv, per_token_quant, w4a16_gemm = reference.store_kv, reference.per_token_quant, reference.w4a16_gemm
+per_token_quant, w4a16_gemm = reference.per_token_quant, reference.w4a16_gemm
 fused_moe_w4a16 = reference.fused_moe_w4a16
 
 BACKEND = Backend.collect("cpu", vars())

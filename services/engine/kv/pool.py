@@ -121,12 +121,19 @@ class KVPool:
             self.k_means = k_means = torch.zeros(cfg.num_layers, rows, cfg.num_kv_heads,
                                                  cfg.head_dim, dtype=dtype, device=device)
             self.seq_of_page = torch.zeros(self.num_pages, dtype=torch.int32, device=device)
-        self.layers = [
+        self.layers = self.layer_views()
+
+    def layer_views(self) -> list[LayerCache]:
+        """Every layer's views of the pool's tensors. A compiled step builds them inside its graph,
+        so the compiler sees one mutated base tensor instead of a view per layer."""
+        kv, scales, k_means = self.kv, self.scales, self.k_means
+        assert kv is not None
+        return [
             LayerCache(kv[i, 0], kv[i, 1],
                        None if scales is None else scales[i, 0],
                        None if scales is None else scales[i, 1],
                        None if k_means is None else k_means[i], self.seq_of_page)
-            for i in range(cfg.num_layers)
+            for i in range(kv.shape[0])
         ]
 
     # -- accounting -------------------------------------------------------------------------
@@ -156,6 +163,13 @@ class KVPool:
             page, _ = self._cached.popitem(last=False)
             del self.page_of[self.hash_of.pop(page)]
         self.refs[page] = 1
+        return page
+
+    def reserve_scratch_page(self) -> int:
+        """Take one page out of circulation for good: compiled decode steps point their padding
+        rows at it, so they never write a request's K/V."""
+        page = self._take()
+        self.num_pages -= 1  # what requests can ever hold
         return page
 
     # -- prefix caching ---------------------------------------------------------------------
