@@ -42,6 +42,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "structured": ("bench.structured", "structured outputs: step overhead and grammar compile time"),
     "moe": ("bench.moe", "MoE vs dense decode steps at the same active parameters"),
     "prefix": ("bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
+    "step": ("bench.step", "decode step vs the memory floor, HF generate and llama.cpp; compiled vs eager"),
 }
 
 
