@@ -227,7 +227,8 @@ def main(args: argparse.Namespace) -> int:
 
             gguf = to_gguf(model_dir, llama_cpp_source(args.llama_cpp_src))
         except ImportError:
-            skipped["llama.cpp"] = "llama-cpp-python is not installed: pip install 'pipeserve[bench-llamacpp]'"
+            skipped["llama.cpp"] = ("llama-cpp-python is not installed: "
+                                  "pip install 'pipeserve[bench-llamacpp]'")
 
     bandwidth = gemv_bandwidth()
     wbytes = weight_bytes(model_dir)

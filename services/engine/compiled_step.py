@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -42,6 +43,13 @@ WARM_BUCKETS = (1,)
 
 _FORWARD = inspect.unwrap(LlamaForCausalLM.forward)
 _LOGITS = inspect.unwrap(LlamaForCausalLM.compute_logits)
+
+def _own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn with a fresh copy of its code object."""
+    assert isinstance(fn, types.FunctionType)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+
 
 Stage = Callable[[str, np.ndarray], torch.Tensor]
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,8 +74,14 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def use_cache_dir() -> None:
-    """Point Inductor's on-disk cache (generated code, compiled graphs) at pipeserve's cache."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
+    """Point Inductor's on-disk cache (generated code, compiled graphs) at pipeserve's cache, unless
+    the user chose one. Inductor writes its default into the environment on first use, so that
+    value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor")
 
 
 class CompiledDecode:
@@ -116,10 +130,15 @@ class CompiledDecode:
     def _step(self, size: int) -> StepFn:
         step = self._steps.get(size)
         if step is None:
-            # One compiled object per bucket: each specializes on its batch size.
+            # Dynamo keeps compiled code, guards and its recompile budget per code object: a copy of
+            # _forward's per bucket gives each bucket of this engine one entry of its own. That
+            # entry belongs to this engine's model alone, so guards on its modules can go (checking
+            # them costs more than a small model's step). Freezing folds the weights in as constants.
+            forward = types.MethodType(_own_code(CompiledDecode._forward), self)
             step = self._steps[size] = torch.compile(
-                self._forward, fullgraph=False, dynamic=False,
-                options={"freezing": True},
+                forward, fullgraph=False, dynamic=False,
+                options={"freezing": True,
+                         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
             )
         return step
 
@@ -171,7 +190,7 @@ class CompiledDecode:
         for the engine's life), then replay it."""
         entry = self._graphs.get(size)
         if entry is None:
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._forward(*args)  # warm-up: lazy initialization must not happen under capture

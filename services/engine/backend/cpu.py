@@ -117,7 +117,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     page_size = k_cache.shape[1]
-    plan = lambda: _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window)
+    def plan() -> tuple[torch.Tensor, torch.Tensor]:
+        return _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window)
+
+    names: tuple[str | None, str | None]
     if torch.compiler.is_compiling():  # the compiler owns buffers and shares common subexpressions
         (index, mask), names = plan(), (None, None)
     else:
