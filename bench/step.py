@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "vendored llama.cpp converts the checkpoint to GGUF); default: downloaded once "
                         "with pip into the cache dir")
     parser.add_argument("--profile-steps", type=int, default=16, help="decode steps under torch.profiler")
+    parser.add_argument("--startup", action="store_true", help="instead: seconds to the first token of "
+                        "LLM(stories260K) and `pipeserve up`, with an empty and then a warm compiler cache")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: ms/step by batch size, floor marked")
 
@@ -204,8 +206,61 @@ def host_overhead_ms(llm: Any, prompts: list[list[int]], steps: int) -> dict[str
     return {"step_ms": wall, "compute_ms": compute, "host_ms": max(wall - compute, 0.0)}
 
 
+# -- start-up ------------------------------------------------------------------------------------
+FIRST_TOKEN_LLM = """
+import sys, time
+start = time.perf_counter()
+from services.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", compile=True)
+llm.generate("Once upon a time", SamplingParams(max_tokens=1, temperature=0.0))
+print(time.perf_counter() - start)
+"""
+
+
+def first_token_llm(model_dir: str, cache: str) -> float:
+    """Seconds from a fresh interpreter to LLM(model)'s first token (imports included)."""
+    env = os.environ | {"PIPESERVE_CACHE": cache, "PIPESERVE_COMPILE": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", FIRST_TOKEN_LLM, model_dir], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
+def first_token_server(model_dir: str, cache: str) -> float:
+    """Seconds from starting `pipeserve up` to the first token of a request sent once it is SERVING."""
+    from services.local_cluster import LocalCluster
+
+    env = {"PIPESERVE_CACHE": cache, "PIPESERVE_COMPILE": "1"}
+    start = time.perf_counter()
+    with LocalCluster(Path(cache) / "up.log", model_dir, workers=1, startup=600.0, env=env) as cluster:
+        for _ in cluster.client.stream("Once upon a time", max_tokens=1, temperature=0.0, timeout=60):
+            break
+        return time.perf_counter() - start
+
+
+def startup(args: argparse.Namespace) -> int:
+    import tempfile
+
+    model_dir = checkpoint(args.model, "bench step")
+    results: dict[str, Any] = {"model": model_dir}
+    for name, measure in (("LLM", first_token_llm), ("pipeserve up", first_token_server)):
+        with tempfile.TemporaryDirectory(prefix="pipeserve-cache-") as cache:
+            cold = measure(model_dir, cache)
+            results[name] = {"empty_cache_s": cold, "warm_cache_s": measure(model_dir, cache)}
+    results |= {"machine": machine_info(), "loadavg": open("/proc/loadavg").read().split()[:3]}
+    rows = [[name, results[name]["empty_cache_s"], results[name]["warm_cache_s"]]
+            for name in ("LLM", "pipeserve up")]
+    print_table("seconds to the first token (compile on)",
+                ["", "empty compiler cache", "warm compiler cache"], rows)
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
 # -- the run -------------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
+    if args.startup:
+        return startup(args)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
