@@ -133,12 +133,12 @@ class CompiledDecode:
             # Dynamo keeps compiled code, guards and its recompile budget per code object: a copy of
             # _forward's per bucket gives each bucket of this engine one entry of its own. That
             # entry belongs to this engine's model alone, so guards on its modules can go (checking
-            # them costs more than a small model's step). Freezing folds the weights in as constants.
+            # them costs more than a small model's step). Inductor's `freezing` and `cpp_wrapper` are
+            # off: see docs/engine.md for what they cost at start-up and gained per step.
             forward = types.MethodType(_own_code(CompiledDecode._forward), self)
             step = self._steps[size] = torch.compile(
                 forward, fullgraph=False, dynamic=False,
-                options={"freezing": True,
-                         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
             )
         return step
 
