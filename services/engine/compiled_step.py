@@ -202,10 +202,10 @@ class CompiledDecode:
         entry[0].replay()
         return entry[1]
 
-    def warm_up(self, stage: Stage) -> None:
-        """Compile (or capture) the default buckets before the engine serves: one step each over
-        the scratch page alone, which no request reads."""
-        for size in WARM_BUCKETS:
+    def warm_up(self, stage: Stage, every_bucket: bool = False) -> None:
+        """Compile (or capture) the default buckets (every_bucket: all of them) before the engine
+        serves: one step each over the scratch page alone, which no request reads."""
+        for size in self.buckets if every_bucket else WARM_BUCKETS:
             if size > self.buckets[-1]:
                 continue
             zeros = np.zeros(size, np.int64)

@@ -105,10 +105,10 @@ class ModelRunner:
         dev.copy_(host, non_blocking=True)
         return dev
 
-    def warm_up(self) -> None:
-        """Compile the default decode buckets (when decode steps are compiled)."""
+    def warm_up(self, every_bucket: bool = False) -> None:
+        """Compile the default decode buckets, or every one (when decode steps are compiled)."""
         if self.compiled is not None:
-            self.compiled.warm_up(self._stage)
+            self.compiled.warm_up(self._stage, every_bucket)
 
     # -- metadata -------------------------------------------------------------------------------
     def build(self, batch: ScheduledBatch) -> FlatBatch:

@@ -45,6 +45,20 @@ def page_index(block_tables: torch.Tensor, max_len: int, page_size: int) -> tupl
     return block_tables[:, :pages].reshape(-1), pages
 
 
+@torch.library.custom_op("pipeserve::gather_pages", mutates_args=())
+def _gather_op(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+    """Whole pages copied by index_select into the workspace `name`. Opaque to the compiler on
+    purpose: its own gather loops, into fresh buffers, ran several times slower than this (each
+    fresh multi-MB buffer is page-faulted in again)."""
+    out = workspace(name, (index.shape[0], *cache.shape[1:]), cache.dtype, cache.device)
+    return torch.index_select(cache, 0, index, out=out)
+
+
+@_gather_op.register_fake
+def _(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+    return cache.new_empty((index.shape[0], *cache.shape[1:]))
+
+
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
                  scale: torch.Tensor | None = None, name: str | None = None,
                  index: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,7 +74,9 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
         pages = index.shape[0] // block_tables.shape[0]
     # index_select copies whole pages (int32 indices as they are); advanced indexing
     # (cache[tables]) goes element by element.
-    if name is None:
+    if torch.compiler.is_compiling():
+        out = _gather_op(cache, index, name or "gather")
+    elif name is None:
         out = cache.index_select(0, index)
     else:
         out = workspace(name, (index.shape[0], *cache.shape[1:]), cache.dtype, cache.device)
@@ -120,14 +136,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     def plan() -> tuple[torch.Tensor, torch.Tensor]:
         return _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window)
 
-    names: tuple[str | None, str | None]
-    if torch.compiler.is_compiling():  # the compiler owns buffers and shares common subexpressions
-        (index, mask), names = plan(), (None, None)
+    if torch.compiler.is_compiling():  # the memo is host-side state; the compiler shares the plan itself
+        index, mask = plan()
     else:
         index, mask = _DECODE_PLAN.get((block_tables, seq_lens), (max_len, page_size, sliding_window), plan)
-        names = ("k", "v")
-    k = gather_pages(k_cache, block_tables, max_len, k_scale, names[0], index)
-    v = gather_pages(v_cache, block_tables, max_len, v_scale, names[1], index)
+    k = gather_pages(k_cache, block_tables, max_len, k_scale, "k", index)
+    v = gather_pages(v_cache, block_tables, max_len, v_scale, "v", index)
     batch, heads, dim = q.shape
     rows = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)
     out = F.scaled_dot_product_attention(rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
