@@ -133,3 +133,16 @@ def test_every_architecture_compiled_equals_eager(tiny_model, kind, overrides):
     before = compiled_graphs()
     assert greedy(model_dir, prompts, [12, 12], compile=True, **options) == expected
     assert compiled_graphs() > before  # compiled, not fallen back to eager
+
+
+@pytest.mark.slow
+def test_quantized_compiled_equals_eager(tiny_model):
+    """W8A8 int8 GEMMs over an int8 KV cache (scales written and read through the same ops)."""
+    model_dir = tiny_model("llama")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 9)]
+    options = dict(page_size=4, max_num_seqs=2, quantization="w8a8-int8", kv_cache_dtype="int8")
+    expected = greedy(model_dir, prompts, [10, 10], compile=False, **options)
+    before = compiled_graphs()
+    assert greedy(model_dir, prompts, [10, 10], compile=True, **options) == expected
+    assert compiled_graphs() > before

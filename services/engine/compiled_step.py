@@ -26,6 +26,7 @@ import logging
 import os
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,9 +86,13 @@ def use_cache_dir() -> None:
 
 
 class CompiledDecode:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_num_seqs: int, mode: str) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_num_seqs: int, mode: str,
+                 whole_graph: bool = True) -> None:
+        """whole_graph: the forward pass traces as one graph (dense, unquantized models do; the
+        expert dispatch of a mixture of experts breaks it)."""
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
+        self.whole_graph = whole_graph
         self.buckets = batch_buckets(max_num_seqs)
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
@@ -131,15 +136,17 @@ class CompiledDecode:
         step = self._steps.get(size)
         if step is None:
             # Dynamo keeps compiled code, guards and its recompile budget per code object: a copy of
-            # _forward's per bucket gives each bucket of this engine one entry of its own. That
-            # entry belongs to this engine's model alone, so guards on its modules can go (checking
-            # them costs more than a small model's step). Inductor's `freezing` and `cpp_wrapper` are
-            # off: see docs/engine.md for what they cost at start-up and gained per step.
+            # _forward's per bucket gives each bucket of this engine one entry of its own. As one
+            # whole graph that entry belongs to this engine's model alone, so guards on its modules
+            # can go (checking them costs more than a small model's step). After a graph break the
+            # resumed frames are shared code again: then every guard stays. Inductor's `freezing`
+            # and `cpp_wrapper` are off: docs/engine.md has what they cost and gained.
             forward = types.MethodType(_own_code(CompiledDecode._forward), self)
+            options: dict[str, Any] = {}
+            if self.whole_graph:
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             step = self._steps[size] = torch.compile(
-                forward, fullgraph=False, dynamic=False,
-                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-            )
+                forward, fullgraph=self.whole_graph, dynamic=False, options=options)
         return step
 
     # -- a step ------------------------------------------------------------------------------------

@@ -102,7 +102,9 @@ class Engine:
             self.device,
         )
         mode = compile_mode(config.compile, backend.name, self.device)
-        compiled = None if mode is None else CompiledDecode(self.model, self.pool, config.max_num_seqs, mode)
+        whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
+        compiled = None if mode is None else CompiledDecode(
+            self.model, self.pool, config.max_num_seqs, mode, whole_graph)
         self.runner = ModelRunner(
             self.model,
             self.pool,

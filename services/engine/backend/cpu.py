@@ -51,7 +51,8 @@ def _gather_op(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Ten
     purpose: its own gather loops, into fresh buffers, ran several times slower than this (each
     fresh multi-MB buffer is page-faulted in again)."""
     out = workspace(name, (index.shape[0], *cache.shape[1:]), cache.dtype, cache.device)
-    return torch.index_select(cache, 0, index, out=out)
+    torch.index_select(cache, 0, index, out=out)
+    return out
 
 
 @_gather_op.register_fake
@@ -74,6 +75,7 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
         pages = index.shape[0] // block_tables.shape[0]
     # index_select copies whole pages (int32 indices as they are); advanced indexing
     # (cache[tables]) goes element by element.
+    out: torch.Tensor
     if torch.compiler.is_compiling():
         out = _gather_op(cache, index, name or "gather")
     elif name is None:
