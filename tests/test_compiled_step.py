@@ -23,6 +23,13 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert batch_buckets(256)[-3:] == (64, 128, 256)
 
 
+def test_inductor_buckets_stop_at_its_largest_batch():
+    pool = tiny_pool()
+    assert CompiledDecode(None, pool, 32, "inductor").buckets == (1, 2, 4, 8)  # type: ignore[arg-type]
+    assert CompiledDecode(None, pool, 32, "cuda-graph").buckets[-1] == 32  # type: ignore[arg-type]
+    assert CompiledDecode(None, pool, 6, "inductor").buckets == (1, 2, 4, 6)  # type: ignore[arg-type]
+
+
 def test_compile_mode_by_backend_and_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert compile_mode(True, "cpu", cpu) == "inductor"

@@ -1,7 +1,7 @@
 """Decode-only steps as one compiled unit per batch-size bucket.
 
 A step whose rows are all decode rows (one query token each) is padded up to the smallest bucket
-(1, 2, 4, 8, ... up to max_num_seqs) that holds it and run through that bucket's compiled forward
+(1, 2, 4, 8, ... up to max_num_seqs; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run through that bucket's compiled forward
 pass: embedding, every layer, the final norm and the logits. Its inputs are the runner's persistent
 buffers (same storage every step), refilled in place. Padded rows read and write only a scratch KV
 page reserved for them, and their logits are cut off before the sampler, so they never touch a
@@ -39,6 +39,9 @@ from services.engine.model.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 MODES = ("inductor", "cuda-graph")
+# Inductor's decode steps beat eager ones up to batch 8 on the CPU and lost at 32 (bench step,
+# docs/engine.md): larger decode batches run eager there. CUDA graphs cover every batch size.
+MAX_INDUCTOR_BATCH = 8
 # Compiled before the engine reports ready; larger buckets compile on first use.
 WARM_BUCKETS = (1,)
 
@@ -93,7 +96,8 @@ class CompiledDecode:
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph
-        self.buckets = batch_buckets(max_num_seqs)
+        self.buckets = batch_buckets(min(max_num_seqs, MAX_INDUCTOR_BATCH) if mode == "inductor"
+                                     else max_num_seqs)
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
         self.scratch_page = pool.reserve_scratch_page()
