@@ -35,6 +35,7 @@ def test_compile_mode_by_backend_and_device():
     assert compile_mode(True, "cpu", cpu) == "inductor"
     assert compile_mode(True, "torch", cpu) == "inductor"
     assert compile_mode(True, "triton", cuda) == "cuda-graph"
+    assert compile_mode(True, "cpu", cuda) is None  # its host-side memos cannot be captured
     assert compile_mode(True, "triton", cpu) is None  # the Triton interpreter
     assert compile_mode(True, "reference", cpu) is None  # the oracle stays eager
     assert compile_mode(False, "cpu", cpu) is None

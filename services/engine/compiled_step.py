@@ -1,8 +1,8 @@
 """Decode-only steps as one compiled unit per batch-size bucket.
 
 A step whose rows are all decode rows (one query token each) is padded up to the smallest bucket
-(1, 2, 4, 8, ... up to max_num_seqs; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run through that bucket's compiled forward
-pass: embedding, every layer, the final norm and the logits. Its inputs are the runner's persistent
+(1, 2, 4, 8, ... up to max_num_seqs; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run
+through that bucket's compiled forward pass: embedding, every layer, the final norm and the logits. Its inputs are the runner's persistent
 buffers (same storage every step), refilled in place. Padded rows read and write only a scratch KV
 page reserved for them, and their logits are cut off before the sampler, so they never touch a
 request's cache or sampling state.
@@ -11,7 +11,7 @@ The same bucketing, padding and buffers drive both compilers:
 - "inductor" (CPU): torch.compile per bucket. Inductor fuses the elementwise work around the
   GEMVs into generated C++ and removes the per-op Python dispatch. The attention's gather width
   (KV pages read per row) is a dynamic dimension, so one bucket serves every context length.
-- "cuda-graph" (CUDA): the eager forward pass captured once per bucket as a torch.cuda.CUDAGraph
+- "cuda-graph" (CUDA, Triton backend): the eager forward pass captured once per bucket as a torch.cuda.CUDAGraph
   over the full page-table width (the decode kernels stop at each row's length) and replayed.
   Written to the same interface and never run in this repository's history (no GPU).
 
@@ -60,12 +60,13 @@ StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def compile_mode(enabled: bool, backend: str, device: torch.device) -> str | None:
-    """Which compiler runs decode steps: inductor for the cpu backend on the CPU, CUDA graphs on
-    CUDA; None when disabled, for the reference oracle, and for Triton under its CPU interpreter."""
+    """Which compiler runs decode steps: inductor for the cpu backend on the CPU, CUDA graphs for
+    the Triton backend on CUDA (the cpu backend's per-step memos would be frozen into a captured
+    graph); None when disabled, for the reference oracle, and for Triton under its CPU interpreter."""
     if not enabled or backend == "reference":
         return None
     if device.type == "cuda":
-        return "cuda-graph"
+        return "cuda-graph" if backend == "triton" else None
     if device.type == "cpu" and backend in ("cpu", "torch"):
         return "inductor"
     return None
