@@ -3,17 +3,18 @@
 A step whose rows are all decode rows (one query token each) is padded up to the smallest bucket
 (1, 2, 4, 8, ... up to max_num_seqs; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run
 through that bucket's compiled forward pass: embedding, every layer, the final norm and the logits.
-Its inputs are the runner's persistent buffers (same storage every step), refilled in place. Padded rows read and write only a scratch KV
-page reserved for them, and their logits are cut off before the sampler, so they never touch a
-request's cache or sampling state.
+Its inputs are the runner's persistent buffers (same storage every step), refilled in place.
+Padded rows read and write only a scratch KV page reserved for them, and their logits are cut off
+before the sampler, so they never touch a request's cache or sampling state.
 
 The same bucketing, padding and buffers drive both compilers:
 - "inductor" (CPU): torch.compile per bucket. Inductor fuses the elementwise work around the
   GEMVs into generated C++ and removes the per-op Python dispatch. The attention's gather width
   (KV pages read per row) is a dynamic dimension, so one bucket serves every context length.
 - "cuda-graph" (CUDA, Triton backend): the eager forward pass captured once per bucket as a
-  torch.cuda.CUDAGraph over the full page-table width (the decode kernels stop at each row's length) and replayed.
-  Written to the same interface and never run in this repository's history (no GPU).
+  torch.cuda.CUDAGraph over the full page-table width (the decode kernels stop at each row's
+  length) and replayed. Written to the same interface and never run in this repository's history
+  (no GPU).
 
 Steps with prefill rows (and speculative verification rows) stay on the eager path.
 Compiled code is cached on disk under services.config.cache_dir(), so a restart is warm.
