@@ -35,7 +35,8 @@ def test_bench_step_writes_figures_for_each_system_and_batch(tiny_model, tmp_pat
     args = parser.parse_args(["--model", tiny_model("llama"), "--batch-sizes", "1,2", "--prompt-len", "4",
                               "--new-tokens", "3", "--repeats", "2", "--profile-steps", "2",
                               "--systems", "pipeserve eager,hf generate",
-                              "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])  # fmt: skip
+                              "--json", str(tmp_path / "s.json"),
+                              "--plot", str(tmp_path / "s.png")])  # fmt: skip
     assert step.main(args) == 0
     result = json.loads((tmp_path / "s.json").read_text())
     assert set(result["batches"]) == {"1", "2"}

@@ -41,6 +41,11 @@ def test_compile_mode_by_backend_and_device():
     assert compile_mode(False, "cpu", cpu) is None
 
 
+def test_no_cpp_compiler_means_eager_steps(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert compile_mode(True, "cpu", torch.device("cpu")) is None
+
+
 def test_compile_defaults_on_and_follows_the_env(monkeypatch):
     monkeypatch.delenv("PIPESERVE_COMPILE")
     assert EngineConfig().compile is True

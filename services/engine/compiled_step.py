@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 import types
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,9 @@ def compile_mode(enabled: bool, backend: str, device: torch.device) -> str | Non
     if device.type == "cuda":
         return "cuda-graph" if backend == "triton" else None
     if device.type == "cpu" and backend in ("cpu", "torch"):
+        if shutil.which(os.environ.get("CXX") or "g++") is None:  # Inductor builds C++ with it
+            log.warning("no C++ compiler (g++, or $CXX) on this host: decode steps run eager")
+            return None
         return "inductor"
     return None
 
