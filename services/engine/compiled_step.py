@@ -50,6 +50,7 @@ WARM_BUCKETS = (1,)
 _FORWARD = inspect.unwrap(LlamaForCausalLM.forward)
 _LOGITS = inspect.unwrap(LlamaForCausalLM.compute_logits)
 
+
 def _own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """fn with a fresh copy of its code object."""
     assert isinstance(fn, types.FunctionType)
