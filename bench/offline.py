@@ -111,6 +111,7 @@ def run_engine(model_dir: str, work: Workload, batch_size: int) -> float:
     engine = Engine(
         model=model_dir, device="cpu", dtype="float32", max_num_seqs=batch_size, max_num_batched_tokens=2048
     )
+    engine.runner.warm_up(every_bucket=True)  # compiled decode steps: every batch size compiled now
     # Warm-up, untimed (as for HF below): first calls pay one-time allocator and kernel set-up.
     engine.add("warmup", work.prompts[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_work():

@@ -16,6 +16,7 @@ import torch
 from services import hub
 from services.config import EngineConfig
 from services.engine.backend import Backend, get_backend, resolve_backend
+from services.engine.compiled_step import CompiledDecode, compile_mode
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
@@ -121,6 +122,11 @@ class Engine:
             config.max_num_seqs,
             self.device,
         )
+        # A tensor-parallel forward sends the step plan to the other ranks: it runs eager.
+        mode = compile_mode(config.compile, backend.name, self.device) if tp is None else None
+        whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
+        compiled = None if mode is None else CompiledDecode(
+            self.model, self.pool, config.max_num_seqs, mode, whole_graph)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -130,7 +136,9 @@ class Engine:
             config.max_num_batched_tokens,
             self.structured,
             config.num_speculative_tokens if config.speculative_method != "none" else 0,
+            compiled,
         )
+        self.runner.warm_up()  # compiles before the engine reports ready
         self.speculator = self._speculator(config, draft)
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.engine.compiled_step import CompiledDecode
 from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
@@ -63,9 +64,11 @@ class ModelRunner:
         max_num_batched_tokens: int,
         structured: StructuredOutputs | None,
         spec_tokens: int = 0,
+        compiled: CompiledDecode | None = None,
     ):
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.structured = structured
+        self.compiled = compiled  # decode-only steps, when set
         self.page_size = pool.page_size
         pin = device.type == "cuda"
         max_tokens = max_num_batched_tokens + max_num_seqs
@@ -117,6 +120,11 @@ class ModelRunner:
         host.numpy()[...] = array
         dev.copy_(host, non_blocking=True)
         return dev
+
+    def warm_up(self, every_bucket: bool = False) -> None:
+        """Compile the default decode buckets, or every one (when decode steps are compiled)."""
+        if self.compiled is not None:
+            self.compiled.warm_up(self._stage, every_bucket)
 
     # -- metadata -------------------------------------------------------------------------------
     def build(self, batch: ScheduledBatch) -> FlatBatch:
@@ -218,6 +226,9 @@ class ModelRunner:
         flat = self.build(batch)
         if self.structured is not None:  # bitmask rows fill while the model runs
             self.structured.begin(flat.sample_slots)
+        if self.compiled is not None and self.compiled.covers(flat.num_decode, flat.input_ids.size):
+            table = self.pool.block_table[flat.decode_slots]
+            return flat, self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
         meta = self.metadata(flat)
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)

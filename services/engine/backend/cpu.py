@@ -45,6 +45,21 @@ def page_index(block_tables: torch.Tensor, max_len: int, page_size: int) -> tupl
     return block_tables[:, :pages].reshape(-1), pages
 
 
+@torch.library.custom_op("pipeserve::gather_pages", mutates_args=())
+def _gather_op(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+    """Whole pages copied by index_select into the workspace `name`. Opaque to the compiler on
+    purpose: its own gather loops, into fresh buffers, ran several times slower than this (each
+    fresh multi-MB buffer is page-faulted in again)."""
+    out = workspace(name, (index.shape[0], *cache.shape[1:]), cache.dtype, cache.device)
+    torch.index_select(cache, 0, index, out=out)
+    return out
+
+
+@_gather_op.register_fake
+def _(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+    return cache.new_empty((index.shape[0], *cache.shape[1:]))
+
+
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
                  scale: torch.Tensor | None = None, name: str | None = None,
                  index: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,7 +75,10 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
         pages = index.shape[0] // block_tables.shape[0]
     # index_select copies whole pages (int32 indices as they are); advanced indexing
     # (cache[tables]) goes element by element.
-    if name is None:
+    out: torch.Tensor
+    if torch.compiler.is_compiling():
+        out = _gather_op(cache, index, name or "gather")
+    elif name is None:
         out = cache.index_select(0, index)
     else:
         out = workspace(name, (index.shape[0], *cache.shape[1:]), cache.dtype, cache.device)
@@ -117,10 +135,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return torch.empty_like(q)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     page_size = k_cache.shape[1]
-    index, mask = _DECODE_PLAN.get(
-        (block_tables, seq_lens), (max_len, page_size, sliding_window),
-        lambda: _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window),
-    )
+    def plan() -> tuple[torch.Tensor, torch.Tensor]:
+        return _decode_plan(block_tables, seq_lens, max_len, page_size, sliding_window)
+
+    if torch.compiler.is_compiling():  # the memo is host-side state; the compiler shares the plan itself
+        index, mask = plan()
+    else:
+        index, mask = _DECODE_PLAN.get((block_tables, seq_lens), (max_len, page_size, sliding_window), plan)
     k = gather_pages(k_cache, block_tables, max_len, k_scale, "k", index)
     v = gather_pages(v_cache, block_tables, max_len, v_scale, "v", index)
     batch, heads, dim = q.shape
@@ -215,10 +236,16 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
     if q.shape[0] == 0:
         return
-    table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
+    # Memos and pointer checks are host-side; under the compiler, which fuses the ops anyway, no.
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        table, perm = _rotation_table(cos_sin_cache)
+        cos, sin = _rows(table, positions)
+    else:
+        table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
+        cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
     rot = table.shape[-1]
-    cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
-    joint = _heads_together(q, k)
+    joint = None if compiling else _heads_together(q, k)
     for x in (q, k) if joint is None else (joint,):
         part = x[..., :rot]
         xf = part.float()
@@ -313,8 +340,32 @@ def fused_moe_w8a8(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     return moe(x, router_logits, top_k, renormalize, w2_scale.shape[1], mlp)
 
 
+@torch.library.custom_op("pipeserve::store_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> None:
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+@_store_kv_op.register_fake
+def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    return None
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """reference.store_kv; under the compiler as one opaque op that writes the cache in place (traced
+    as plain torch, the write into the pool's one tensor is rewritten as a copy of the whole pool)."""
+    if torch.compiler.is_compiling():
+        _store_kv_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 # Where the reference is already what the CPU runs best.
-store_kv, per_token_quant, w4a16_gemm = reference.store_kv, reference.per_token_quant, reference.w4a16_gemm
+per_token_quant, w4a16_gemm = reference.per_token_quant, reference.w4a16_gemm
 fused_moe_w4a16 = reference.fused_moe_w4a16
 
 BACKEND = Backend.collect("cpu", vars())

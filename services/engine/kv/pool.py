@@ -106,11 +106,10 @@ class KVPool:
                   max_num_seqs: int) -> None:
         shape = (cfg.num_layers, 2, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         storage = KV_QUANT_DTYPES.get(self.kv_cache_dtype, dtype)
-        self.kv = kv = torch.zeros(shape, dtype=storage, device=device)
-        scales = k_means = None
+        self.kv = torch.zeros(shape, dtype=storage, device=device)
         if self.kv_cache_dtype != "auto":
             scale_shape = (*shape[:-1], cfg.head_dim // scale_group(cfg.head_dim))
-            self.scales = scales = torch.zeros(scale_shape, dtype=torch.float16, device=device)
+            self.scales = torch.zeros(scale_shape, dtype=torch.float16, device=device)
         if self.kv_cache_dtype in K_SMOOTHED:
             # Per request slot, the mean key its keys are stored less of; the slot of a request is found
             # from its first page (the one block-table entry every attention row has), so the map is
@@ -118,15 +117,22 @@ class KVPool:
             # belongs to the first page instead (one row per page): a request that attaches cached pages
             # reads the mean they were written with, and it outlives the slot of the request that set it.
             rows = self.num_pages if self.prefix_caching else max_num_seqs
-            self.k_means = k_means = torch.zeros(cfg.num_layers, rows, cfg.num_kv_heads,
-                                                 cfg.head_dim, dtype=dtype, device=device)
+            self.k_means = torch.zeros(cfg.num_layers, rows, cfg.num_kv_heads,
+                                       cfg.head_dim, dtype=dtype, device=device)
             self.seq_of_page = torch.zeros(self.num_pages, dtype=torch.int32, device=device)
-        self.layers = [
+        self.layers = self.layer_views()
+
+    def layer_views(self) -> list[LayerCache]:
+        """Every layer's views of the pool's tensors. A compiled step builds them inside its graph,
+        so the compiler sees one mutated base tensor instead of a view per layer."""
+        kv, scales, k_means = self.kv, self.scales, self.k_means
+        assert kv is not None
+        return [
             LayerCache(kv[i, 0], kv[i, 1],
                        None if scales is None else scales[i, 0],
                        None if scales is None else scales[i, 1],
                        None if k_means is None else k_means[i], self.seq_of_page)
-            for i in range(cfg.num_layers)
+            for i in range(kv.shape[0])
         ]
 
     # -- accounting -------------------------------------------------------------------------
@@ -156,6 +162,13 @@ class KVPool:
             page, _ = self._cached.popitem(last=False)
             del self.page_of[self.hash_of.pop(page)]
         self.refs[page] = 1
+        return page
+
+    def reserve_scratch_page(self) -> int:
+        """Take one page out of circulation for good: compiled decode steps point their padding
+        rows at it, so they never write a request's K/V."""
+        page = self._take()
+        self.num_pages -= 1  # what requests can ever hold
         return page
 
     # -- prefix caching ---------------------------------------------------------------------

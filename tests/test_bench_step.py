@@ -1,0 +1,50 @@
+"""`pipeserve bench step` on a tiny model: what it counts as the weights a step reads, its probe,
+and a short run's JSON and plot (pipeserve eager and HF only: no compile, no llama.cpp build;
+figures are not checked: the machine is shared)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from bench import step
+from tests.conftest import png_panels
+
+
+def test_weight_bytes_counts_a_tied_embedding_once_as_the_head(tiny_model) -> None:
+    from safetensors import safe_open
+
+    untied, tied = tiny_model("llama"), tiny_model("llama", tie_word_embeddings=True)
+    for model_dir in (untied, tied):
+        with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+            sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+        every = sum(4 * a * (b[0] if b else 1) for a, *b in sizes.values())
+        embed = 4 * sizes["model.embed_tokens.weight"][0] * sizes["model.embed_tokens.weight"][1]
+        # Untied: the embedding is a row lookup, the head is read whole; tied: the one matrix is the head.
+        assert step.weight_bytes(model_dir) == (every - embed if model_dir == untied else every)
+
+
+def test_gemv_probe_measures_a_bandwidth() -> None:
+    assert 0.1 < step.gemv_bandwidth(megabytes=8, repeats=2) < 10_000
+
+
+def test_bench_step_writes_figures_for_each_system_and_batch(tiny_model, tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    step.add_arguments(parser)
+    args = parser.parse_args(["--model", tiny_model("llama"), "--batch-sizes", "1,2", "--prompt-len", "4",
+                              "--new-tokens", "3", "--repeats", "2", "--profile-steps", "2",
+                              "--systems", "pipeserve eager,hf generate",
+                              "--json", str(tmp_path / "s.json"),
+                              "--plot", str(tmp_path / "s.png")])  # fmt: skip
+    assert step.main(args) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert set(result["batches"]) == {"1", "2"}
+    for row in result["batches"].values():
+        assert set(row) == {"pipeserve eager", "hf generate"}
+        assert row["hf generate"]["same_tokens_as_eager"] is True
+        assert len(row["pipeserve eager"]["repeats_ms"]) == 2
+        profile = row["pipeserve eager"]["profile"]
+        assert profile["step_ms"] >= profile["host_ms"] >= 0 and profile["compute_ms"] > 0
+    assert result["floor_ms_per_step"] == result["weight_bytes"] / result["gemv_GBps"] / 1e6
+    assert png_panels(tmp_path / "s.png") == 1

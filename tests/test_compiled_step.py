@@ -1,0 +1,161 @@
+"""Compiled decode steps (services/engine/compiled_step.py): buckets, padding onto the scratch page,
+when the compiler is chosen, and greedy outputs token-identical to eager steps on stories260K and on
+every architecture the parity tests cover (the compiling tests are marked slow: Inductor builds C++)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.config import EngineConfig
+from services.engine import LLM, SamplingParams
+from services.engine.compiled_step import CompiledDecode, batch_buckets, compile_mode
+from services.engine.kv.pool import KVPool
+from services.model_config import ModelConfig
+from tests.test_engine_parity import STORY_PROMPTS
+
+
+def test_buckets_are_powers_of_two_up_to_max_num_seqs():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(256)[-3:] == (64, 128, 256)
+
+
+def test_inductor_buckets_stop_at_its_largest_batch():
+    pool = tiny_pool()
+    assert CompiledDecode(None, pool, 32, "inductor").buckets == (1, 2, 4, 8)  # type: ignore[arg-type]
+    assert CompiledDecode(None, pool, 32, "cuda-graph").buckets[-1] == 32  # type: ignore[arg-type]
+    assert CompiledDecode(None, pool, 6, "inductor").buckets == (1, 2, 4, 6)  # type: ignore[arg-type]
+
+
+def test_compile_mode_by_backend_and_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_mode(True, "cpu", cpu) == "inductor"
+    assert compile_mode(True, "torch", cpu) == "inductor"
+    assert compile_mode(True, "triton", cuda) == "cuda-graph"
+    assert compile_mode(True, "cpu", cuda) is None  # its host-side memos cannot be captured
+    assert compile_mode(True, "triton", cpu) is None  # the Triton interpreter
+    assert compile_mode(True, "reference", cpu) is None  # the oracle stays eager
+    assert compile_mode(False, "cpu", cpu) is None
+
+
+def test_no_cpp_compiler_means_eager_steps(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert compile_mode(True, "cpu", torch.device("cpu")) is None
+
+
+def test_compile_defaults_on_and_follows_the_env(monkeypatch):
+    monkeypatch.delenv("PIPESERVE_COMPILE")
+    assert EngineConfig().compile is True
+    monkeypatch.setenv("PIPESERVE_COMPILE", "0")
+    assert EngineConfig().compile is False
+    assert EngineConfig(compile=True).compile is True
+
+
+def tiny_pool(num_pages: int = 6, page_size: int = 4) -> KVPool:
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
+                                 "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                 "num_key_value_heads": 1, "vocab_size": 32, "max_position_embeddings": 32})
+    return KVPool(cfg, num_pages, page_size, torch.float32, torch.device("cpu"), 4, 32)
+
+
+def test_padding_rows_only_touch_the_scratch_page():
+    pool = tiny_pool()
+    compiled = CompiledDecode(None, pool, max_num_seqs=4, mode="inductor")  # type: ignore[arg-type]
+    assert pool.num_pages == 5 and pool.stats().pages_used == 0  # the scratch page is out of circulation
+    scratch = compiled.scratch_page
+    assert scratch not in pool._free
+    tables = np.zeros((3, 8), np.int32)
+    tables[0, :2], tables[1, 0], tables[2, :2] = [1, 2], 3, [4, 5]
+    ids, pos, slots, table, lens = compiled.pad(
+        np.array([7, 8, 9]), np.array([5, 2, 6]), np.array([9, 14, 18]), tables
+    )
+    assert ids.tolist() == [7, 8, 9, 0] and pos.tolist() == [5, 2, 6, 0]
+    assert slots.tolist() == [9, 14, 18, scratch * 4]  # the padded row writes the scratch page
+    assert lens.tolist() == [6, 3, 7, 1]
+    assert table.shape == (4, 2)  # gather width: the longest row's pages, no more
+    assert table[:3].tolist() == tables[:, :2].tolist() and (table[3] == scratch).all()
+    assert compiled.covers(3, 3) and not compiled.covers(3, 5) and not compiled.covers(5, 5)
+
+
+def greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int], **options) -> list[list[int]]:
+    llm = LLM(model_dir, device="cpu", dtype="float32", **options)
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats()["pages_used"] == 0
+    return [o.token_ids for o in outs]
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process (a silent fall back to eager adds none)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_stories_compiled_equals_eager_across_buckets(stories_dir):
+    """Three requests ending at different steps: decode batches of 3 rows (padded to bucket 4),
+    then 2 (bucket 2), beside eager steps while prompts are prefilled; bucket 1 compiled at start."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    prompts = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
+    lengths = [8, 20, 20]
+    eager = greedy(stories_dir, prompts, lengths, compile=False)
+    before = compiled_graphs()
+    llm = LLM(stories_dir, device="cpu", dtype="float32", compile=True, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.compiled is not None
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths])
+    assert [o.token_ids for o in outs] == eager
+    assert set(runner.compiled._steps) == {1, 2, 4}
+    assert compiled_graphs() >= before + 3
+
+
+ARCHITECTURES = [
+    ("llama", {}),
+    ("llama", dict(num_key_value_heads=1)),
+    ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    ("qwen2", {}),
+    ("mistral", dict(sliding_window=6)),
+    ("mixtral", {}),
+    ("qwen2_moe", {}),
+    ("qwen3_moe", {}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind,overrides", ARCHITECTURES,
+    ids=["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mistral-window", "mixtral",
+         "qwen2-moe", "qwen3-moe"],
+)
+def test_every_architecture_compiled_equals_eager(tiny_model, kind, overrides):
+    """One bucket (max_num_seqs=1) per model keeps it to one compile: the architecture's own code
+    (biases, windows, rope scaling, experts, q/k norms) under the compiler, long enough to cross pages."""
+    model_dir = tiny_model(kind, **overrides)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 11)]
+    options = dict(page_size=4, max_num_seqs=1)
+    expected = greedy(model_dir, prompts, [12, 12], compile=False, **options)
+    before = compiled_graphs()
+    assert greedy(model_dir, prompts, [12, 12], compile=True, **options) == expected
+    assert compiled_graphs() > before  # compiled, not fallen back to eager
+
+
+@pytest.mark.slow
+def test_quantized_compiled_equals_eager(tiny_model):
+    """W8A8 int8 GEMMs over an int8 KV cache (scales written and read through the same ops)."""
+    model_dir = tiny_model("llama")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 9)]
+    options = dict(page_size=4, max_num_seqs=2, quantization="w8a8-int8", kv_cache_dtype="int8")
+    expected = greedy(model_dir, prompts, [10, 10], compile=False, **options)
+    before = compiled_graphs()
+    assert greedy(model_dir, prompts, [10, 10], compile=True, **options) == expected
+    assert compiled_graphs() > before
