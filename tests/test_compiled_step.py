@@ -159,3 +159,17 @@ def test_quantized_compiled_equals_eager(tiny_model):
     before = compiled_graphs()
     assert greedy(model_dir, prompts, [10, 10], compile=True, **options) == expected
     assert compiled_graphs() > before
+
+
+@pytest.mark.slow
+def test_speculating_engine_mixes_compiled_decode_and_eager_verification(stories_dir):
+    """A speculating engine with compiled decode steps (verification steps run eager) gives the
+    greedy tokens of a plain eager engine."""
+    prompts = ["Once upon a time, there was a little girl. Once upon a time, there", "Lily and Ben"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    base = LLM(stories_dir, device="cpu", dtype="float32", compile=False)
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    llm = LLM(stories_dir, device="cpu", dtype="float32", compile=True, max_num_seqs=2,
+              speculative_method="ngram", speculative_adaptive=False)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0

@@ -228,7 +228,8 @@ class ModelRunner:
             self.structured.begin(flat.sample_slots)
         if self.compiled is not None and self.compiled.covers(flat.num_decode, flat.input_ids.size):
             table = self.pool.block_table[flat.decode_slots]
-            return flat, self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
+            logits = self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
+            return flat, logits
         meta = self.metadata(flat)
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)
