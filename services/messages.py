@@ -101,6 +101,12 @@ class TokenizeRequest(Message):
     app: str = ""
     arrival: float = 0.0  # wall clock (time.time()) at the gateway; the engine process converts it
     cache_salt: str = ""  # prefix caching: pages are shared only among requests with the same salt
+    n: int = 1  # engine requests made from this one prompt (the OpenAI `n`): see engine_rids()
+    fit_max_tokens: bool = False  # max_tokens was not given: lower it to what the context leaves
+
+    def engine_rids(self) -> list[str]:
+        """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""
+        return [self.rid] if self.n == 1 else [f"{self.rid}-{i}" for i in range(self.n)]
 
 
 @dataclass
@@ -139,6 +145,7 @@ class NewRequestInfo:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (usage)
+    queue_time: float = 0.0  # seconds from its arrival to its first scheduling (metrics)
 
 
 @dataclass
@@ -211,6 +218,7 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     cached_prompt_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
+    queue_time: list[float] = field(default_factory=list)  # per row (metrics); empty: not measured
 
 
 # ---- errors socket: request failures -----------------------------------------------------------

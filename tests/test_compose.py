@@ -84,7 +84,7 @@ def test_services_and_networks(compose):
 def test_only_the_gateway_port_is_published(compose):
     published = {name: s.get("ports") for name, s in compose["services"].items() if s.get("ports")}
     assert list(published) == ["gateway"]
-    assert [p["target"] for p in published["gateway"]] == [50051]
+    assert [p["target"] for p in published["gateway"]] == [50051, 8000]  # gRPC, the OpenAI HTTP API
     assert set(compose["services"]["gateway"]["networks"]) == {"pipeline", "public"}
 
 

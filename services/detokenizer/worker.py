@@ -41,6 +41,7 @@ class RequestState:
     prompt_tokens: int
     logprobs: bool
     cached_prompt_tokens: int = 0
+    queue_time: float = 0.0
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Detokenizer:
         detok = IncrementalDetokenizer(self.tokenizer, tail.tolist(), info.stop, info.skip_special_tokens,
                                        decode=self._decode, skip=self._skip)
         self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None,
-                                               info.cached_prompt_tokens)
+                                               info.cached_prompt_tokens, info.queue_time)
 
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
@@ -138,7 +139,8 @@ class Detokenizer:
             cached_prompt_tokens=[row.state.cached_prompt_tokens for row in rows.values()],
             completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            stats=self.engine_stats | {"detok_requests": len(self.requests)})
+            stats=self.engine_stats | {"detok_requests": len(self.requests)},
+            queue_time=[row.state.queue_time for row in rows.values()])
 
 
 def serve(

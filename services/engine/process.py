@@ -71,8 +71,9 @@ def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | No
         if u.new:
             seq, p = u.seq, u.seq.params
             tail = pack_ids(seq.token_ids[max(0, seq.prompt_len - PROMPT_TAIL) : seq.prompt_len])
+            queued = (seq.first_scheduled or seq.arrival) - seq.arrival
             new.append(NewRequestInfo(seq.rid, seq.prompt_len, tail, list(p.stop), p.skip_special_tokens,
-                                      p.logprobs, seq.num_cached_tokens))
+                                      p.logprobs, seq.num_cached_tokens, queued))
     logprobs: list[StepLogprobs | None] | None = None
     if any(u.logprobs for u in updates):
         logprobs = [
