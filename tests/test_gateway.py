@@ -73,6 +73,7 @@ class FakePipeline:
         self.control = self.zmq.socket(zmq.PULL)
         self.control.bind(self.addrs.control)
         self.boot = 1
+        self.completions: dict[str, int] = {}
         self.stats = {"running": 0, "pages_used": 0}
         self.beating = threading.Event()
         self.beating.set()
@@ -127,8 +128,11 @@ class FakePipeline:
         return msg
 
     def send(self, rows: list[tuple[str, str, list[int], str]], logprobs: list[Any] | None = None) -> None:
-        """rows of (rid, text, ids, finish), as one TextDeltas."""
+        """rows of (rid, text, ids, finish), as one TextDeltas (completion_tokens counts each rid's
+        ids so far, as the detokenizer does)."""
         offsets = np.cumsum([0] + [len(r[2]) for r in rows]).tolist()
+        for r in rows:
+            self.completions[r[0]] = self.completions.get(r[0], 0) + len(r[2])
         self.deltas.send(
             encode(
                 TextDeltas(
@@ -138,7 +142,7 @@ class FakePipeline:
                     offsets=offsets,
                     finish=[r[3] for r in rows],
                     prompt_tokens=[3] * len(rows),
-                    completion_tokens=[len(r[2]) for r in rows],
+                    completion_tokens=[self.completions[r[0]] for r in rows],
                     cached_prompt_tokens=[2] * len(rows),
                     logprobs=logprobs,
                 )
@@ -206,7 +210,7 @@ def test_stream_roundtrip_and_request_fields(fake):
     last = next(call)
     assert (last.text, list(last.token_ids), last.finish_reason) == (" there", [9, 10], "length")
     usage = last.usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 2, 2)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 3, 2)
     assert list(call) == []
     fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
     assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1

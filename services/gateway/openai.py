@@ -29,14 +29,14 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from services.gateway.client import build_request
-from services.gateway.server import Delta, Gateway, Reject, Stream
+from services.gateway.server import MAX_TOKEN_ID, Delta, Gateway, Reject, Stream
 from services.messages import ChatMessage, TokenLogprob
 
 MAX_N = 128
@@ -89,7 +89,7 @@ class Sampling(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     cache_salt: str = ""
@@ -330,25 +330,24 @@ class OpenAIServer:
         async def refused(request: Request, exc: HTTPError) -> JSONResponse:
             return exc.response()
 
-        @app.middleware("http")
-        async def api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-            key = self.gateway.config.api_key
-            if key and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                    return HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY, --api-key)",
-                                     code="invalid_api_key", kind="authentication_error").response()
-            return await call_next(request)
-
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat)
-        app.get("/v1/models")(self.models)
+        # --api-key guards the API; probes and metrics carry no secrets (as vLLM).
+        keyed = {"dependencies": [Depends(self._check_key)]}
+        app.post("/v1/completions", **keyed)(self.completions)
+        app.post("/v1/chat/completions", **keyed)(self.chat)
+        app.get("/v1/models", **keyed)(self.models)
+        app.post("/tokenize", **keyed)(self.tokenize)
+        app.post("/detokenize", **keyed)(self.detokenize)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
         app.get("/version")(self.version)
-        app.post("/tokenize")(self.tokenize)
-        app.post("/detokenize")(self.detokenize)
         return app
+
+    def _check_key(self, request: Request) -> None:
+        key = self.gateway.config.api_key
+        given = request.headers.get("authorization", "")
+        if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY, --api-key)",
+                            code="invalid_api_key", kind="authentication_error")
 
     async def health(self) -> Response:
         return Response(status_code=200 if self.gateway.serving else 503)
@@ -386,7 +385,7 @@ class OpenAIServer:
             raise HTTPError(400, "echo and max_tokens 0 need prompt logprobs, which this server does not "
                             "compute", "echo" if body.echo else "max_tokens")
         params = body.params() | {"max_tokens": body.max_tokens, "logprobs": body.logprobs}
-        requests = [build_request(p, **params) for p in prompts]
+        requests = [build_request(p, cache_salt=body.cache_salt, **params) for p in prompts]
         call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}")
         return await self._serve(call, requests, body, request)
 
@@ -399,7 +398,8 @@ class OpenAIServer:
         params = body.params() | {"max_tokens": max_tokens,
                                   "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}")
-        return await self._serve(call, [build_request(messages, **params)], body, request,
+        request_ = build_request(messages, cache_salt=body.cache_salt, **params)
+        return await self._serve(call, [request_], body, request,
                                  fit_max_tokens=max_tokens is None)
 
     @staticmethod
@@ -408,9 +408,11 @@ class OpenAIServer:
             return [prompt]
         if not prompt:
             raise HTTPError(400, "prompt must not be empty", "prompt")
-        if isinstance(prompt[0], int):
-            return [prompt]
-        return list(prompt)
+        prompts = [prompt] if isinstance(prompt[0], int) else list(prompt)
+        for p in prompts:
+            if not isinstance(p, str) and any(not 0 <= i <= MAX_TOKEN_ID for i in p):
+                raise HTTPError(400, f"prompt has token ids outside [0, {MAX_TOKEN_ID}]", "prompt")
+        return prompts
 
     async def _serve(self, call: Call, requests: list[Any], body: Sampling, request: Request,
                      fit_max_tokens: bool = False) -> Response:
