@@ -8,7 +8,7 @@ bitmasks are filled on another thread while the model runs (services/engine/stru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ import torch
 from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
+from services.engine.prompt_logprobs import prompt_rows, read_out
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -181,10 +182,20 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepResult:
         flat = self.build(batch)
         self.structured.begin(flat.sample_slots)  # bitmask rows fill while the model runs
-        meta = self.metadata(flat)
+        extra = prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens)
+        read = flat if extra is None else replace(  # prompt logprobs: their rows are read out too
+            flat,
+            sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
+            sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
+            sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]),
+        )
+        meta = self.metadata(read)
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)
-        hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the sampled rows'
+        hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the rows read out
+        if extra is not None:
+            every_row = read.sample_rows.size == flat.positions.size
+            hidden = read_out(hidden, self.model.compute_logits, flat.sample_rows, extra, every_row)
         if flat.sample_rows.size == 0:  # only partial prefill chunks this step
             return StepResult([])
         logits = self.model.compute_logits(hidden)

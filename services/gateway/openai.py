@@ -331,12 +331,12 @@ class OpenAIServer:
             return exc.response()
 
         # --api-key guards the API; probes and metrics carry no secrets (as vLLM).
-        keyed = {"dependencies": [Depends(self._check_key)]}
-        app.post("/v1/completions", **keyed)(self.completions)
-        app.post("/v1/chat/completions", **keyed)(self.chat)
-        app.get("/v1/models", **keyed)(self.models)
-        app.post("/tokenize", **keyed)(self.tokenize)
-        app.post("/detokenize", **keyed)(self.detokenize)
+        keyed = [Depends(self._check_key)]
+        app.post("/v1/completions", dependencies=keyed)(self.completions)
+        app.post("/v1/chat/completions", dependencies=keyed)(self.chat)
+        app.get("/v1/models", dependencies=keyed)(self.models)
+        app.post("/tokenize", dependencies=keyed)(self.tokenize)
+        app.post("/detokenize", dependencies=keyed)(self.detokenize)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
         app.get("/version")(self.version)
@@ -408,7 +408,7 @@ class OpenAIServer:
             return [prompt]
         if not prompt:
             raise HTTPError(400, "prompt must not be empty", "prompt")
-        prompts = [prompt] if isinstance(prompt[0], int) else list(prompt)
+        prompts: list[Any] = [prompt] if isinstance(prompt[0], int) else list(prompt)
         for p in prompts:
             if not isinstance(p, str) and any(not 0 <= i <= MAX_TOKEN_ID for i in p):
                 raise HTTPError(400, f"prompt has token ids outside [0, {MAX_TOKEN_ID}]", "prompt")
