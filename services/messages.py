@@ -135,6 +135,16 @@ class Abort(Message):
 
 
 @dataclass
+class PromptLogprobs:
+    """Every prompt token's logprob (NaN for the first, which has none) and its top-k alternatives."""
+
+    prompt_ids: bytes  # packed int32 [P]
+    logprobs: bytes  # packed float32 [P]
+    top_ids: bytes  # packed int32 [P * k], row-major
+    top_logprobs: bytes  # packed float32 [P * k]
+
+
+@dataclass
 class NewRequestInfo:
     """What the detokenizer needs to know of a request, sent with its first step output."""
 
@@ -146,6 +156,7 @@ class NewRequestInfo:
     logprobs: int | None = None
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (usage)
     queue_time: float = 0.0  # seconds from its arrival to its first scheduling (metrics)
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked
 
 
 @dataclass
@@ -219,6 +230,8 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
     queue_time: list[float] = field(default_factory=list)  # per row (metrics); empty: not measured
+    # With a request's first row, when it asked: one entry per prompt token (the first's logprob NaN).
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
 # ---- errors socket: request failures -----------------------------------------------------------

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import re
 import socket
 import time
@@ -192,29 +193,40 @@ class Choice:
     stream: Stream
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    emitted: int = 0  # characters sent so far (text_offset)
+    sent: bool = False  # a stream event of it went out
 
     def add(self, rows: list[Delta]) -> None:
         for row in rows:
             self.text.append(row.text)
             self.logprobs += row.logprobs or ()
+            if row.prompt_logprobs is not None:
+                self.prompt_logprobs = row.prompt_logprobs
 
 
-def usage(choices: list[Choice], per_prompt: int) -> dict[str, Any]:
-    """OpenAI usage over every choice; the n choices of a prompt count its tokens once."""
+def usage(choices: list[Choice], per_prompt: int, generated: bool = True) -> dict[str, Any]:
+    """OpenAI usage over every choice; the n choices of a prompt count its tokens once. generated
+    False: the output was not returned (max_tokens 0 with echo)."""
     prompt = sum(c.stream.prompt_tokens for c in choices[::per_prompt])
     cached = sum(c.stream.cached_prompt_tokens for c in choices[::per_prompt])
-    completion = sum(c.stream.completion_tokens for c in choices)
+    completion = sum(c.stream.completion_tokens for c in choices) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's completion logprobs; an echoed first prompt token has none (null, as vLLM)."""
     offsets, position = [], offset
     for e in entries:
         offsets.append(position)
         position += len(e.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
+    none = [math.isnan(e.logprob) for e in entries]
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [None if n else e.logprob for n, e in zip(none, entries, strict=True)],
+            "top_logprobs": [None if n else {t.token: t.logprob for t in e.top}
+                             for n, e in zip(none, entries, strict=True)],
+            "text_offset": offsets}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -242,6 +254,7 @@ class Call:
     per_prompt: int
     logprobs: bool
     prompts: list[str] = field(default_factory=list)  # echo: each prompt's text, else empty
+    generated: bool = True  # False: max_tokens 0 with echo, the engine's one token is not returned
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -253,28 +266,33 @@ class Call:
         return {"id": self.rid, "object": self.kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model}
 
-    def choice(self, c: Choice, rows_text: str, entries: list[TokenLogprob], finish: str | None,
-               first: bool, chunk: bool) -> dict[str, Any]:
+    def choice(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None, first: bool,
+               chunk: bool) -> dict[str, Any]:
+        """One choice of a response (chunk: of a stream event); first: its first."""
         out: dict[str, Any] = {"index": c.index}
         if self.chat:
             if chunk:
-                out["delta"] = ({"role": "assistant"} if first else {}) | {"content": rows_text}
+                out["delta"] = ({"role": "assistant"} if first else {}) | {"content": text}
             else:
-                out["message"] = {"role": "assistant", "content": rows_text}
+                out["message"] = {"role": "assistant", "content": text}
             out["logprobs"] = chat_logprobs(entries) if self.logprobs else None
         else:
-            prompt = self.prompts[c.index // self.per_prompt] if self.prompts else ""
-            text = prompt + rows_text if first else rows_text
+            if not self.generated:
+                text, entries = "", []
+            if first and self.prompts:
+                text = self.prompts[c.index // self.per_prompt] + text
+                entries = (c.prompt_logprobs or []) + entries
             out["text"] = text
-            offset = sum(len(t) for t in c.text) - len(rows_text) + (len(prompt) if not first else 0)
-            out["logprobs"] = completion_logprobs(entries, offset) if self.logprobs else None
+            out["logprobs"] = completion_logprobs(entries, c.emitted) if self.logprobs else None
+            c.emitted += len(text)
         out["finish_reason"] = finish or None
         return out
 
     def final(self) -> dict[str, Any]:
         choices = [self.choice(c, "".join(c.text), c.logprobs, c.stream.finish, True, False)
                    for c in self.choices]
-        return self.head(False) | {"choices": choices, "usage": usage(self.choices, self.per_prompt)}
+        return self.head(False) | {"choices": choices,
+                                   "usage": usage(self.choices, self.per_prompt, self.generated)}
 
 
 class OpenAIServer:
@@ -381,12 +399,18 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         model = self._model(body.model)
         prompts = self._prompts(body.prompt)
-        if body.echo or body.max_tokens == 0:
-            raise HTTPError(400, "echo and max_tokens 0 need prompt logprobs, which this server does not "
-                            "compute", "echo" if body.echo else "max_tokens")
-        params = body.params() | {"max_tokens": body.max_tokens, "logprobs": body.logprobs}
+        if body.max_tokens == 0 and not body.echo:
+            raise HTTPError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+        # max_tokens 0 (echo: score the prompt only, as lm-evaluation-harness does): the engine
+        # still samples one token, which is not returned.
+        params = body.params() | {"max_tokens": body.max_tokens or 1, "logprobs": body.logprobs}
+        if body.echo and body.logprobs is not None:
+            params["prompt_logprobs"] = body.logprobs
         requests = [build_request(p, cache_salt=body.cache_salt, **params) for p in prompts]
-        call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}")
+        call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}",
+                    generated=body.max_tokens != 0)
+        if body.echo:
+            call.prompts = [p if isinstance(p, str) else await self._decode(p) for p in prompts]
         return await self._serve(call, requests, body, request)
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
@@ -454,14 +478,18 @@ class OpenAIServer:
             async for c, rows, last in self._merged(call):
                 text = "".join(r.text for r in rows)
                 entries = [e for r in rows for e in (r.logprobs or ())]
-                first = not c.text
+                first = not c.sent
                 c.add(rows)
                 if not text and not entries and not last and not first:
                     continue
+                if first and not call.generated and not last:
+                    continue  # max_tokens 0: the prompt goes out with the finish
                 choice = call.choice(c, text, entries, c.stream.finish if last else None, first, True)
+                c.sent = True
                 yield sse(call.head(True) | {"choices": [choice]})
             if usage_last:
-                yield sse(call.head(True) | {"choices": [], "usage": usage(call.choices, call.per_prompt)})
+                totals = usage(call.choices, call.per_prompt, call.generated)
+                yield sse(call.head(True) | {"choices": [], "usage": totals})
         except Reject as reject:
             yield sse(from_reject(reject).body())
         finally:
@@ -528,8 +556,12 @@ class OpenAIServer:
         ids = np.asarray(body.tokens, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
             raise HTTPError(400, f"tokens: ids must be in [0, {tokenizer.vocab_size})", "tokens")
-        text = await asyncio.to_thread(tokenizer.tokenizer.decode, body.tokens)
-        return {"prompt": text}
+        return {"prompt": await self._decode(body.tokens)}
+
+    async def _decode(self, ids: list[int]) -> str:
+        tokenizer = await self._load_tokenizer()
+        text: str = await asyncio.to_thread(tokenizer.tokenizer.decode, ids)
+        return text
 
     async def _load_tokenizer(self) -> Any:
         return await asyncio.to_thread(self._tokenizer)

@@ -92,6 +92,7 @@ OPTIONAL_SAMPLING = (
     "frequency_penalty",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
 )
 MAX_REQUEST_ID_LEN = 256
@@ -122,6 +123,7 @@ class Delta:
     text: str
     ids: np.ndarray
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first row of a request that asked
 
 
 @dataclass
@@ -167,6 +169,8 @@ class Stream:
         for row in rows:
             if row.logprobs:
                 response.logprobs.extend(token_logprobs(row.logprobs))
+            if row.prompt_logprobs:
+                response.prompt_logprobs.extend(token_logprobs(row.prompt_logprobs))
         if last:
             response.finish_reason = self.finish
             response.usage.prompt_tokens = self.prompt_tokens
@@ -535,6 +539,7 @@ class Gateway(pb_grpc.GenerationServicer):
                                          msg.cached_prompt_tokens))
             or (msg.logprobs is not None and len(msg.logprobs) != n)
             or len(msg.queue_time) not in (0, n)
+            or (msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n)
             or (n and msg.offsets[-1] > len(ids))
         ):
             log.warning("dropped a malformed TextDeltas of %d rows", n)
@@ -553,7 +558,8 @@ class Gateway(pb_grpc.GenerationServicer):
                 continue
             stream.started = True
             row_ids = ids[msg.offsets[i] : msg.offsets[i + 1]]
-            stream.pending.append(Delta(msg.text[i], row_ids, msg.logprobs[i] if msg.logprobs else None))
+            stream.pending.append(Delta(msg.text[i], row_ids, msg.logprobs[i] if msg.logprobs else None,
+                                        msg.prompt_logprobs[i] if msg.prompt_logprobs else None))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.cached_prompt_tokens = msg.cached_prompt_tokens[i]
             stream.finish = msg.finish[i]
