@@ -43,7 +43,9 @@ def run(model_dir: str, prompts: list[list[int]], asks: list[int | None], **opti
     return got
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 4, "page_size": 4}], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    "options", [{}, {"max_num_batched_tokens": 4, "page_size": 4}], ids=["whole", "chunked"]
+)
 def test_prompt_logprobs_equal_hf(reference, options):
     model_dir, expected = reference
     got = run(model_dir, PROMPTS, [K, None, K], **options)
