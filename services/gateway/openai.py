@@ -95,6 +95,7 @@ class Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     cache_salt: str = ""
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
 
     def params(self) -> dict[str, Any]:
         """SamplingParams fields (None: the server default) for build_request."""
@@ -196,11 +197,13 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None
     emitted: int = 0  # characters sent so far (text_offset)
     sent: bool = False  # a stream event of it went out
+    ids: list[int] = field(default_factory=list)  # with return_token_ids
 
     def add(self, rows: list[Delta]) -> None:
         for row in rows:
             self.text.append(row.text)
             self.logprobs += row.logprobs or ()
+            self.ids += row.ids.tolist()
             if row.prompt_logprobs is not None:
                 self.prompt_logprobs = row.prompt_logprobs
 
@@ -255,6 +258,7 @@ class Call:
     logprobs: bool
     prompts: list[str] = field(default_factory=list)  # echo: each prompt's text, else empty
     generated: bool = True  # False: max_tokens 0 with echo, the engine's one token is not returned
+    return_token_ids: bool = False  # vLLM's extension: each choice's token ids beside its text
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -267,9 +271,11 @@ class Call:
                 "created": self.created, "model": self.model}
 
     def choice(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None, first: bool,
-               chunk: bool) -> dict[str, Any]:
-        """One choice of a response (chunk: of a stream event); first: its first."""
+               chunk: bool, ids: list[int]) -> dict[str, Any]:
+        """One choice of a response (chunk: of a stream event); first: its first; ids: its tokens."""
         out: dict[str, Any] = {"index": c.index}
+        if self.return_token_ids:
+            out["token_ids"] = ids if self.generated else []
         if self.chat:
             if chunk:
                 out["delta"] = ({"role": "assistant"} if first else {}) | {"content": text}
@@ -289,7 +295,7 @@ class Call:
         return out
 
     def final(self) -> dict[str, Any]:
-        choices = [self.choice(c, "".join(c.text), c.logprobs, c.stream.finish, True, False)
+        choices = [self.choice(c, "".join(c.text), c.logprobs, c.stream.finish, True, False, c.ids)
                    for c in self.choices]
         return self.head(False) | {"choices": choices,
                                    "usage": usage(self.choices, self.per_prompt, self.generated)}
@@ -408,7 +414,7 @@ class OpenAIServer:
             params["prompt_logprobs"] = body.logprobs
         requests = [build_request(p, cache_salt=body.cache_salt, **params) for p in prompts]
         call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}",
-                    generated=body.max_tokens != 0)
+                    generated=body.max_tokens != 0, return_token_ids=body.return_token_ids)
         if body.echo:
             call.prompts = [p if isinstance(p, str) else await self._decode(p) for p in prompts]
         return await self._serve(call, requests, body, request)
@@ -421,7 +427,8 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = body.params() | {"max_tokens": max_tokens,
                                   "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
-        call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}")
+        call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
+                    return_token_ids=body.return_token_ids)
         request_ = build_request(messages, cache_salt=body.cache_salt, **params)
         return await self._serve(call, [request_], body, request,
                                  fit_max_tokens=max_tokens is None)
@@ -478,13 +485,14 @@ class OpenAIServer:
             async for c, rows, last in self._merged(call):
                 text = "".join(r.text for r in rows)
                 entries = [e for r in rows for e in (r.logprobs or ())]
+                ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
                 first = not c.sent
                 c.add(rows)
                 if not text and not entries and not last and not first:
                     continue
                 if first and not call.generated and not last:
                     continue  # max_tokens 0: the prompt goes out with the finish
-                choice = call.choice(c, text, entries, c.stream.finish if last else None, first, True)
+                choice = call.choice(c, text, entries, c.stream.finish if last else None, first, True, ids)
                 c.sent = True
                 yield sse(call.head(True) | {"choices": [choice]})
             if usage_last:
