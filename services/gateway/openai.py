@@ -366,7 +366,7 @@ class OpenAIServer:
         app.get("/version")(self.version)
         return app
 
-    def _check_key(self, request: Request) -> None:
+    async def _check_key(self, request: Request) -> None:  # async: FastAPI runs sync ones on threads
         key = self.gateway.config.api_key
         given = request.headers.get("authorization", "")
         if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
