@@ -300,12 +300,14 @@ def test_error_after_the_stream_began_is_an_sse_error_event(api):
     with httpx.Client(base_url=api.url, timeout=10) as http:
         with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as response:
             rid = api.serve([("a", [1], "")])
-            api.status.send(encode(ProcessStatus("engine", False)))
-            events = [e for e in response.read().decode().split("\n\n") if e]
-    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "a"
-    error = json.loads(events[1].removeprefix("data: "))["error"]
+            lines = (line for line in response.iter_lines() if line)
+            first = json.loads(next(lines).removeprefix("data: "))
+            api.status.send(encode(ProcessStatus("engine", False)))  # only once "a" was streamed
+            events = list(lines)
+    assert first["choices"][0]["text"] == "a"
+    error = json.loads(events[0].removeprefix("data: "))["error"]
     assert "engine" in error["message"] and error["code"] == "unavailable"
-    assert events[2] == "data: [DONE]"
+    assert events[1:] == ["data: [DONE]"]
     assert api.next_abort().rids == [rid]
 
 
