@@ -405,3 +405,15 @@ def test_grpc_traffic_counts_in_the_same_metrics(api):
     assert (
         m["pipeserve:generation_tokens_total"] == 1 and m["pipeserve:time_to_first_token_seconds_count"] == 1
     )
+
+
+def test_return_token_ids_keeps_tokens_whose_text_is_held_back(api):
+    """A token that adds no text yet (half a UTF-8 character) still reaches the client's ids."""
+    body = {"prompt": "x", "stream": True, "return_token_ids": True}
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            api.serve([("a", [1], ""), ("", [2], ""), ("é", [3], "length")])
+            raw = response.read().decode().split("\n\n")[:-2]
+    events = [json.loads(e.removeprefix("data: ")) for e in raw]
+    assert [i for e in events for i in e["choices"][0]["token_ids"]] == [1, 2, 3]
+    assert "".join(e["choices"][0]["text"] for e in events) == "aé"

@@ -488,8 +488,8 @@ class OpenAIServer:
                 ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
                 first = not c.sent
                 c.add(rows)
-                if not text and not entries and not last and not first:
-                    continue
+                if not text and not entries and not ids and not last and not first:
+                    continue  # nothing a client reads (e.g. text held back by the detokenizer)
                 if first and not call.generated and not last:
                     continue  # max_tokens 0: the prompt goes out with the finish
                 choice = call.choice(c, text, entries, c.stream.finish if last else None, first, True, ids)
