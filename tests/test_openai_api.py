@@ -57,8 +57,17 @@ class HTTPPipeline(FakePipeline):
         super().close()
 
 
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """One pipeline for the tests that leave no state behind (each answers or aborts its requests)."""
+    pipeline = HTTPPipeline(str(tmp_path_factory.mktemp("http")))
+    yield pipeline
+    pipeline.close()
+
+
 @pytest.fixture
-def api(tmp_path):
+def fresh(tmp_path):
+    """A pipeline of its own, for tests that read absolute counters or stop its heartbeats."""
     pipeline = HTTPPipeline(str(tmp_path))
     yield pipeline
     pipeline.close()
@@ -296,7 +305,8 @@ def test_errors_as_the_sdk_exception_classes(tmp_path):
         api.close()
 
 
-def test_error_after_the_stream_began_is_an_sse_error_event(api):
+def test_error_after_the_stream_began_is_an_sse_error_event(fresh):
+    api = fresh  # the engine is reported down
     with httpx.Client(base_url=api.url, timeout=10) as http:
         with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as response:
             rid = api.serve([("a", [1], "")])
@@ -332,7 +342,8 @@ def test_disconnect_aborts_in_the_engine(api, stream):
     api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
 
 
-def test_health_models_version_and_metrics(api):
+def test_health_models_version_and_metrics(fresh):
+    api = fresh
     assert httpx.get(api.url + "/health").status_code == 200
     models = httpx.get(api.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake"
@@ -346,9 +357,10 @@ def test_health_models_version_and_metrics(api):
     assert refused.status_code == 503 and "not serving" in refused.json()["error"]["message"]
 
 
-def test_metrics_follow_a_known_workload(api):
+def test_metrics_follow_a_known_workload(fresh):
     """Three requests: counters equal what was sent, histograms hold one sample per request (TTFT,
     e2e, queue time, token counts) and one per token after the first (inter-token latency)."""
+    api = fresh
     api.stats.update(
         pages_total=100,
         pages_used=25,
@@ -395,7 +407,8 @@ def test_metrics_follow_a_known_workload(api):
     assert "pipeserve:generation_tokens_total 7.0" in http
 
 
-def test_grpc_traffic_counts_in_the_same_metrics(api):
+def test_grpc_traffic_counts_in_the_same_metrics(fresh):
+    api = fresh
     call = api.client.stream("x", request_id="g1")
     api.next_request()
     api.send([("g1", "a", [1], "stop")])
