@@ -263,6 +263,8 @@ def test_api_key(tmp_path):
         ({"prompt": "x", "cache_salt": "s" * 300}, "cache_salt"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
         ({"messages": []}, "messages"),
     ],

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 import numpy as np
@@ -34,13 +34,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.client import build_request
 from services.gateway.server import MAX_TOKEN_ID, Delta, Gateway, Reject, Stream
 from services.messages import ChatMessage, TokenLogprob
 
 MAX_N = 128
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]  # what the int32 wire fields can hold
 RETRY_AFTER = "1"  # seconds a client refused for capacity should wait
 # How the gateway's status codes reach an HTTP client: (status, OpenAI error type).
 STATUS = {
@@ -83,14 +84,14 @@ class Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-MAX_TOKEN_ID, le=MAX_TOKEN_ID)
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID)
     ignore_eos: bool = False
-    stop_token_ids: list[NonNegativeInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     cache_salt: str = ""
@@ -120,9 +121,9 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKEN_ID)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
 
 
 class ChatMessageBody(BaseModel):
@@ -140,10 +141,10 @@ class ChatMessageBody(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[ChatMessageBody]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
 
 
 class TokenizeBody(BaseModel):
@@ -412,7 +413,7 @@ class OpenAIServer:
         params = body.params() | {"max_tokens": body.max_tokens or 1, "logprobs": body.logprobs}
         if body.echo and body.logprobs is not None:
             params["prompt_logprobs"] = body.logprobs
-        requests = [build_request(p, cache_salt=body.cache_salt, **params) for p in prompts]
+        requests = [_build(p, body.cache_salt, params) for p in prompts]
         call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}",
                     generated=body.max_tokens != 0, return_token_ids=body.return_token_ids)
         if body.echo:
@@ -429,8 +430,7 @@ class OpenAIServer:
                                   "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     return_token_ids=body.return_token_ids)
-        request_ = build_request(messages, cache_salt=body.cache_salt, **params)
-        return await self._serve(call, [request_], body, request,
+        return await self._serve(call, [_build(messages, body.cache_salt, params)], body, request,
                                  fit_max_tokens=max_tokens is None)
 
     @staticmethod
@@ -573,6 +573,15 @@ class OpenAIServer:
 
     async def _load_tokenizer(self) -> Any:
         return await asyncio.to_thread(self._tokenizer)
+
+
+def _build(prompt: Any, cache_salt: str, params: dict[str, Any]) -> Any:
+    """The GenerateRequest of one prompt; a value the protobuf field cannot hold (an integer out of
+    its range) is the client's error, not a 500."""
+    try:
+        return build_request(prompt, cache_salt=cache_salt, **params)
+    except (ValueError, TypeError) as exc:
+        raise HTTPError(400, f"a parameter is out of range: {exc}") from None
 
 
 class _Server(uvicorn.Server):
