@@ -84,3 +84,14 @@ def test_a_request_alone_reads_every_row(reference):
     lp = run(model_dir, [PROMPTS[0]], [K])["r0"]
     np.testing.assert_allclose(lp.logprobs[1:], expected[0][0], atol=1e-4)
     np.testing.assert_array_equal(lp.top_ids[1:], expected[0][1][1].numpy())
+
+
+def test_offline_llm_returns_prompt_logprobs(reference):
+    from services.engine.llm import LLM
+
+    model_dir, expected = reference
+    llm = LLM(model_dir, device="cpu", dtype="float32")
+    (out,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=K))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[0])
+    np.testing.assert_allclose([e["logprob"] for e in out.prompt_logprobs[1:]], expected[0][0], atol=1e-4)
+    assert list(out.prompt_logprobs[1]["top"]) == expected[0][1][1][0].tolist()
