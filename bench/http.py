@@ -3,7 +3,7 @@
 One pipeline (gateway, tokenizers, detokenizer) around part 2's SyntheticEngine (bench/pipeline.py:
 it echoes each prompt's ids, one token per running request per step, as fast as the detokenizer
 takes them), so the figures are the front ends', not a model's. Both front ends are driven by
-this process with the clients of `bench serve` (gRPC: services.gateway.client; HTTP: httpx
+this process with the clients of `bench serve` (gRPC: services.gateway.client; HTTP: aiohttp
 streaming /v1/completions with return_token_ids), alternated round by round so that the shared
 machine's load falls on both alike; medians over the rounds.
 - added TTFT at low load: --ttft-requests requests one after another (--ttft-output-len tokens);
@@ -21,12 +21,10 @@ import tempfile
 import time
 from typing import Any
 
-import httpx
-
 from bench.metrics import summarize
 from bench.pipeline import LLAMA_20M_BYTES, TEXT, pipeline
 from bench.report import machine_info, print_table, write_json
-from bench.serve import Outcome, Planned, send, send_openai
+from bench.serve import Outcome, Planned, http_session, send, send_openai
 from services.config import EngineConfig
 from services.local_cluster import free_port
 
@@ -40,9 +38,7 @@ async def run(api: str, target: str, url: str, prompt: list[int], count: int, ou
     from services.gateway.client import AsyncClient
 
     work = [Planned(0.0, len(prompt), output_len, "bench") for _ in range(count)]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with AsyncClient(target) as grpc_client, httpx.AsyncClient(base_url=url, limits=limits,
-                                                                      timeout=None) as http:
+    async with AsyncClient(target) as grpc_client, http_session(url) as http:
         await grpc_client.wait_ready(60.0)
 
         async def one(w: Planned) -> Outcome:

@@ -15,7 +15,7 @@ import importlib.util
 import sys
 
 # What `pipeserve[bench]` adds to the serving dependencies (pyproject.toml).
-BENCH_EXTRA = ("matplotlib", "rich", "httpx")
+BENCH_EXTRA = ("matplotlib", "rich", "aiohttp")
 INSTALL_BENCH = "pip install 'pipeserve[bench]'"
 
 COMMANDS: dict[str, tuple[str, str]] = {
