@@ -10,7 +10,7 @@ import torch
 from services.engine.engine import Engine
 from services.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # builds and runs a Hugging Face reference
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 30, 31, 4, 11, 19, 3, 8], [1, 40, 41], [1, 6]]
 K = 3
