@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	# torch first, pinned, so pip takes the CPU build on disk instead of pulling CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,ray]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -272,6 +272,7 @@ PRESETS: dict[str, ModelShape] = {
         # Mistral-7B-v0.1: 4096-token sliding window.
         ModelShape("mistral-7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, sliding_window=4096),
         ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 128, 32000, 4096),
+        ModelShape("llama-3-70b", 8192, 28672, 80, 64, 8, 128, 128256, 8192),
         # Mixtral-8x7B-v0.1: 8 experts of 14336, top-2, in all 32 layers.
         ModelShape("mixtral-8x7b", 4096, 14336, 32, 32, 8, 128, 32000, 32768, num_experts=8,
                    experts_per_tok=2, moe_intermediate_size=14336, moe_layers=32),

@@ -365,9 +365,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=0.03, help="relative precision of the capacity")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--out", metavar="DIR", help="write simulate.png (and capacity.png) here")
+    from bench import parallel  # imports this module
+
+    parallel.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.parallel:
+        from bench import parallel  # imports this module
+
+        return parallel.main(args)
     try:
         shape = ModelShape.resolve(args.model)
         gpu = GPU.get(args.gpu)

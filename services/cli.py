@@ -43,6 +43,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "structured": ("bench.structured", "structured outputs: step overhead and grammar compile time"),
     "moe": ("bench.moe", "MoE vs dense decode steps at the same active parameters"),
     "prefix": ("bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
+    "tp": ("bench.tp", "tensor parallelism: TP=1 vs TP=T step time, step plan over gloo vs zmq"),
+    "dp": ("bench.dp", "bench serve against data parallel sizes (pipeserve up --data-parallel-size)"),
 }
 
 

@@ -73,6 +73,9 @@ class EngineConfig:
     # too, and a descheduled OpenMP thread stalls every matmul.
     cpu_threads: int = opt(0, "torch intra-op threads of the engine; 0: all cores but one on CPU, "
                            "torch's default on CUDA")
+    tensor_parallel_size: int = opt(1, "processes the model is sharded across (torch.distributed: gloo on "
+                                    "CPU, NCCL on CUDA, one GPU per rank); the engine is rank 0 and "
+                                    "spawns the others")
     revision: str | None = opt(None, "hub revision (branch, tag or commit) of --model and --tokenizer")
     tokenizer: str | None = opt(None, "tokenizer source (directory or hub id) when not --model's")
     served_model_name: str | None = opt(None, "the model name clients see (ModelInfo); unset: from --model")
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def check_choices(obj: Any) -> None:
@@ -131,8 +136,10 @@ class Addresses:
     state (the engine's EngineInfo heartbeats, the supervisor's ProcessStatus)."""
 
     tokenize: str = address("tokenize", "gateway -> tokenizers: requests to tokenize (gateway binds)")
-    requests: str = address("requests", "tokenizers -> engine: token ids (engine binds)")
-    control: str = address("control", "gateway and detokenizer -> engine: aborts (engine binds)")
+    requests: str = address("requests", "tokenizers -> engine: token ids (engine binds); data parallel: "
+                                        "one endpoint per engine, comma-separated")
+    control: str = address("control", "gateway and detokenizer -> engine: aborts (engine binds); data "
+                                      "parallel: one endpoint per engine, comma-separated")
     steps: str = address("steps", "engine -> detokenizer: generated tokens (detokenizer binds)")
     deltas: str = address("deltas", "detokenizer -> gateway: text deltas (gateway binds)")
     errors: str = address("errors", "any process -> gateway: per-request failures (gateway binds)")
@@ -140,13 +147,49 @@ class Addresses:
                                     "(gateway binds)")
 
     @classmethod
-    def under(cls, directory: str) -> Addresses:
-        """ipc:// endpoints inside one directory (local mode: nothing listens beyond the host)."""
-        return cls(**{name: f"ipc://{directory}/{name}" for name in cls.__dataclass_fields__})
+    def under(cls, directory: str, engines: int = 1) -> Addresses:
+        """ipc:// endpoints inside one directory (local mode: nothing listens beyond the host), with
+        one requests and control endpoint per engine."""
+        addrs = cls(**{name: f"ipc://{directory}/{name}" for name in cls.__dataclass_fields__})
+        for name in PER_ENGINE:
+            setattr(addrs, name, ",".join(f"ipc://{directory}/{name}-{i}" for i in range(engines)))
+        return addrs
 
     def to_env(self) -> dict[str, str]:
         """The env vars that make a child process's Addresses() equal these."""
         return {f"PIPESERVE_{name.upper()}_ADDR": getattr(self, name) for name in self.__dataclass_fields__}
+
+
+# Data parallelism: these Addresses list one endpoint per engine; engine i binds the i-th and every
+# connector connects to all of them (engine i is the i-th socket).
+PER_ENGINE = ("requests", "control")
+
+
+def engine_endpoints(value: str) -> list[str]:
+    """The per-engine endpoints of a `requests` or `control` address (one for a single engine)."""
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def engine_endpoint(value: str, index: int) -> str:
+    """The endpoint engine `index` binds: the index-th of the list, or the only one (compose gives
+    each engine service its own single bind address)."""
+    endpoints = engine_endpoints(value)
+    return endpoints[0] if len(endpoints) == 1 else endpoints[index]
+
+
+@dataclass
+class LaunchConfig:
+    """Options of `pipeserve up` that shape the deployment rather than one process."""
+
+    data_parallel_size: int = opt(1, "engines, each with its own KV pool (and, with tensor parallelism, "
+                                  "its own ranks); one gateway, tokenizer pool and detokenizer serve "
+                                  "them all, each request on one engine")
+    ray: str | None = opt(None, "place the processes on a Ray cluster: its address (host:port) or auto; "
+                          "unset: every process on this host")
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
 @dataclass
@@ -167,6 +210,9 @@ class GatewayConfig:
     api_key: str | None = opt(None, 'require "authorization: Bearer KEY" on every call but health')
     tls_cert: str | None = opt(None, "PEM certificate: serve gRPC over TLS only (with --tls-key)")
     tls_key: str | None = opt(None, "PEM private key of --tls-cert")
+    dp_balance_threshold: int = opt(32, "data parallel: a request follows its prompt prefix to the engine "
+                                    "that holds it unless that engine's load (waiting x 4 + running) is "
+                                    "this much above the least loaded engine's")
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_request_bytes < 1024 or self.max_response_bytes < 1024:

@@ -48,6 +48,16 @@ def cpu_split(config: EngineConfig, allowed: set[int] | None = None) -> CpuSplit
     return CpuSplit(engine=tuple(cores[-take:]), others=tuple(cores[:-take]))
 
 
+def engine_core_sets(split: CpuSplit, engines: int) -> list[tuple[int, ...]]:
+    """Data parallel: the engine cores dealt out in contiguous runs, one per engine (sizes differ by
+    at most one); with fewer cores than engines every engine shares all of them."""
+    cores = split.engine
+    if len(cores) < engines:
+        return [cores] * engines
+    bounds = [round(i * len(cores) / engines) for i in range(engines + 1)]
+    return [cores[bounds[i] : bounds[i + 1]] for i in range(engines)]
+
+
 def cpus_env(cpus: tuple[int, ...]) -> dict[str, str]:
     return {ENV: ",".join(map(str, cpus))}
 

@@ -4,10 +4,13 @@ Starts the engine, the detokenizer, N tokenizer workers and the gateway as subpr
 through ipc:// sockets in a private temp dir, waits until the gateway's health says SERVING,
 then supervises: a process that dies is restarted (engine included), and the gateway is told at
 once (ProcessStatus on its `status` socket) so that it ends the streams the death broke with
-UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. SIGINT/SIGTERM shut down
-in order: the gateway first (in-flight streams get --grace seconds to finish while the rest still
-runs), then the others. Children run in their own sessions (a terminal's Ctrl-C reaches only this
-process, which orders the shutdown) and die with it if it is killed (PR_SET_PDEATHSIG).
+UNAVAILABLE and reports NOT_SERVING until the pipeline is whole again. With --data-parallel-size N
+it starts N engines (engine-0 ...), each binding its own requests/control endpoint; with --ray the
+same children run on a Ray cluster's nodes (services/ray_launcher.py), supervised the same way.
+SIGINT/SIGTERM shut down in order: the gateway first (in-flight streams get --grace seconds to
+finish while the rest still runs), then the others. Children run in their own sessions (a
+terminal's Ctrl-C reaches only this process, which orders the shutdown) and die with it if it is
+killed (PR_SET_PDEATHSIG).
 
 Before any process starts, services/preflight.py checks the ports, the model and the tokenizer, and a
 problem ends `up` with one line saying what to do. The gateway's readiness is checked for the
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib.util
 import logging
 import os
 import shutil
@@ -32,17 +36,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from services import config as cfg
 from services import preflight
-from services.config import Addresses, EngineConfig, GatewayConfig, new_instance_id
-from services.cpus import cpu_split, cpus_env
+from services.config import Addresses, EngineConfig, GatewayConfig, LaunchConfig, new_instance_id
+from services.cpus import cpu_split, cpus_env, engine_core_sets
 from services.messages import ProcessStatus, encode
 from services.preflight import StartupError, check_ports
 
@@ -102,19 +106,42 @@ def child_main(argv: list[str]) -> int:
     return main(argv)
 
 
+class Proc(Protocol):
+    """A started child: a local subprocess.Popen, or one on a Ray node (services/ray_launcher.py)."""
+
+    pid: int
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# Starts a child's process with this environment (the supervisor's, the child's, its name on top).
+Starter = Callable[["Child", dict[str, str]], Proc]
+
+
+def start_local(child: Child, env: dict[str, str]) -> Proc:
+    return subprocess.Popen([sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True)
+
+
 @dataclass
 class Child:
-    name: str  # "engine", "detokenizer", "tokenizer-0", ..., "gateway"
+    name: str  # "engine-0", "detokenizer", "tokenizer-0", ..., "gateway"
     argv: list[str]  # pipeserve subcommand and flags
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
     restarts: list[float] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (e.g. PIPESERVE_CPUS)
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], addrs: Addresses, env: dict[str, str]) -> None:
+    def __init__(
+        self, children: list[Child], addrs: Addresses, env: dict[str, str], start: Starter = start_local
+    ) -> None:
         self.children = children
         self.env = env
+        self.start = start
         self._zmq = zmq.Context()
         self._status = self._zmq.socket(zmq.PUSH)
         self._status.setsockopt(zmq.LINGER, 0)
@@ -123,9 +150,7 @@ class Supervisor:
 
     def spawn(self, child: Child) -> None:
         env = self.env | child.env | {"PIPESERVE_PROCESS_NAME": child.name.replace("-", " ")}
-        child.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True
-        )
+        child.proc = self.start(child, env)
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     def dead(self) -> list[tuple[Child, int]]:
@@ -175,17 +200,29 @@ class Supervisor:
         self._zmq.destroy(linger=0)
 
 
-def plan(engine: EngineConfig, gateway: GatewayConfig, workers: int) -> list[Child]:
-    """The children; on a CPU-only host the engine gets cores of its own (services/cpus.py)."""
-    split = cpu_split(engine)
-    engine_env, others_env = {}, {}
+def plan(
+    engine: EngineConfig, gateway: GatewayConfig, workers: int, engines: int = 1, pin: bool = True
+) -> list[Child]:
+    """The children: `engines` engines (data parallel; each binds its own requests/control
+    endpoint), one detokenizer, the tokenizers and the gateway. On a CPU-only host (pin: the
+    children run on this host) the engines get cores of their own (services/cpus.py), dealt out
+    among them."""
+    split = cpu_split(engine) if pin else None
+    engine_children = []
+    others_env: dict[str, str] = {}
     if split is not None:
-        engine = replace(engine, cpu_threads=len(split.engine))
-        engine_env, others_env = cpus_env(split.engine), cpus_env(split.others)
-        log.info("engine on cores %s, the rest of the pipeline on %s", split.engine, split.others)
+        others_env = cpus_env(split.others)
+        log.info("engines on cores %s, the rest of the pipeline on %s", split.engine, split.others)
+    for i in range(engines):
+        config, env = engine, {}
+        if split is not None:
+            cores = engine_core_sets(split, engines)[i]
+            config, env = replace(engine, cpu_threads=len(cores)), cpus_env(cores)
+        argv = ["engine", *cfg.to_argv(config), "--engine-index", str(i)]
+        engine_children.append(Child(f"engine-{i}", argv, env=env))
     tokenizer = cfg.to_argv(engine, only=cfg.TOKENIZER_FIELDS)
     return [
-        Child("engine", ["engine", *cfg.to_argv(engine)], env=engine_env),
+        *engine_children,
         Child("detokenizer", ["detokenizer", *tokenizer], env=others_env),
         *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer], env=others_env) for i in range(workers)],
         Child("gateway", ["gateway", *cfg.to_argv(gateway), *tokenizer], env=others_env),
@@ -222,6 +259,7 @@ def wait_serving(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-workers", type=int, default=2, help="tokenizer processes")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    cfg.add_arguments(parser, LaunchConfig)
     parser.add_argument(
         "--tls-server-name",
         default="localhost",
@@ -236,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Running:
     supervisor: Supervisor
     target: str  # host:port of the gateway, for clients on this host
-    run_dir: str  # the ipc sockets' directory
+    where: str  # the ipc sockets' directory, or the Ray cluster
     serving: bool  # the gateway said SERVING before the start-up timeout (or a signal)
 
 
@@ -249,34 +287,44 @@ def running(
     stopping: list[int],
     security: dict[str, Any] | None = None,
     engine_argv: list[str] | None = None,
+    engines: int = 1,
+    ray: str | None = None,
 ) -> Iterator[Running]:
-    """Start every child wired through a private run dir and wait for SERVING; on exit stop them in
-    order (the gateway first, within gateway.grace) and remove the run dir. engine_argv replaces
-    the engine's subcommand (a benchmark's synthetic engine)."""
-    run_dir = tempfile.mkdtemp(prefix="pipeserve-")
-    addrs = Addresses.under(run_dir)
-    instance_id = new_instance_id()
-    env = {
-        **os.environ,
-        **addrs.to_env(),
-        "PIPESERVE_MODEL": str(engine.model),
-        "PIPESERVE_PARENT_PID": str(os.getpid()),
-    }
-    children = plan(engine, gateway, workers)
+    """Start every child and wait for SERVING; on exit stop them in order (the gateway first, within
+    gateway.grace). On this host the children are wired through a private run dir (removed at the
+    end); with `ray` (a cluster address) they are placed on its nodes (services/ray_launcher.py).
+    engine_argv replaces the engine's subcommand (a benchmark's synthetic engine; one engine only).
+    engines: data parallel size."""
+    children = plan(engine, gateway, workers, engines, pin=ray is None)
     if engine_argv is not None:
+        assert engines == 1, "a replaced engine runs alone"
         children[0].argv = engine_argv
+    instance_id = new_instance_id()
     children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
-    supervisor = Supervisor(children, addrs, env)
-    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
-    target = f"{host}:{gateway.port}"
-    try:
-        for child in supervisor.children:
-            supervisor.spawn(child)
-        serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping, **(security or {}))
-        yield Running(supervisor, target, run_dir, serving)
-    finally:
-        supervisor.stop(gateway.grace)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        if ray is None:
+            run_dir = tempfile.mkdtemp(prefix="pipeserve-")
+            stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
+            start: Starter = start_local
+            addrs, where = Addresses.under(run_dir, engines), run_dir
+            env = {**os.environ, "PIPESERVE_PARENT_PID": str(os.getpid())}
+        else:
+            from services import ray_launcher
+
+            addrs, start = stack.enter_context(ray_launcher.placed(ray, children, engine, engines))
+            where, env = f"ray {ray}", {}  # each node's actor adds its own environment
+        env |= {**addrs.to_env(), "PIPESERVE_MODEL": str(engine.model)}
+        supervisor = Supervisor(children, addrs, env, start)
+        host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
+        target = f"{host}:{gateway.port}"
+        try:
+            for child in supervisor.children:
+                supervisor.spawn(child)
+            serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping,
+                                   **(security or {}))
+            yield Running(supervisor, target, where, serving)
+        finally:
+            supervisor.stop(gateway.grace)
 
 
 def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
@@ -298,11 +346,22 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
     return preflight.run(engine), gateway
 
 
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    try:
+        launch: LaunchConfig = cfg.from_args(LaunchConfig, args)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    if launch.ray and importlib.util.find_spec("ray") is None:
+        raise StartupError("--ray needs Ray: pip install 'pipeserve[ray]'")
+    return launch
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_title("up")
     try:
         engine, gateway = configs(args)
+        launch = launch_config(args)
     except StartupError as exc:
         print(f"pipeserve up: error: {exc}", file=sys.stderr)
         return 2
@@ -316,10 +375,11 @@ def main(args: argparse.Namespace) -> int:
         else {}
     )
     code = 1
-    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security) as up:
+    with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
+                 engines=launch.data_parallel_size, ray=launch.ray) as up:
         if up.serving:
-            where = (engine.model, gateway.host, gateway.port, up.run_dir)
-            log.info("serving %s on %s:%d (ipc sockets in %s)", *where)
+            where = (engine.model, gateway.host, gateway.port, up.where)
+            log.info("serving %s on %s:%d (sockets: %s)", *where)
             code = 0
             while not stopping:
                 for child, status in up.supervisor.dead():

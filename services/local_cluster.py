@@ -165,6 +165,16 @@ class LocalCluster:
             **{name: m.get(f'pipeserve_engine{{name="{name}"}}', math.nan) for name in ENGINE_STATE},
         }
 
+    def wait_engines(self, count: int, timeout: float = 120.0) -> None:
+        """Until every one of `count` data-parallel engines is live (health is SERVING as soon as one
+        is; the others join as they finish loading)."""
+
+        def live() -> bool:
+            m = self.metrics()
+            return all(m.get(f'pipeserve_engine_serving{{engine="{i}"}}') == 1 for i in range(count))
+
+        self.wait(live, timeout, f"{count} engines serving")
+
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Until no stream is open and the engine runs nothing, waits for nothing and holds no page."""
 

@@ -103,6 +103,7 @@ class TokenizeRequest(Message):
     cache_salt: str = ""  # prefix caching: pages are shared only among requests with the same salt
     n: int = 1  # engine requests made from this one prompt (the OpenAI `n`): see engine_rids()
     fit_max_tokens: bool = False  # max_tokens was not given: lower it to what the context leaves
+    engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends all n there)
 
     def engine_rids(self) -> list[str]:
         """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""
@@ -187,6 +188,7 @@ class StepOutput(Message):
     logprobs: list[StepLogprobs | None] | None = None
     # Engine counters piggy-backed for the gateway's /stats and the tests (running, waiting, pages).
     stats: dict[str, int] | None = None
+    engine: int = 0  # data parallel: which engine sent it (its steps count on their own)
 
 
 # ---- detokenizer -> gateway --------------------------------------------------------------------
@@ -214,9 +216,9 @@ class TextDeltas(Message):
     Row i: request rids[i] gets text[i] and the ids tokens[offsets[i]:offsets[i+1]]; one row per
     request per message. completion_tokens[i] counts the request's ids so far and
 cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
-    logprobs, when a row asked: for row i None or one entry per id. stats: the engine's latest
-    counters plus "detok_requests" (live detokenizer states); sent on every receive, heartbeats
-    included."""
+    logprobs, when a row asked: for row i None or one entry per id. stats: the detokenizer's own
+    counters ("detok_requests": live request states), engines: each engine's latest counters; sent
+    on every receive, heartbeats included."""
 
     TAG: ClassVar[str] = "deltas"
     rids: list[str]
@@ -232,6 +234,8 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     queue_time: list[float] = field(default_factory=list)  # per row (metrics); empty: not measured
     # With a request's first row, when it asked: one entry per prompt token (the first's logprob NaN).
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    engines: dict[str, dict[str, int]] | None = None  # engine index (as a string) -> its latest counters
+    row_engines: list[int] | None = None  # data parallel: the engine running each row's request
 
 
 # ---- errors socket: request failures -----------------------------------------------------------
@@ -281,6 +285,8 @@ class EngineInfo(Message):
     boot: int
     info: ModelInfo
     stats: dict[str, int] | None = None
+    engine: int = 0  # data parallel: which engine (its index in the requests/control address lists)
+    tensor_parallel_size: int = 1  # ranks this engine runs its model on
 
 
 @dataclass
@@ -288,7 +294,7 @@ class ProcessStatus(Message):
     """supervisor (`pipeserve up`) -> gateway (status socket): a process died or was restarted."""
 
     TAG: ClassVar[str] = "process"
-    process: str  # "engine", "detokenizer", "tokenizer-0", ...
+    process: str  # "engine-0", "detokenizer", "tokenizer-0", ... ("engine": engine 0)
     up: bool
 
 

@@ -81,7 +81,7 @@ def resolve(engine: EngineConfig) -> EngineConfig:
         raise StartupError(str(exc)) from None
     what = f"--model {name}" if name else "the demo model"
     try:
-        ModelConfig.from_dict(read_config(model_dir))
+        model_cfg = ModelConfig.from_dict(read_config(model_dir))
     except FileNotFoundError:
         raise StartupError(f"{what}: {model_dir} has no config.json, so it is not a Hugging Face "
                            "checkpoint: give the directory that holds config.json") from None
@@ -89,6 +89,13 @@ def resolve(engine: EngineConfig) -> EngineConfig:
         raise StartupError(f"{what}: config.json has no {exc}: not a Llama-family checkpoint") from None
     except ValueError as exc:  # an unsupported architecture, a config.json that is no JSON
         raise StartupError(f"{what}: {exc}") from None
+    if engine.tensor_parallel_size > 1:
+        from services.engine.model.tensor_parallel import check_shardable
+
+        try:
+            check_shardable(model_cfg, engine.tensor_parallel_size)
+        except ValueError as exc:
+            raise StartupError(f"{what}: {exc}") from None
     if not glob.glob(os.path.join(model_dir, "*.safetensors")):
         raise StartupError(f"{what}: no *.safetensors weights in {model_dir} (pipeserve loads safetensors "
                            "only; convert .bin weights with transformers' save_pretrained)") from None

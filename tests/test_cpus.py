@@ -30,9 +30,9 @@ def test_plan_pins_children_and_sizes_the_engine_threads(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2})
     children = plan(EngineConfig(model="m", device="cpu"), GatewayConfig(), workers=2)
     envs = {c.name: c.env for c in children}
-    assert envs["engine"] == {ENV: "1,2"}
+    assert envs["engine-0"] == {ENV: "1,2"}
     assert all(envs[n] == {ENV: "0"} for n in ("gateway", "detokenizer", "tokenizer-0", "tokenizer-1"))
-    engine = next(c for c in children if c.name == "engine")
+    engine = next(c for c in children if c.name == "engine-0")
     assert engine.argv[engine.argv.index("--cpu-threads") + 1] == "2"
     assert all(c.env == {} for c in plan(EngineConfig(model="m", device="cuda"), GatewayConfig(), workers=1))
 

@@ -336,7 +336,7 @@ def test_llm_generate_and_the_detokenizer_process_give_the_same_text(stories_dir
     while engine.has_work():
         rows: dict[str, Row] = {}
         wire = decode(encode(step_output(engine.step_count + 1, engine.step(), {})))
-        for rid in det.process(wire, rows):
+        for _, rid in det.process(wire, rows):
             engine.abort(rid, "stop")
         deltas = det.deltas(rows)
         for r, rid in enumerate(deltas.rids):
@@ -364,7 +364,7 @@ def step(n: int, rows: list[tuple[str, int, str]], new_: list[NewRequestInfo] = 
 
 def run_steps(det: Detokenizer, *steps: StepOutput) -> tuple[TextDeltas, list[str]]:
     rows: dict[str, Row] = {}
-    stopped = [rid for s in steps for rid in det.process(s, rows)]
+    stopped = [rid for s in steps for _, rid in det.process(s, rows)]
     return decode(encode(det.deltas(rows))), stopped  # through the wire format
 
 
@@ -382,7 +382,7 @@ def test_deltas_batch_rows_usage_and_state_lifetime(stories) -> None:
         [a, b + [stories.eos_token_id]]
     assert msg.prompt_tokens == [len(stories.encode("Once upon a time")), len(stories.encode("Hi"))]
     assert msg.completion_tokens == [2, 2] and msg.logprobs is None
-    assert msg.stats == {"running": 2, "detok_requests": 1}
+    assert msg.stats == {"detok_requests": 1} and msg.engines == {"0": {"running": 2}}
     msg, _ = run_steps(det, step(3, [("a", -1, "abort")]))  # aborted: no token, just the end
     assert (msg.rids, msg.text, msg.finish, msg.completion_tokens) == (["a"], [""], ["abort"], [2])
     assert msg.stats["detok_requests"] == 0 and det.requests == {}
@@ -406,7 +406,8 @@ def test_stop_string_aborts_engine_once(stories) -> None:
 def test_heartbeat_is_forwarded(stories) -> None:
     det = Detokenizer(stories)
     msg, _ = run_steps(det, step(0, [], stats={"running": 0, "pages_used": 0}))
-    assert msg.rids == [] and msg.stats == {"running": 0, "pages_used": 0, "detok_requests": 0}
+    assert msg.rids == [] and msg.stats == {"detok_requests": 0}
+    assert msg.engines == {"0": {"running": 0, "pages_used": 0}}
 
 
 def test_logprobs_carry_token_text(stories) -> None:
@@ -473,7 +474,8 @@ def test_process_streams_batches_and_stops(detok_process, stories) -> None:
     while not deltas.poll(200):  # heartbeats until the process is up
         assert proc.poll() is None and time.monotonic() < deadline
         steps.send(encode(step(0, [], stats={"running": 0})))
-    assert recv(deltas).stats == {"running": 0, "detok_requests": 0}
+    msg = recv(deltas)
+    assert msg.stats == {"detok_requests": 0} and msg.engines == {"0": {"running": 0}}
     while deltas.poll(200):
         deltas.recv()
 

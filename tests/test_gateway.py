@@ -17,7 +17,7 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.config import Addresses, GatewayConfig
+from services.config import Addresses, GatewayConfig, engine_endpoints
 from services.gateway.client import AsyncClient, Client, build_request
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.server import Gateway
@@ -53,10 +53,11 @@ def free_port() -> int:
 
 
 class FakePipeline:
-    """A gateway in a background uvloop thread, and the test's side of its sockets."""
+    """A gateway in a background uvloop thread, and the test's side of its sockets (engines: how
+    many engines it routes to; each gets its own control socket and heartbeats)."""
 
-    def __init__(self, directory: str, **config: Any) -> None:
-        self.addrs = Addresses.under(directory)
+    def __init__(self, directory: str, engines: int = 1, **config: Any) -> None:
+        self.addrs = Addresses.under(directory, engines)
         self.metrics_port = free_port()
         config = {"port": 0, "liveness_timeout": 1.0, "metrics_port": self.metrics_port, **config}
         self.loop = uvloop.new_event_loop()
@@ -70,11 +71,16 @@ class FakePipeline:
         self.deltas = self._socket(zmq.PUSH, self.addrs.deltas)
         self.errors = self._socket(zmq.PUSH, self.addrs.errors)
         self.status = self._socket(zmq.PUSH, self.addrs.status)
-        self.control = self.zmq.socket(zmq.PULL)
-        self.control.bind(self.addrs.control)
-        self.boot = 1
+        self.controls = []
+        for endpoint in engine_endpoints(self.addrs.control):
+            self.controls.append(self.zmq.socket(zmq.PULL))
+            self.controls[-1].bind(endpoint)
+        self.control = self.controls[0]
+        self.boots = [1] * engines
+        self.silent: set[int] = set()  # engines whose heartbeats stopped
         self.completions: dict[str, int] = {}
         self.stats = {"running": 0, "pages_used": 0}
+        self.per_engine: dict[int, dict[str, int]] = {}  # an engine's own counters, instead of stats
         self.beating = threading.Event()
         self.beating.set()
         self._stop = threading.Event()
@@ -93,7 +99,10 @@ class FakePipeline:
         status, deltas = self._socket(zmq.PUSH, self.addrs.status), self._socket(zmq.PUSH, self.addrs.deltas)
         while not self._stop.wait(0.1):
             if self.beating.is_set():
-                status.send(encode(EngineInfo(boot=self.boot, info=INFO, stats=dict(self.stats))))
+                for engine, boot in enumerate(self.boots):
+                    if engine not in self.silent:
+                        stats = dict(self.per_engine.get(engine, self.stats))
+                        status.send(encode(EngineInfo(boot=boot, info=INFO, stats=stats, engine=engine)))
                 deltas.send(
                     encode(
                         TextDeltas(
@@ -105,12 +114,22 @@ class FakePipeline:
                             prompt_tokens=[],
                             completion_tokens=[],
                             cached_prompt_tokens=[],
-                            stats=dict(self.stats),
+                            stats={"detok_requests": 0},
+                            engines={str(i): dict(self.per_engine.get(i, self.stats))
+                                     for i in range(len(self.boots))},
                         )
                     )
                 )
         status.close()
         deltas.close()
+
+    @property
+    def boot(self) -> int:
+        return self.boots[0]
+
+    @boot.setter
+    def boot(self, value: int) -> None:
+        self.boots[0] = value
 
     def run(self, coro: Any, timeout: float = 10) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -121,9 +140,9 @@ class FakePipeline:
         assert isinstance(msg, TokenizeRequest)
         return msg
 
-    def next_abort(self, timeout: float = 5) -> Abort:
-        assert self.control.poll(int(timeout * 1000)), "no Abort arrived"
-        msg = decode(self.control.recv())
+    def next_abort(self, timeout: float = 5, engine: int = 0) -> Abort:
+        assert self.controls[engine].poll(int(timeout * 1000)), "no Abort arrived"
+        msg = decode(self.controls[engine].recv())
         assert isinstance(msg, Abort)
         return msg
 

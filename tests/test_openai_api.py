@@ -352,7 +352,7 @@ def test_health_models_version_and_metrics(fresh):
     assert models["data"][0]["max_model_len"] == 512
     assert httpx.get(api.url + "/version").json()["version"]
     text = httpx.get(api.url + "/metrics").text
-    assert "pipeserve:num_requests_running 0.0" in text and "pipeserve_gateway_inflight" in text
+    assert 'pipeserve:num_requests_running{engine="0"} 0.0' in text and "pipeserve_gateway_inflight" in text
     api.beating.clear()  # heartbeats stop: not serving
     api.wait(lambda: httpx.get(api.url + "/health").status_code == 503)
     refused = httpx.post(api.url + "/v1/completions", json={"prompt": "x"})
@@ -399,8 +399,10 @@ def test_metrics_follow_a_known_workload(fresh):
     assert m['pipeserve:request_generation_tokens_bucket{le="1.0"}'] == 1
     assert m['pipeserve:request_generation_tokens_bucket{le="5.0"}'] == 3
     assert m['pipeserve:time_to_first_token_seconds_bucket{le="+Inf"}'] == 3
-    api.wait(lambda: "pipeserve:kv_cache_usage_perc" in scrape(api.metrics_port))  # the next heartbeat
-    m = scrape(api.metrics_port)
+    # Engine-level series carry the engine's index (vLLM's label under data parallelism).
+    usage = 'pipeserve:kv_cache_usage_perc{engine="0"}'
+    api.wait(lambda: usage in scrape(api.metrics_port))  # the next heartbeat
+    m = {name.replace('{engine="0"}', ""): value for name, value in scrape(api.metrics_port).items()}
     assert m["pipeserve:kv_cache_usage_perc"] == 0.25 and m["pipeserve:num_requests_waiting"] == 2
     assert m["pipeserve:num_preemptions_total"] == 4
     assert (m["pipeserve:prefix_cache_queries_total"], m["pipeserve:prefix_cache_hits_total"]) == (64, 16)

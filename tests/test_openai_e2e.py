@@ -121,7 +121,8 @@ def test_disconnect_mid_stream_frees_the_request_and_metrics_count(cluster):
             events = response.iter_lines()
             assert next(events).startswith("data: {")
         cluster.wait_idle(30)
-        cluster.wait(lambda: metrics(http)["pipeserve:num_requests_running"] == 0, 10, "0 running")
+        running = 'pipeserve:num_requests_running{engine="0"}'
+        cluster.wait(lambda: metrics(http)[running] == 0, 10, "0 running")
         for _ in range(3):
             http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
         after = metrics(http)

@@ -304,7 +304,7 @@ def test_generate_cli_logprobs_and_json(server, llm):
 def test_processes_are_named(server):
     names = sorted(Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
                    for pid in [server.proc.pid, *server.children()])
-    assert names == ["pipeserve: detokenizer", "pipeserve: engine", "pipeserve: gateway",
+    assert names == ["pipeserve: detokenizer", "pipeserve: engine 0", "pipeserve: gateway",
                      "pipeserve: tokenizer 0", "pipeserve: tokenizer 1", "pipeserve: tokenizer 2",
                      "pipeserve: up"], names
 
@@ -417,7 +417,9 @@ def test_pipeline_process_death_ends_streams_unavailable_and_recovers(server, na
     for call in calls:
         with pytest.raises(grpc.RpcError) as info:
             list(call)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and f"the {name} died" in info.value.details()
+        details = info.value.details()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"the {name}" in details and "died" in details
     assert server.client.health() == "NOT_SERVING"
     with pytest.raises(grpc.RpcError) as info:
         server.client.generate("Once upon a time", max_tokens=5)

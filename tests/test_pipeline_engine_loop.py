@@ -166,7 +166,8 @@ def test_drains_everything_queued_then_aborts_then_steps(h):
     assert out.rids == ["r0", "r2", "r3", "r4", "r1"] and out.finish[-1] == "abort"
     assert unpack_ids(out.tokens).tolist() == [7, 7, 7, 7, -1]
     assert [n.rid for n in out.new] == out.rids  # every request's first step announces it
-    assert out.stats == {"running": 4, "steps": 1, "tombstones": 1}  # every step carries the counters
+    # every step carries the counters; "finished" counts this engine's completed requests (r1)
+    assert out.stats == {"running": 4, "steps": 1, "tombstones": 1, "finished": 1}
     while h.engine.has_work():
         h.loop.once()
     outs = h.received(h.steps)
@@ -215,7 +216,8 @@ def test_idle_heartbeats_go_to_the_status_socket():
         assert 0.3 < time.monotonic() - start < 1.5  # idle: blocks until the next heartbeat is due
         steps, infos = h.received(h.steps), h.received(h.status)
         assert len(steps) == 3 and all(
-            s.rids == [] and s.stats == {"running": 0, "steps": 0, "tombstones": 0} for s in steps)
+            s.rids == [] and s.stats == {"running": 0, "steps": 0, "tombstones": 0, "finished": 0}
+            for s in steps)
         assert len(infos) == 3 and all(isinstance(i, EngineInfo) for i in infos)
         assert infos[0].info.max_logprobs == 7 and infos[0].info.name == "fake"
         assert len({i.boot for i in infos}) == 1

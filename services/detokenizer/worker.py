@@ -28,7 +28,13 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.tokenizer.load import add_worker_arguments, load_for, start_worker, worker_sockets
+from services.tokenizer.load import (
+    add_worker_arguments,
+    connect_engines,
+    load_for,
+    start_worker,
+    worker_sockets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class RequestState:
     cached_prompt_tokens: int = 0
     queue_time: float = 0.0
     prompt_logprobs: list[TokenLogprob] | None = None  # sent with the request's first row
+    engine: int = 0  # data parallel: the engine running it (its stop abort goes there)
 
 
 @dataclass
@@ -66,26 +73,30 @@ class Detokenizer:
         self._skip = skipped_ids(tokenizer)
         self.texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
-        self.last_step = -1
-        self.engine_stats: dict[str, int] = {}
+        self.last_step: dict[int, int] = {}  # engine -> its latest step (each engine counts its own)
+        self.engine_stats: dict[int, dict[str, int]] = {}
 
-    def process(self, step: StepOutput, rows: dict[str, Row]) -> list[str]:
-        """Fold one step into rows (by rid); returns the rids a stop string ended while running."""
+    def process(self, step: StepOutput, rows: dict[str, Row]) -> list[tuple[int, str]]:
+        """Fold one step into rows (by rid); returns (engine, rid) of the requests a stop string ended
+        while running."""
         tokens = unpack_ids(step.tokens)
         n = len(step.rids)
         lp_rows = n if step.logprobs is None else len(step.logprobs)
         if len(tokens) != n or len(step.finish) != n or lp_rows != n:
             raise MessageError(f"step {step.step}: {n} rids, {len(tokens)} tokens, {len(step.finish)} finish")
         if step.stats is not None:
-            self.engine_stats = step.stats
+            self.engine_stats[step.engine] = step.stats
         if n or step.new:
-            if step.step < self.last_step:
-                log.warning("engine restarted (step %d after %d): dropping %d requests", step.step,
-                            self.last_step, len(self.requests))
-                self.requests.clear()
-            self.last_step = step.step
+            last = self.last_step.get(step.engine, -1)
+            if step.step < last:
+                lost = [rid for rid, state in self.requests.items() if state.engine == step.engine]
+                log.warning("engine %d restarted (step %d after %d): dropping %d requests", step.engine,
+                            step.step, last, len(lost))
+                for rid in lost:
+                    del self.requests[rid]
+            self.last_step[step.engine] = step.step
         for info in step.new:
-            self._start(info)
+            self._start(info, step.engine)
         stopped = []
         for i, rid in enumerate(step.rids):
             state = self.requests.get(rid)
@@ -110,13 +121,13 @@ class Detokenizer:
             update = state.text.feed(ids, step.finish[i])
             row.text.append(update.text)
             if update.abort:
-                stopped.append(rid)
+                stopped.append((state.engine, rid))
             if update.finish:
                 row.finish = update.finish
                 del self.requests[rid]
         return stopped
 
-    def _start(self, info: NewRequestInfo) -> None:
+    def _start(self, info: NewRequestInfo, engine: int) -> None:
         try:
             tail = unpack_ids(info.prompt_tail)
         except MessageError as exc:
@@ -133,7 +144,7 @@ class Detokenizer:
             except MessageError as exc:
                 log.warning("dropping malformed prompt logprobs of %s: %s", info.rid, exc)
         self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None,
-                                               info.cached_prompt_tokens, info.queue_time, prompt)
+                                               info.cached_prompt_tokens, info.queue_time, prompt, engine)
 
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
@@ -149,13 +160,15 @@ class Detokenizer:
             cached_prompt_tokens=[row.state.cached_prompt_tokens for row in rows.values()],
             completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            stats=self.engine_stats | {"detok_requests": len(self.requests)},
+            stats={"detok_requests": len(self.requests)},
             queue_time=[row.state.queue_time for row in rows.values()],
-            prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None)
+            prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None,
+            row_engines=[row.state.engine for row in rows.values()],
+            engines={str(engine): stats for engine, stats in self.engine_stats.items()})
 
 
 def serve(
-    detok: Detokenizer, steps: zmq.Socket[bytes], deltas: zmq.Socket[bytes], control: zmq.Socket[bytes]
+    detok: Detokenizer, steps: zmq.Socket[bytes], deltas: zmq.Socket[bytes], control: list[zmq.Socket[bytes]]
 ) -> None:
     """Forever: block for a step, drain the queue, send one TextDeltas (and one Abort if needed)."""
     while True:
@@ -166,7 +179,7 @@ def serve(
             except zmq.Again:
                 break
         rows: dict[str, Row] = {}
-        stopped: list[str] = []
+        stopped: list[tuple[int, str]] = []
         for frame in frames:
             try:
                 stopped += detok.process(StepOutput.decode(frame), rows)
@@ -174,24 +187,27 @@ def serve(
                 log.warning("dropping malformed message: %s", exc)
             except Exception:  # a bug on one message must not take the pipeline down
                 log.exception("failed to process a step output; dropped")
-        if stopped:
-            control.send(encode(Abort(stopped, reason="stop")))
+        for engine, sock in enumerate(control):
+            rids = [rid for where, rid in stopped if where == engine]
+            if rids:
+                sock.send(encode(Abort(rids, reason="stop")))
         deltas.send(encode(detok.deltas(rows)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, {"steps": "bind: step outputs from the engine",
                                   "deltas": "connect: text deltas to the gateway",
-                                  "control": "connect: stop aborts to the engine"})
+                                  "control": "connect: stop aborts to the engine (data parallel: one "
+                                             "endpoint per engine, comma-separated)"})
 
 
 def main(args: argparse.Namespace) -> int:
     detok = Detokenizer(load_for(start_worker(args, "detokenizer"))[1])
     with worker_sockets() as ctx:
-        steps, deltas, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        steps, deltas = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        control = connect_engines(ctx, args.control)
         steps.bind(args.steps)
         deltas.connect(args.deltas)
-        control.connect(args.control)
         log.info("ready: steps %s -> deltas %s, aborts -> %s", args.steps, args.deltas, args.control)
         serve(detok, steps, deltas, control)
     return 0

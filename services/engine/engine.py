@@ -22,6 +22,9 @@ from services.engine.kv.predicted import PredictedPolicy
 from services.engine.model.demo import ensure_demo_model
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model.quantize import quantize_model
+from services.engine.model.tensor_parallel import check_shardable
+from services.engine.parallel import group as parallel_group
+from services.engine.parallel.group import TPGroup
 from services.engine.prompt_logprobs import PromptLogprobs
 from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
@@ -53,26 +56,35 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, tp: TPGroup | None = None, **options: Any) -> None:
+        """tp: the group of a tensor-parallel worker rank (services/engine/parallel/worker.py); rank 0
+        starts its group itself when config.tensor_parallel_size > 1."""
         self.config = config = config or EngineConfig(**options)
-        self.device = resolve_device(config.device)
-        backend = get_backend(resolve_backend(config.backend, self.device))
         self.model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
         model_cfg = ModelConfig.from_dir(self.model_dir)
+        if tp is None and config.tensor_parallel_size > 1:
+            check_shardable(model_cfg, config.tensor_parallel_size)  # before any process starts
+            tp = parallel_group.start(config)
+        self.tp = tp
+        self.device = resolve_device(config.device) if tp is None else tp.device
+        backend = get_backend(resolve_backend(config.backend, self.device))
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.max_model_len = min(
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
         self.model, self.model_config = load_model(
-            self.model_dir, backend, self.device, self.dtype, self.max_model_len
+            self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp
         )
         self.backend = backend.name
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
-        per_page = kv_bytes_per_page(model_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
+        shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
+        per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
                                      config.prefix_caching)
         num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page
+        if tp is not None:  # every rank holds the same pages
+            num_pages = tp.min_int(num_pages)
         self.pool = KVPool(
-            model_cfg,
+            shard_cfg,
             num_pages,
             config.page_size,
             self.dtype,
@@ -82,7 +94,7 @@ class Engine:
             config.kv_cache_dtype,
             config.prefix_caching,
         )
-        unquantized = num_pages * per_page // kv_bytes_per_token(model_cfg, self.dtype)
+        unquantized = num_pages * per_page // kv_bytes_per_token(shard_cfg, self.dtype)
         log.info(
             "KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
             num_pages,
@@ -262,6 +274,8 @@ class Engine:
         if isinstance(self.policy, PredictedPolicy):
             self.policy.save()
         self.structured.close()
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.close()
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from services import config as cfg
-from services.config import TOMBSTONE_TTL, Addresses, EngineConfig
+from services.config import TOMBSTONE_TTL, Addresses, EngineConfig, engine_endpoint
 from services.engine.sequence import StepUpdate
 from services.messages import (
     MAX_MESSAGE_BYTES,
@@ -64,7 +64,9 @@ MAX_DRAIN = 4096  # messages taken from one socket between two steps (bounded so
 MAX_TOMBSTONES = 65536  # bounds memory under an abort flood; the oldest go first
 
 
-def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None) -> StepOutput:
+def step_output(
+    step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None, engine: int = 0
+) -> StepOutput:
     """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
     assert all(len(u.token_ids) <= 1 for u in updates), "StepOutput carries one token per row"
     new = []
@@ -95,6 +97,7 @@ def step_output(step: int, updates: list[StepUpdate], stats: dict[str, int] | No
         new=new,
         logprobs=logprobs,
         stats=stats,
+        engine=engine,
     )
 
 
@@ -134,8 +137,10 @@ class EngineLoop:
         errors: zmq.Socket[Any],
         status: zmq.Socket[Any],
         heartbeat: float = HEARTBEAT,
+        index: int = 0,
     ) -> None:
         self.engine = engine
+        self.index = index  # data parallel: this engine's place in the requests/control lists
         self.requests, self.control, self.steps = requests, control, steps
         self.errors, self.status = errors, status
         self.heartbeat = heartbeat
@@ -149,6 +154,7 @@ class EngineLoop:
         self.poller.register(requests, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
         self.last_beat = float("-inf")
+        self.finished = 0  # requests this engine finished (the per-engine share under data parallelism)
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         while not should_stop():
@@ -156,7 +162,7 @@ class EngineLoop:
 
     def stats(self) -> dict[str, int]:
         stats: dict[str, int] = self.engine.stats()
-        return stats | {"tombstones": len(self.tombstones)}
+        return stats | {"tombstones": len(self.tombstones), "finished": self.finished}
 
     def once(self) -> None:
         """One iteration: wait (only when idle), drain inputs, step, heartbeat."""
@@ -189,17 +195,21 @@ class EngineLoop:
             for u in updates:
                 if u.finish_reason:
                     self.recently_done[u.seq.rid] = None
+                    self.finished += 1
             while len(self.recently_done) > MAX_TOMBSTONES:
                 self.recently_done.popitem(last=False)
             if updates:
-                self.steps.send(encode(step_output(self.engine.step_count, updates, self.stats())))
+                output = step_output(self.engine.step_count, updates, self.stats(), self.index)
+                self.steps.send(encode(output))
                 stepped = True
         if time.monotonic() - self.last_beat >= self.heartbeat:
             self.last_beat = time.monotonic()
             stats = self.stats()
-            self.status.send(encode(EngineInfo(boot=self.boot, info=self.info, stats=stats)))
+            tp = self.engine.config.tensor_parallel_size
+            self.status.send(encode(EngineInfo(boot=self.boot, info=self.info, stats=stats, engine=self.index,
+                                               tensor_parallel_size=tp)))
             if not stepped:
-                self.steps.send(encode(step_output(self.engine.step_count, [], stats)))
+                self.steps.send(encode(step_output(self.engine.step_count, [], stats, self.index)))
 
     def _drain(self, sock: zmq.Socket[Any]) -> list[Message]:
         out = []
@@ -256,6 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, EngineConfig)
     cfg.add_arguments(parser, Addresses)
     parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="seconds between heartbeats")
+    parser.add_argument("--engine-index", type=int, default=0,
+                        help="data parallel: this engine's index (it binds that entry of --requests and "
+                        "--control when they list one endpoint per engine)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -278,19 +291,20 @@ def main(args: argparse.Namespace) -> int:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
     steps, errors, status = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
     try:
-        requests.bind(addrs.requests)
-        control.bind(addrs.control)
+        requests.bind(engine_endpoint(addrs.requests, args.engine_index))
+        control.bind(engine_endpoint(addrs.control, args.engine_index))
         steps.connect(addrs.steps)
         errors.connect(addrs.errors)
         status.connect(addrs.status)
-        loop = EngineLoop(engine, requests, control, steps, errors, status, args.heartbeat)
+        loop = EngineLoop(engine, requests, control, steps, errors, status, args.heartbeat, args.engine_index)
         log.info(
-            "ready (pid %d): %s on %s; requests %s, control %s",
+            "ready (pid %d): engine %d, %s on %s; requests %s, control %s",
             os.getpid(),
+            args.engine_index,
             loop.info.name,
             loop.info.device,
-            addrs.requests,
-            addrs.control,
+            engine_endpoint(addrs.requests, args.engine_index),
+            engine_endpoint(addrs.control, args.engine_index),
         )
         loop.run(lambda: bool(stopping))
     finally:

@@ -6,20 +6,28 @@ are measured where the client sees them, in the gateway, on every request whatev
 (gRPC or HTTP): time to first token and end-to-end from admission, inter-token latency per token
 (a delta that brings k tokens after a gap adds k samples of gap / k), queue time as the engine
 measured it (arrival to first scheduled). Engine-level series (running, waiting, KV usage,
-preemptions, prefix cache) are the engine's counters as last reported; they are built in one place,
-engine_families(), so a per-engine label is one argument away.
+preemptions, prefix cache) are each engine's counters as last reported, with an `engine="i"` label
+as vLLM labels them under data parallelism (one series per engine; sum over `engine` for the whole
+server).
 
-The `pipeserve_gateway_*` and `pipeserve_engine{name}` series are the gateway's own state (streams
-in flight, aborted ids awaiting the engine, outcomes) that the harness and the tests probe.
+The `pipeserve_gateway_*` series are the gateway's own state (streams in flight, aborted ids
+awaiting the engine, outcomes, requests routed to each engine) that the harness and the tests probe;
+`pipeserve_engine{name}` is every counter summed over the engines (plus the detokenizer's),
+`pipeserve_engine_stat{engine,name}` each engine's own, `pipeserve_engine_serving` and
+`pipeserve_engine_load` each engine's health and routing load, and `pipeserve_topology` the data-
+and tensor-parallel sizes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import collections
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from services.gateway.router import Router
 
 PREFIX = "pipeserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -54,35 +62,47 @@ class GatewayView(Protocol):
     @property
     def outcomes(self) -> Mapping[str, int]: ...
     @property
-    def engine_stats(self) -> Mapping[str, int]: ...
+    def detok_stats(self) -> Mapping[str, int]: ...
+    @property
+    def router(self) -> Router: ...
     @property
     def serving(self) -> bool: ...
 
 
-def engine_families(stats: Mapping[str, int]) -> Iterator[Metric]:
-    """The engine's series from its reported counters (absent until it reports them)."""
+def engine_families(engines: Sequence[Mapping[str, int]]) -> Iterator[Metric]:
+    """The vLLM-named engine series from each engine's reported counters (engines[i]: engine i's),
+    labelled engine="i"; an engine contributes a series once it reports the counter."""
     gauges = {
         "num_requests_running": ("running", "requests in the running batch"),
         "num_requests_waiting": ("waiting", "requests waiting to be scheduled"),
     }
     for name, (key, help) in gauges.items():
-        if key in stats:
-            yield GaugeMetricFamily(PREFIX + name, help, value=stats[key])
-    if stats.get("pages_total"):
-        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "fraction of the KV cache pages in use "
-                                "(1 = full)", value=stats.get("pages_used", 0) / stats["pages_total"])
+        gauge = GaugeMetricFamily(PREFIX + name, help, labels=["engine"])
+        for i, stats in enumerate(engines):
+            if key in stats:
+                gauge.add_metric([str(i)], stats[key])
+        yield gauge
+    usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "fraction of the KV cache pages in use "
+                              "(1 = full)", labels=["engine"])
+    for i, stats in enumerate(engines):
+        if stats.get("pages_total"):
+            usage.add_metric([str(i)], stats.get("pages_used", 0) / stats["pages_total"])
+    yield usage
     counters = {
         "num_preemptions": ("preemptions", "requests preempted by the scheduler"),
         "prefix_cache_queries": ("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
         "prefix_cache_hits": ("prefix_cache_hits", "prompt tokens found in the prefix cache"),
     }
     for name, (key, help) in counters.items():
-        if key in stats:
-            yield CounterMetricFamily(PREFIX + name, help, value=stats[key])
+        counter = CounterMetricFamily(PREFIX + name, help, labels=["engine"])
+        for i, stats in enumerate(engines):
+            if key in stats:
+                counter.add_metric([str(i)], stats[key])
+        yield counter
 
 
 class _StateCollector:
-    """Gateway state and the engine's counters, read at scrape time (nothing on the hot path)."""
+    """Gateway state and the engines' counters, read at scrape time (nothing on the hot path)."""
 
     def __init__(self, gateway: GatewayView) -> None:
         self.gateway = gateway
@@ -100,12 +120,36 @@ class _StateCollector:
         for outcome, count in dict(gw.outcomes).items():
             outcomes.add_metric([outcome], count)
         yield outcomes
-        stats = dict(gw.engine_stats)
-        engine = GaugeMetricFamily("pipeserve_engine", "engine counters, as last reported", labels=["name"])
-        for name, value in stats.items():
+        engines = gw.router.engines
+        per_engine_stats = [dict(view.stats) for view in engines]
+        total: collections.Counter[str] = collections.Counter(dict(gw.detok_stats))
+        for stats in per_engine_stats:
+            total.update(stats)
+        engine = GaugeMetricFamily("pipeserve_engine", "engine counters as last reported, summed over the "
+                                   "engines", labels=["name"])
+        for name, value in total.items():
             engine.add_metric([name], value)
         yield engine
-        yield from engine_families(stats)
+        per_engine = GaugeMetricFamily("pipeserve_engine_stat", "each engine's counters as last reported",
+                                       labels=["engine", "name"])
+        live = GaugeMetricFamily("pipeserve_engine_serving", "1 while the engine's heartbeats arrive",
+                                 labels=["engine"])
+        load = GaugeMetricFamily("pipeserve_engine_load", "the routing load: waiting x 4 + running",
+                                 labels=["engine"])
+        routed = CounterMetricFamily("pipeserve_gateway_routed_requests", "requests routed to each engine",
+                                     labels=["engine"])
+        for i, (view, stats) in enumerate(zip(engines, per_engine_stats, strict=True)):
+            for name, value in stats.items():
+                per_engine.add_metric([str(i), name], value)
+            live.add_metric([str(i)], float(view.live))
+            load.add_metric([str(i)], view.load())
+            routed.add_metric([str(i)], view.routed)
+        topology = GaugeMetricFamily("pipeserve_topology", "engines (data parallel) and ranks per engine "
+                                     "(tensor parallel)",
+                                     labels=["data_parallel_size", "tensor_parallel_size"])
+        topology.add_metric([str(len(engines)), str(max(v.tensor_parallel_size for v in engines))], 1)
+        yield from (per_engine, live, load, routed, topology)
+        yield from engine_families(per_engine_stats)
 
 
 class ServingMetrics:

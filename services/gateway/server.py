@@ -3,7 +3,8 @@
 grpc.aio on uvloop; ZeroMQ (zmq.asyncio) to the rest of the pipeline. It binds `tokenize` (PUSH
 TokenizeRequest to the tokenizer workers), `deltas` (PULL TextDeltas from the detokenizer), `errors`
 (PULL RequestError from tokenizers/engine) and `status` (PULL EngineInfo heartbeats from the engine,
-ProcessStatus from the supervisor), and connects `control` (PUSH Abort to the engine).
+ProcessStatus from the supervisor), and connects `control` (PUSH Abort to the engine; one socket
+per engine under data parallelism, where it also picks each request's engine: gateway/router.py).
 
 It does no CPU-heavy work: validate, assign ids, admit, route each delta to its stream. It is the
 one place a request's shape and sampling parameters are validated; the tokenizer checks only what
@@ -52,11 +53,13 @@ from services.config import (
     Addresses,
     EngineConfig,
     GatewayConfig,
+    engine_endpoints,
     new_instance_id,
 )
 from services.gateway.metrics import ServingMetrics
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from services.gateway.router import Router, prefix_blocks
 from services.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
@@ -101,7 +104,7 @@ MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32; the tokenizer checks them against the vocabulary
 MONITOR_PERIOD = 0.1
-PIPELINE = ("engine", "detokenizer")  # processes whose death breaks every in-flight stream
+PIPELINE = ("detokenizer",)  # processes whose death breaks every in-flight stream (an engine's: its own)
 Failure = tuple[grpc.StatusCode, str]
 Info = ModelInfo  # the wire type, by a name the ModelInfo RPC does not shadow in the class
 
@@ -132,6 +135,7 @@ class Stream:
 
     rid: str
     boot: int  # the engine incarnation it was admitted under
+    engine: int = 0  # data parallel: the engine it was routed to
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     pending: list[Delta] = field(default_factory=list)  # not yet written
     started: bool = False  # some output arrived: the engine has it
@@ -201,11 +205,11 @@ class Gateway(pb_grpc.GenerationServicer):
         self.aborted: dict[str, float] = {}  # rid -> monotonic expiry
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.info: ModelInfo | None = None
-        self.boot = 0
-        self.engine_stats: dict[str, int] = {}
-        self.engine_seen = self.pipeline_seen = float("-inf")
-        self.fresh_after = float("-inf")  # heartbeats older than this do not count (a restart)
-        self.down: set[str] = set()
+        self.router = Router(len(engine_endpoints(addrs.control)), config.dp_balance_threshold)
+        self.detok_stats: dict[str, int] = {}
+        self.pipeline_seen = float("-inf")
+        self.fresh_after = float("-inf")  # detokenizer heartbeats older than this do not count (a restart)
+        self.down: set[str] = set()  # pipeline processes (the detokenizer) reported down
         self.serving = False
         self.port = 0
         self.health = health.aio.HealthServicer()
@@ -232,7 +236,7 @@ class Gateway(pb_grpc.GenerationServicer):
         self.deltas = socket(zmq.PULL, self.addrs.deltas, True)
         self.errors = socket(zmq.PULL, self.addrs.errors, True)
         self.status = socket(zmq.PULL, self.addrs.status, True)
-        self.control = socket(zmq.PUSH, self.addrs.control, False)
+        self.controls = [socket(zmq.PUSH, end, False) for end in engine_endpoints(self.addrs.control)]
         limit = self.config.max_request_bytes
         server = grpc.aio.server(
             interceptors=[BearerToken(self.config.api_key)] if self.config.api_key else [],
@@ -344,7 +348,7 @@ class Gateway(pb_grpc.GenerationServicer):
         stream = self.streams.get(request.request_id)
         if stream is None or stream.finish or stream.error is not None:
             return pb.AbortResponse(found=False)
-        self._abort_in_engine([stream.rid])
+        self._abort_in_engine([stream.rid], stream.engine)
         stream.finish = "abort"  # the stream ends now; the engine's own finish is awaited in self.aborted
         stream.wake.set()
         return pb.AbortResponse(found=True)
@@ -357,7 +361,14 @@ class Gateway(pb_grpc.GenerationServicer):
         if self.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine has not reported yet")
         fields = pb.ModelInfoResponse.DESCRIPTOR.fields_by_name
-        return pb.ModelInfoResponse(**{k: v for k, v in vars(self.info).items() if k in fields})
+        response = pb.ModelInfoResponse(**{k: v for k, v in vars(self.info).items() if k in fields})
+        engines = self.router.engines
+        response.data_parallel_size = len(engines)
+        response.tensor_parallel_size = max(view.tensor_parallel_size for view in engines)
+        for i, view in enumerate(engines):
+            response.engines.add(index=i, serving=view.live, running=view.stats.get("running", 0),
+                                 waiting=view.stats.get("waiting", 0), routed=view.routed)
+        return response
 
     # ---- the request lifecycle both front ends share (gRPC here, HTTP in openai.py) ----------
     async def submit(self, request: pb.GenerateRequest, rid: str, n: int = 1,
@@ -374,7 +385,8 @@ class Gateway(pb_grpc.GenerationServicer):
         except Reject as reject:
             self.outcomes[reject.code.name] += 1
             raise
-        streams = [Stream(r, self.boot) for r in message.engine_rids()]
+        streams = [Stream(r, self.router.engines[message.engine].boot, message.engine)
+                   for r in message.engine_rids()]
         for stream in streams:
             self.streams[stream.rid] = stream
         await self.tokenize.send(encode(message))
@@ -482,7 +494,20 @@ class Gateway(pb_grpc.GenerationServicer):
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if not self.serving:
             raise Reject(grpc.StatusCode.UNAVAILABLE, self._why_not_serving())
+        message.engine = self.router.pick(self._prefix(request) if len(self.router.engines) > 1 else [])
         return message
+
+    def _prefix(self, request: pb.GenerateRequest) -> list[bytes]:
+        """The request's prefix blocks for affinity routing (gateway/router.py)."""
+        which = request.WhichOneof("input")
+        if which == "prompt_token_ids":
+            ids = np.asarray(request.prompt_token_ids.ids, dtype=np.int64)
+            return prefix_blocks(request.cache_salt, ids=ids, page=self.info.page_size if self.info else 16)
+        if which == "messages":
+            text = "".join(f"{m.role}\n{m.content}\n" for m in request.messages.messages)
+        else:
+            text = request.prompt
+        return prefix_blocks(request.cache_salt, text=text)
 
     # ---- request state ---------------------------------------------------------------------
     def close(self, stream: Stream) -> None:
@@ -496,14 +521,16 @@ class Gateway(pb_grpc.GenerationServicer):
         else:
             self.outcomes[stream.error[0].name if stream.error else "CANCELLED"] += 1
             if not stream.finish and stream.abort_in_engine:
-                self._abort_in_engine([stream.rid])
+                self._abort_in_engine([stream.rid], stream.engine)
         stream.done = True
 
-    def _abort_in_engine(self, rids: list[str]) -> None:
+    def _abort_in_engine(self, rids: list[str], engine: int) -> None:
+        """Abort rids in the engine running them (only there: an abort elsewhere would leave a
+        tombstone that could end a later request reusing the id)."""
         expiry = time.monotonic() + ABORTED_HOLD
         for rid in rids:
             self.aborted[rid] = expiry
-        future = self.control.send(encode(Abort(rids=rids)))
+        future = self.controls[engine].send(encode(Abort(rids=rids)))
         future.add_done_callback(_log_failure)  # type: ignore[attr-defined]  # pyzmq types it as Awaitable
 
     def _fail(
@@ -516,8 +543,9 @@ class Gateway(pb_grpc.GenerationServicer):
         victims = [s for s in self.streams.values() if s.error is None and not s.finish and which(s)]
         for stream in victims:
             stream.fail(code, message, abort_in_engine=False)  # one batched Abort below
-        if abort_in_engine and victims:
-            self._abort_in_engine([s.rid for s in victims])
+        if abort_in_engine:
+            for engine in sorted({s.engine for s in victims}):
+                self._abort_in_engine([s.rid for s in victims if s.engine == engine], engine)
         if victims:
             log.warning("%d streams end with %s: %s", len(victims), code.name, message)
 
@@ -540,21 +568,28 @@ class Gateway(pb_grpc.GenerationServicer):
             or (msg.logprobs is not None and len(msg.logprobs) != n)
             or len(msg.queue_time) not in (0, n)
             or (msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n)
+            or (msg.row_engines is not None and len(msg.row_engines) != n)
             or (n and msg.offsets[-1] > len(ids))
         ):
             log.warning("dropped a malformed TextDeltas of %d rows", n)
             return
         now = self.pipeline_seen = time.monotonic()
         if msg.stats is not None:
-            self.engine_stats.update(msg.stats)
-        orphans = []
+            self.detok_stats.update(msg.stats)
+        for key, stats in (msg.engines or {}).items():
+            if key.isdigit() and int(key) < len(self.router.engines):
+                self.router.report(int(key), stats, heartbeat=False)
+        orphans: list[tuple[int, str]] = []
         for i, rid in enumerate(msg.rids):
             stream = self.streams.get(rid)
             if stream is None or stream.finish or stream.error is not None:
                 if msg.finish[i]:
                     self.aborted.pop(rid, None)  # the engine is done with it: the id is free again
                 elif stream is None and rid not in self.aborted:
-                    orphans.append(rid)  # output nobody reads (its abort was lost): stop it
+                    # Output nobody reads (its abort was lost): stop it, in the engine running it.
+                    engine = msg.row_engines[i] if msg.row_engines is not None else 0
+                    if 0 <= engine < len(self.controls):
+                        orphans.append((engine, rid))
                 continue
             stream.started = True
             row_ids = ids[msg.offsets[i] : msg.offsets[i + 1]]
@@ -573,8 +608,9 @@ class Gateway(pb_grpc.GenerationServicer):
                                       stream.completion_tokens, now)
             stream.wake.set()
         if orphans:
-            log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0])
-            self._abort_in_engine(orphans)
+            log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0][1])
+            for engine in sorted({engine for engine, _ in orphans}):
+                self._abort_in_engine([rid for where, rid in orphans if where == engine], engine)
 
     async def _recv_errors(self) -> None:
         while True:
@@ -606,22 +642,40 @@ class Gateway(pb_grpc.GenerationServicer):
         stream.fail(code, msg.message, abort_in_engine=False)
 
     def _on_engine_info(self, msg: EngineInfo) -> None:
-        if msg.boot != self.boot:
-            if self.boot:  # a new engine: the old one's requests are gone (aborted: see _on_process)
-                self._fail(
-                    grpc.StatusCode.UNAVAILABLE, "the engine restarted", True, lambda s: s.boot != msg.boot
-                )
-            log.info("engine %d up: %s", msg.boot, msg.info)
-            self.boot = msg.boot
+        if not 0 <= msg.engine < len(self.router.engines):
+            log.warning("dropped a heartbeat of engine %d: this gateway has %d engines (--control)",
+                        msg.engine, len(self.router.engines))
+            return
+        view, index = self.router.engines[msg.engine], msg.engine
+        if msg.boot != view.boot:
+            if view.boot:  # a new engine: the old one's requests are gone (aborted: see _on_process)
+                self._fail(grpc.StatusCode.UNAVAILABLE, f"engine {index} restarted", True,
+                           lambda s: on_engine(index)(s) and s.boot != msg.boot)
+                self.router.forget(index)
+            log.info("engine %d (boot %d) up: %s", index, msg.boot, msg.info)
+            view.boot = msg.boot
         self.info = msg.info
         self.metrics.set_context(msg.info.context_length)
-        self.engine_seen = time.monotonic()
+        view.seen = time.monotonic()
+        view.tensor_parallel_size = msg.tensor_parallel_size
         if msg.stats is not None:
-            self.engine_stats.update(msg.stats)
+            self.router.report(index, msg.stats, heartbeat=True)
 
     def _on_process(self, msg: ProcessStatus) -> None:
         log.info("supervisor: %s is %s", msg.process, "up" if msg.up else "down")
-        if msg.process in PIPELINE:
+        index = engine_index(msg.process)
+        if index is not None and index < len(self.router.engines):
+            view = self.router.engines[index]
+            if msg.up:
+                view.down = False
+                view.fresh_after = time.monotonic()  # serving again only after a fresh heartbeat
+            else:
+                view.down = True
+                # Aborted in that engine too: its successor may still get adds queued on the way
+                # (tombstones drop them). The other engines' requests go on.
+                self._fail(grpc.StatusCode.UNAVAILABLE, f"the engine {index} died", abort_in_engine=True,
+                           which=on_engine(index))
+        elif msg.process in PIPELINE:
             if msg.up:
                 self.down.discard(msg.process)
                 self.fresh_after = time.monotonic()  # SERVING again only after fresh heartbeats
@@ -641,20 +695,21 @@ class Gateway(pb_grpc.GenerationServicer):
             )
 
     # ---- health ----------------------------------------------------------------------------
-    def _healthy(self, now: float) -> bool:
-        timeout = self.config.liveness_timeout
+    def _healthy(self) -> bool:
+        """SERVING: the detokenizer's output flows and at least one engine is live (as of _update_health)."""
+        now, timeout = time.monotonic(), self.config.liveness_timeout
         return (
             not self.down
             and self.info is not None
-            and all(
-                self.fresh_after < seen and now - seen < timeout
-                for seen in (self.engine_seen, self.pipeline_seen)
-            )
+            and self.fresh_after < self.pipeline_seen
+            and now - self.pipeline_seen < timeout
+            and any(view.live for view in self.router.engines)
         )
 
     def _why_not_serving(self) -> str:
-        if self.down:
-            return f"not serving: {', '.join(sorted(self.down))} down"
+        dead = [f"engine-{i}" for i, view in enumerate(self.router.engines) if view.down]
+        if self.down or len(dead) == len(self.router.engines):
+            return f"not serving: {', '.join(sorted(self.down | set(dead)))} down"
         if self.info is None:
             return "not serving: the engine has not reported yet"
         return "not serving: no heartbeat from the engine and detokenizer"
@@ -668,7 +723,16 @@ class Gateway(pb_grpc.GenerationServicer):
 
     async def _update_health(self) -> None:
         async with self._health_lock:  # the monitor and the errors receiver both call this
-            healthy = self._healthy(time.monotonic())
+            now = time.monotonic()
+            for index, view in enumerate(self.router.engines):
+                live = view.is_live(now, self.config.liveness_timeout)
+                if live != view.live:
+                    log.info("engine %d: %s", index, "serving" if live else "not serving")
+                    view.live = live
+                    if not live:  # its streams end; the other engines' go on
+                        self._fail(grpc.StatusCode.UNAVAILABLE, f"engine {index} stopped responding", True,
+                                   on_engine(index))
+            healthy = self._healthy()
             if healthy != self.serving:
                 self.serving = healthy  # admission follows at once, the health service right after
                 log.info("health: %s", "SERVING" if healthy else "NOT_SERVING")
@@ -707,6 +771,19 @@ class BearerToken(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (--api-key)")
+
+
+def on_engine(engine: int) -> Callable[[Stream], bool]:
+    """Selects the streams routed to one engine (for _fail)."""
+    return lambda stream: stream.engine == engine
+
+
+def engine_index(process: str) -> int | None:
+    """The engine a supervisor's process name is ("engine-1": 1; "engine": 0), None for the others."""
+    if process == "engine":
+        return 0
+    prefix, _, index = process.partition("-")
+    return int(index) if prefix == "engine" and index.isdigit() else None
 
 
 def parse_request(data: bytes) -> pb.GenerateRequest | DecodeError:

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from services import config as cfg
 from services import hub
-from services.config import Addresses, EngineConfig, cache_dir
+from services.config import Addresses, EngineConfig, cache_dir, engine_endpoints
 from services.model_config import ModelLimits, model_limits
 
 __all__ = ["ModelLimits", "add_worker_arguments", "load_for", "load_tokenizer", "model_limits",
@@ -142,6 +142,17 @@ def start_worker(args: argparse.Namespace, name: str) -> EngineConfig:
     args.model = args.model or os.environ.get("PIPESERVE_MODEL")
     config: EngineConfig = cfg.from_args(EngineConfig, args)
     return config
+
+
+def connect_engines(ctx: zmq.Context[zmq.Socket[bytes]], endpoints: str) -> list[zmq.Socket[bytes]]:
+    """One PUSH socket per engine (a requests or control address lists one endpoint per engine):
+    element i reaches engine i only, so a request and its aborts go where the gateway routed it."""
+    sockets = []
+    for endpoint in engine_endpoints(endpoints):
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(endpoint)
+        sockets.append(sock)
+    return sockets
 
 
 @contextmanager

@@ -28,7 +28,14 @@ from services.messages import (
     unpack_ids,
 )
 from services.sampling_params import SamplingParams
-from services.tokenizer.load import add_worker_arguments, load_for, model_limits, start_worker, worker_sockets
+from services.tokenizer.load import (
+    add_worker_arguments,
+    connect_engines,
+    load_for,
+    model_limits,
+    start_worker,
+    worker_sockets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +141,10 @@ class Tokenizer:
 
 
 def serve(
-    worker: Tokenizer, pull: zmq.Socket[bytes], requests: zmq.Socket[bytes], errors: zmq.Socket[bytes]
+    worker: Tokenizer, pull: zmq.Socket[bytes], requests: list[zmq.Socket[bytes]], errors: zmq.Socket[bytes]
 ) -> None:
+    """Forever: tokenize, then send to the engine the gateway routed the request to (requests[i] is
+    connected to engine i)."""
     while True:
         frame = pull.recv()
         try:
@@ -143,15 +152,17 @@ def serve(
         except MessageError as exc:
             log.warning("dropping malformed message: %s", exc)
             continue
+        # All n copies go to the one engine the gateway chose, so they share its prefix cache.
         for out in worker.handle_all(req):
             log.debug("tokenized %s: %s", out.rid, out.TAG)
-            (requests if isinstance(out, EngineRequest) else errors).send(encode(out))
+            (requests[req.engine] if isinstance(out, EngineRequest) else errors).send(encode(out))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --max-model-len: give the engine's value when it serves a shorter context than the model's.
     add_worker_arguments(parser, {"tokenize": "connect: requests from the gateway",
-                                  "requests": "connect: token ids to the engine",
+                                  "requests": "connect: token ids to the engine (data parallel: one "
+                                              "endpoint per engine, comma-separated)",
                                   "errors": "connect: rejections to the gateway"})
 
 
@@ -161,9 +172,9 @@ def main(args: argparse.Namespace) -> int:
     max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
     worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
     with worker_sockets() as ctx:
-        pull, requests, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        pull, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        requests = connect_engines(ctx, args.requests)
         pull.connect(args.tokenize)
-        requests.connect(args.requests)
         errors.connect(args.errors)
         log.info("ready (pid %d): %s -> %s, context %d", os.getpid(), args.tokenize, args.requests,
                  max_model_len)

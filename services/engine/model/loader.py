@@ -15,9 +15,11 @@ import torch
 from safetensors import safe_open
 
 from services.engine.backend import Backend
+from services.engine.parallel.group import TPGroup
 from services.model_config import ModelConfig
 
 from .llama import LlamaForCausalLM
+from .tensor_parallel import ShardPlan, TensorParallelLlama
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +97,15 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, Index] | None:
 
 
 def load_model(
-    model_dir: str, backend: Backend, device: torch.device, dtype: torch.dtype, max_positions: int
+    model_dir: str, backend: Backend, device: torch.device, dtype: torch.dtype, max_positions: int,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model and the checkpoint's config; with `tp`, this rank's shard (its `config` is then the
+    shard's, services/engine/model/tensor_parallel.py)."""
     cfg = ModelConfig.from_dir(model_dir)
+    shard = None if tp is None else ShardPlan(cfg, tp.rank, tp.world)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend) if tp is None else TensorParallelLlama(cfg, backend, tp)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(max_positions, device)
     params = dict(model.named_parameters())
@@ -115,8 +121,10 @@ def load_model(
                 ours, index = target
                 if ours not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-                part = params[ours][index]
                 tensor = f.get_tensor(name)
+                if shard is not None:
+                    index, tensor = shard.piece(ours, index, tensor)
+                part = params[ours][index]
                 if tensor.shape != part.shape:
                     raise ValueError(
                         f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(part.shape)}"

@@ -157,7 +157,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("name", "context_length", "vocab_size", "eos_token_ids", "dtype", "device", "max_logprobs", "sampling_defaults")
+    __slots__ = ("name", "context_length", "vocab_size", "eos_token_ids", "dtype", "device", "max_logprobs", "sampling_defaults", "data_parallel_size", "tensor_parallel_size", "engines")
     class SamplingDefaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,9 @@ class ModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     vocab_size: int
@@ -181,4 +184,21 @@ class ModelInfoResponse(_message.Message):
     device: str
     max_logprobs: int
     sampling_defaults: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    data_parallel_size: int
+    tensor_parallel_size: int
+    engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., data_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("index", "serving", "running", "waiting", "routed")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    serving: bool
+    running: int
+    waiting: int
+    routed: int
+    def __init__(self, index: _Optional[int] = ..., serving: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., routed: _Optional[int] = ...) -> None: ...
