@@ -14,7 +14,6 @@ Requests that ask are never admitted on cached prefix pages: those rows must run
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,14 +97,14 @@ def score(logits: torch.Tensor, rows: PromptRows) -> None:
         store.top_logprobs[span] = top_lps_np[first:end, :width]
 
 
-def read_out(hidden: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor], sample_rows: np.ndarray,
-             extra: PromptRows, every_row: bool) -> torch.Tensor:
-    """Score the extra rows out of the model's output and return the sampled rows' hidden states.
-    The model returned the rows asked for in that order (sample rows, then extra rows) or, when
-    together they are every row of the batch, all rows in batch order."""
+def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows,
+             every_row: bool) -> torch.Tensor:
+    """Score the extra rows out of the logits of the rows the model read out and return the sampled
+    rows' logits. The model returned the rows asked for in that order (sample rows, then extra rows)
+    or, when together they are every row of the batch, all rows in batch order."""
     if every_row:
-        device = hidden.device
-        score(logits(hidden.index_select(0, torch.from_numpy(extra.rows).to(device))), extra)
-        return hidden.index_select(0, torch.from_numpy(sample_rows).to(device))
-    score(logits(hidden[len(sample_rows):]), extra)
-    return hidden[: len(sample_rows)]
+        device = logits.device
+        score(logits.index_select(0, torch.from_numpy(extra.rows).to(device)), extra)
+        return logits.index_select(0, torch.from_numpy(sample_rows).to(device))
+    score(logits[len(sample_rows):], extra)
+    return logits[: len(sample_rows)]

@@ -193,12 +193,16 @@ class ModelRunner:
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)
         hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the rows read out
+        if read.sample_rows.size == 0:  # only partial prefill chunks this step
+            return StepResult([])
+        # One logits pass over every row read out: under tensor parallelism it is a collective that
+        # each worker joins once per step, over the same rows.
+        logits = self.model.compute_logits(hidden)
         if extra is not None:
             every_row = read.sample_rows.size == flat.positions.size
-            hidden = read_out(hidden, self.model.compute_logits, flat.sample_rows, extra, every_row)
-        if flat.sample_rows.size == 0:  # only partial prefill chunks this step
+            logits = read_out(logits, flat.sample_rows, extra, every_row)
+        if flat.sample_rows.size == 0:  # prompt rows only
             return StepResult([])
-        logits = self.model.compute_logits(hidden)
         slots_t = self._stage("sample_slots", flat.sample_slots)
         out = self.sampler.sample(logits, flat.sample_slots, slots_t, self.structured.mask())
         result = StepResult(out.tokens.tolist())  # the one intended sync of the step
