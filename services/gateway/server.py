@@ -494,7 +494,7 @@ class Gateway(pb_grpc.GenerationServicer):
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if not self.serving:
             raise Reject(grpc.StatusCode.UNAVAILABLE, self._why_not_serving())
-        message.engine = self.router.pick(self._prefix(request) if len(self.router.engines) > 1 else [])
+        message.engine = self.router.pick(self._prefix(request) if len(self.router.engines) > 1 else [], n)
         return message
 
     def _prefix(self, request: pb.GenerateRequest) -> list[bytes]:
