@@ -434,3 +434,36 @@ def test_return_token_ids_keeps_tokens_whose_text_is_held_back(api):
     events = [json.loads(e.removeprefix("data: ")) for e in raw]
     assert [i for e in events for i in e["choices"][0]["token_ids"]] == [1, 2, 3]
     assert "".join(e["choices"][0]["text"] for e in events) == "aé"
+
+
+def test_data_parallel_http_requests_are_routed_and_metrics_carry_the_engine(tmp_path):
+    """Two engines behind the HTTP API: requests go through the router (n copies to one engine),
+    a disconnect aborts on the engine running it, and vLLM-named engine series have engine="i"."""
+    api = HTTPPipeline(str(tmp_path), engines=2, dp_balance_threshold=8)
+    try:
+        api.per_engine = {0: {"running": 3, "waiting": 5, "pages_used": 50, "pages_total": 100},
+                          1: {"running": 1, "waiting": 0, "pages_used": 10, "pages_total": 40}}
+        api.wait(lambda: [v.load() for v in api.gateway.router.engines] == [23, 1])
+        done = api.call(api.openai.completions.create, model="fake", prompt="x", max_tokens=2, n=2)
+        req = api.next_request()
+        assert (req.engine, req.n) == (1, 2)
+        for rid in req.engine_rids():
+            api.send([(rid, "a", [1], "stop")])
+        assert [c.text for c in done.result(10).choices] == ["a", "a"]
+        with httpx.Client(base_url=api.url, timeout=10) as http:
+            with http.stream("POST", "/v1/completions", json={"prompt": "y", "stream": True}) as response:
+                rid = api.next_request().rid
+                api.send([(rid, "b", [2], "")])
+                next(response.iter_bytes())
+        assert api.next_abort(engine=1).rids == [rid] and not api.controls[0].poll(200)
+        api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
+        m = scrape(api.metrics_port)
+        assert m['pipeserve_gateway_routed_requests_total{engine="1"}'] == 2
+        assert m['pipeserve_gateway_routed_requests_total{engine="0"}'] == 0
+        assert m['pipeserve:num_requests_running{engine="0"}'] == 3
+        assert m['pipeserve:num_requests_waiting{engine="0"}'] == 5
+        assert m['pipeserve:kv_cache_usage_perc{engine="1"}'] == 0.25
+        assert m["pipeserve:generation_tokens_total"] == 3
+        assert 'pipeserve:num_requests_running{engine="1"} 1.0' in httpx.get(api.url + "/metrics").text
+    finally:
+        api.close()
