@@ -69,36 +69,33 @@ class GatewayView(Protocol):
     def serving(self) -> bool: ...
 
 
+# vLLM's engine-level series: name -> (family, the engine counter it reads, help).
+ENGINE_SERIES: dict[str, tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = {
+    "num_requests_running": (GaugeMetricFamily, "running", "requests in the running batch"),
+    "num_requests_waiting": (GaugeMetricFamily, "waiting", "requests waiting to be scheduled"),
+    "num_preemptions": (CounterMetricFamily, "preemptions", "requests preempted by the scheduler"),
+    "prefix_cache_queries": (CounterMetricFamily, "prefix_cache_queries",
+                             "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": (CounterMetricFamily, "prefix_cache_hits",
+                          "prompt tokens found in the prefix cache"),
+}
+
+
 def engine_families(engines: Sequence[Mapping[str, int]]) -> Iterator[Metric]:
     """The vLLM-named engine series from each engine's reported counters (engines[i]: engine i's),
     labelled engine="i"; an engine contributes a series once it reports the counter."""
-    gauges = {
-        "num_requests_running": ("running", "requests in the running batch"),
-        "num_requests_waiting": ("waiting", "requests waiting to be scheduled"),
-    }
-    for name, (key, help) in gauges.items():
-        gauge = GaugeMetricFamily(PREFIX + name, help, labels=["engine"])
+    for name, (family, key, help) in ENGINE_SERIES.items():
+        metric = family(PREFIX + name, help, labels=["engine"])
         for i, stats in enumerate(engines):
             if key in stats:
-                gauge.add_metric([str(i)], stats[key])
-        yield gauge
+                metric.add_metric([str(i)], stats[key])
+        yield metric
     usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "fraction of the KV cache pages in use "
                               "(1 = full)", labels=["engine"])
     for i, stats in enumerate(engines):
         if stats.get("pages_total"):
             usage.add_metric([str(i)], stats.get("pages_used", 0) / stats["pages_total"])
     yield usage
-    counters = {
-        "num_preemptions": ("preemptions", "requests preempted by the scheduler"),
-        "prefix_cache_queries": ("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
-        "prefix_cache_hits": ("prefix_cache_hits", "prompt tokens found in the prefix cache"),
-    }
-    for name, (key, help) in counters.items():
-        counter = CounterMetricFamily(PREFIX + name, help, labels=["engine"])
-        for i, stats in enumerate(engines):
-            if key in stats:
-                counter.add_metric([str(i)], stats[key])
-        yield counter
 
 
 class _StateCollector:
