@@ -45,6 +45,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "prefix": ("bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
     "tp": ("bench.tp", "tensor parallelism: TP=1 vs TP=T step time, step plan over gloo vs zmq"),
     "dp": ("bench.dp", "bench serve against data parallel sizes (pipeserve up --data-parallel-size)"),
+    "spec": ("bench.spec", "speculative decoding (n-gram, draft model) on vs off: acceptance, speedup"),
 }
 
 

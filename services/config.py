@@ -16,6 +16,7 @@ PREDICTOR_MODES = ("peak", "reserve")
 BACKENDS = ("reference", "cpu", "torch", "triton")  # torch: the cpu backend's former name
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 # An abort overtakes its add by the tokenizers' queueing (milliseconds), so the engine process keeps
 # an abort for an id it has not seen (a tombstone) this long, then drops it as stale (e.g. an abort
@@ -85,6 +86,17 @@ class EngineConfig:
                                  "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests "
                                  "that leave them unset; none: pipeserve's defaults",
                                  choices=("auto", "none"))
+    speculative_method: str = opt("none", "speculative decoding: ngram proposes by prompt lookup, draft by "
+                                  "--draft-model; verified exactly in the merge step",
+                                  choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = opt(4, "most tokens a request proposes per step (the adaptive rule "
+                                      "proposes fewer, or none, where they do not pay)")
+    draft_model: str | None = opt(None, "draft checkpoint (directory or hub id) sharing the model's "
+                                  "tokenizer, for --speculative-method draft")
+    speculative_adaptive: bool = opt(True, "size each request's proposal by the measured step cost and its "
+                                     "acceptance (none at large batch); false: always num_speculative_tokens")
+    prompt_lookup_min: int = opt(2, "ngram: the shortest suffix looked up in the prompt and output")
+    prompt_lookup_max: int = opt(4, "ngram: the longest suffix looked up (the longest match wins)")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -96,6 +108,12 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("--draft-model goes with --speculative-method draft, and only with it")
 
 
 def check_choices(obj: Any) -> None:

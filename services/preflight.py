@@ -24,6 +24,7 @@ import sys
 from dataclasses import asdict, replace
 
 from services.config import EngineConfig, GatewayConfig
+from services.model_config import ModelConfig, read_config
 
 
 class StartupError(Exception):
@@ -70,7 +71,6 @@ def resolve(engine: EngineConfig) -> EngineConfig:
     """The config with --model and --tokenizer as local directories (hub ids downloaded or found in
     the cache), the name clients will see, and everything the processes will load checked."""
     from services import hub
-    from services.model_config import ModelConfig, read_config
     from services.tokenizer.load import load_tokenizer, resolve_model_dir
 
     name = engine.model
@@ -80,15 +80,7 @@ def resolve(engine: EngineConfig) -> EngineConfig:
     except hub.ModelNotFound as exc:
         raise StartupError(str(exc)) from None
     what = f"--model {name}" if name else "the demo model"
-    try:
-        model_cfg = ModelConfig.from_dict(read_config(model_dir))
-    except FileNotFoundError:
-        raise StartupError(f"{what}: {model_dir} has no config.json, so it is not a Hugging Face "
-                           "checkpoint: give the directory that holds config.json") from None
-    except KeyError as exc:
-        raise StartupError(f"{what}: config.json has no {exc}: not a Llama-family checkpoint") from None
-    except ValueError as exc:  # an unsupported architecture, a config.json that is no JSON
-        raise StartupError(f"{what}: {exc}") from None
+    model_cfg = checkpoint(what, model_dir)
     if engine.tensor_parallel_size > 1:
         from services.engine.model.tensor_parallel import check_shardable
 
@@ -96,9 +88,17 @@ def resolve(engine: EngineConfig) -> EngineConfig:
             check_shardable(model_cfg, engine.tensor_parallel_size)
         except ValueError as exc:
             raise StartupError(f"{what}: {exc}") from None
-    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
-        raise StartupError(f"{what}: no *.safetensors weights in {model_dir} (pipeserve loads safetensors "
-                           "only; convert .bin weights with transformers' save_pretrained)") from None
+    vocab = model_cfg.vocab_size
+    draft_dir = None
+    if engine.draft_model:
+        try:
+            draft_dir = hub.resolve(engine.draft_model, engine.revision)
+        except hub.ModelNotFound as exc:
+            raise StartupError(f"--draft-model: {exc}") from None
+        draft = checkpoint(f"--draft-model {engine.draft_model}", draft_dir)
+        if draft.vocab_size != vocab:
+            raise StartupError(f"--draft-model {engine.draft_model}: its vocabulary has {draft.vocab_size} "
+                               f"tokens, the model's {vocab}: a draft must share the model's tokenizer")
     try:
         tokenizer = load_tokenizer(tokenizer_dir or model_dir, engine.chat_template)
     except (OSError, ValueError) as exc:  # FileNotFoundError, a corrupt tokenizer.json, ...
@@ -112,7 +112,25 @@ def resolve(engine: EngineConfig) -> EngineConfig:
             where = "--chat-template" if engine.chat_template else f"the chat template of {what}"
             raise StartupError(f"{where} is not a valid Jinja template: {exc} (line {exc.lineno})") from None
     served = engine.served_model_name or (hub.display_name(name) if name else None)
-    return replace(engine, model=model_dir, tokenizer=tokenizer_dir, revision=None, served_model_name=served)
+    return replace(engine, model=model_dir, tokenizer=tokenizer_dir, revision=None, served_model_name=served,
+                   draft_model=draft_dir)
+
+
+def checkpoint(what: str, model_dir: str) -> ModelConfig:
+    """The config of a checkpoint directory that pipeserve can load, or StartupError saying why not."""
+    try:
+        cfg = ModelConfig.from_dict(read_config(model_dir))
+    except FileNotFoundError:
+        raise StartupError(f"{what}: {model_dir} has no config.json, so it is not a Hugging Face "
+                           "checkpoint: give the directory that holds config.json") from None
+    except KeyError as exc:
+        raise StartupError(f"{what}: config.json has no {exc}: not a Llama-family checkpoint") from None
+    except ValueError as exc:  # an unsupported architecture, a config.json that is no JSON
+        raise StartupError(f"{what}: {exc}") from None
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        raise StartupError(f"{what}: no *.safetensors weights in {model_dir} (pipeserve loads safetensors "
+                           "only; convert .bin weights with transformers' save_pretrained)") from None
+    return cfg
 
 
 def run(engine: EngineConfig) -> EngineConfig:

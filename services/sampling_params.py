@@ -39,6 +39,8 @@ class SamplingParams:
     prompt_logprobs: int | None = opt(None, "return the log-probability of every prompt token (the first has "
                                       "none) and of its N most likely alternatives; unset: none")
     skip_special_tokens: bool = opt(True, "leave special tokens out of the text")
+    speculative: bool = opt(True, "let the engine's speculative decoding propose tokens for this request "
+                            "(exact either way); false opts out")
     # Structured outputs: the output must match this constraint (at most one is set).
     json_schema: dict[str, Any] | str | None = opt(
         None, "the output must be JSON valid under this JSON schema (a dict or JSON text)")

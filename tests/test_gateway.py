@@ -212,8 +212,10 @@ def test_stream_roundtrip_and_request_fields(fake):
         logprobs=2,
         app="chat",
         cache_salt="tenant-a",
+        speculative=False,
     )
     req = fake.next_request()
+    assert req.sampling.speculative is False
     assert (req.rid, req.prompt, req.app, req.cache_salt) == ("r1", "Hello", "chat", "tenant-a")
     assert req.sampling.max_tokens == 7 and req.sampling.temperature == 0.7  # exact: doubles on the wire
     sampling = req.sampling
@@ -234,6 +236,11 @@ def test_stream_roundtrip_and_request_fields(fake):
     fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
     assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1
     assert fake.metric('pipeserve_engine{name="running"}') == 0
+    fake.stats.update(spec_draft_tokens=12, spec_accepted_tokens=5, spec_verifications=4)
+    drafts = 'pipeserve:spec_decode_num_draft_tokens_total{engine="0"}'
+    fake.wait(lambda: scrape(fake.metrics_port).get(drafts) == 12)  # the next heartbeat
+    assert fake.metric('pipeserve:spec_decode_num_accepted_tokens_total{engine="0"}') == 5
+    assert fake.metric('pipeserve:spec_decode_num_drafts_total{engine="0"}') == 4
 
 
 def test_ids_and_chat_inputs_and_assigned_ids(fake):

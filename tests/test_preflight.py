@@ -55,6 +55,15 @@ def test_model_problems(tmp_path: Path, stories_dir: str) -> None:
         resolve(EngineConfig(model=str(odd)))
 
 
+def test_draft_model_problems(tmp_path: Path, stories_dir: str, tiny_model) -> None:
+    with pytest.raises(StartupError, match="--draft-model: .*no such directory"):
+        resolve(EngineConfig(model=stories_dir, speculative_method="draft", draft_model=str(tmp_path / "x")))
+    with pytest.raises(StartupError, match="vocabulary has 320 tokens, the model's 512"):
+        resolve(EngineConfig(model=stories_dir, speculative_method="draft", draft_model=tiny_model("llama")))
+    ok = resolve(EngineConfig(model=stories_dir, speculative_method="draft", draft_model=stories_dir))
+    assert ok.draft_model == stories_dir
+
+
 def test_tokenizer_and_chat_template_problems(tmp_path: Path, stories_dir: str) -> None:
     no_tokenizer = tmp_path / "m"
     shutil.copytree(stories_dir, no_tokenizer)

@@ -44,7 +44,10 @@ def run(model_dir: str, prompts: list[list[int]], asks: list[int | None], **opti
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"max_num_batched_tokens": 4, "page_size": 4}], ids=["whole", "chunked"]
+    "options",
+    # few-seqs: a prompt's rows read out beside another request outnumber the batch's sequences.
+    [{}, {"max_num_batched_tokens": 4, "page_size": 4}, {"max_num_seqs": 2}],
+    ids=["whole", "chunked", "few-seqs"],
 )
 def test_prompt_logprobs_equal_hf(reference, options):
     model_dir, expected = reference

@@ -15,11 +15,12 @@ import torch
 
 from services import hub
 from services.config import EngineConfig
-from services.engine.backend import get_backend, resolve_backend
+from services.engine.backend import Backend, get_backend, resolve_backend
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
 from services.engine.model.demo import ensure_demo_model
+from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model.quantize import quantize_model
 from services.engine.model.tensor_parallel import check_shardable
@@ -30,6 +31,9 @@ from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
+from services.engine.spec.draft import DraftModel
+from services.engine.spec.ngram import NgramProposer
+from services.engine.spec.speculator import Speculator
 from services.engine.structured import StructuredOutputs
 from services.model_config import ModelConfig, generation_defaults
 from services.sampling_params import SamplingParams
@@ -80,7 +84,10 @@ class Engine:
         shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
         per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
                                      config.prefix_caching)
-        num_pages = config.num_pages or kv_budget_bytes(config, self.device) // per_page
+        # A draft model is loaded before the pool is sized: its pool holds as many pages, of its size.
+        draft = self._load_draft(config, backend, model_cfg) if config.speculative_method == "draft" else None
+        draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
+        num_pages = config.num_pages or kv_budget_bytes(config, self.device) // (per_page + draft_per_page)
         if tp is not None:  # every rank holds the same pages
             num_pages = tp.min_int(num_pages)
         self.pool = KVPool(
@@ -121,7 +128,9 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.structured,
+            config.num_speculative_tokens if config.speculative_method != "none" else 0,
         )
+        self.speculator = self._speculator(config, draft)
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":
             policy_opts = {
@@ -137,7 +146,7 @@ class Engine:
             config.max_num_batched_tokens,
             self.max_model_len,
             self._on_admit,
-            self.runner.release,
+            self._on_release,
         )
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
@@ -219,6 +228,41 @@ class Engine:
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
         self.runner.admit(seq, sorted(seq.stop_ids))
+        if self.speculator is not None:
+            self.speculator.admit(seq)
+
+    def _on_release(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def _load_draft(self, config: EngineConfig, backend: Backend,
+                    model_cfg: ModelConfig) -> tuple[LlamaForCausalLM, ModelConfig]:
+        assert config.draft_model is not None
+        draft_dir = hub.resolve(config.draft_model, config.revision)
+        draft_cfg = ModelConfig.from_dir(draft_dir)
+        if draft_cfg.vocab_size != model_cfg.vocab_size:  # preflight says so first under `pipeserve up`
+            raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the model's "
+                             f"({model_cfg.vocab_size}): it must share the tokenizer")
+        model, _ = load_model(draft_dir, backend, self.device, self.dtype, self.max_model_len)
+        return model, draft_cfg
+
+    def _speculator(self, config: EngineConfig,
+                    draft: tuple[LlamaForCausalLM, ModelConfig] | None) -> Speculator | None:
+        sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
+                  config.speculative_adaptive)
+        if config.speculative_method == "ngram":
+            lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            return Speculator(*sizing, ngram=lookup)
+        if draft is None:
+            return None
+        model, draft_cfg = draft
+        # As many tokens as the model's pool: every request it holds can be drafted for.
+        pool = KVPool(draft_cfg, self.pool.num_pages, self.pool.page_size, self.dtype, self.device,
+                      config.max_num_seqs, self.max_model_len)
+        drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
+                             config.max_num_batched_tokens)
+        return Speculator(*sizing, draft=drafter)
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -229,12 +273,17 @@ class Engine:
         row order, then those that ended between steps (no token)."""
         if self.structured.waiting:
             self._take_compiled()
-        batch = self.scheduler.schedule()
-        result = self.runner.run(batch) if batch.num_tokens else StepResult([])
+        proposals, drafts = self.speculator.propose(self.scheduler.running) if self.speculator else ({}, None)
+        batch = self.scheduler.schedule(proposals)
+        start = time.perf_counter()
+        result = self.runner.run(batch, drafts) if batch.num_tokens else StepResult([])
+        if self.speculator is not None:
+            self.speculator.observe(batch, result.accepted, time.perf_counter() - start)
         sampled = batch.sampling()
-        finished = self.scheduler.postprocess(batch, sampled, result.tokens)
+        before = [seq.num_tokens for seq in sampled]
+        finished = self.scheduler.postprocess(batch, sampled, result.tokens, result.accepted)
         self.step_count += 1
-        updates = [self._update(seq, [tok]) for seq, tok in zip(sampled, result.tokens, strict=True)]
+        updates = [self._update(seq, seq.token_ids[n:]) for seq, n in zip(sampled, before, strict=True)]
         if result.logprobs is not None:
             lps, top_ids, top_lps = result.logprobs, result.top_ids, result.top_logprobs
             assert top_ids is not None and top_lps is not None
@@ -293,6 +342,7 @@ class Engine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "requests": len(self.requests),
             "steps": self.step_count,
+            **(self.speculator.stats() if self.speculator else Speculator.zero_stats()),
         }
 
     @property

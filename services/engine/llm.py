@@ -17,6 +17,7 @@ from tqdm import tqdm
 from services.config import EngineConfig
 from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from services.engine.engine import Engine
+from services.engine.sequence import one_token_updates
 from services.sampling_params import SamplingParams
 
 
@@ -89,7 +90,7 @@ class LLM:
                 self.tokenizer, ids, params.stop, params.skip_special_tokens, decode=decode, skip=skip))
         bar = tqdm(total=len(outputs), disable=not use_tqdm, desc="generate")
         while self.engine.has_work():
-            for update in self.engine.step():
+            for update in one_token_updates(self.engine.step()):
                 text = texts[update.rid]
                 if text.finished:  # a stop string ended it; the engine had not seen the abort yet
                     continue

@@ -35,7 +35,7 @@ import zmq
 
 from services import config as cfg
 from services.config import TOMBSTONE_TTL, Addresses, EngineConfig, engine_endpoint
-from services.engine.sequence import StepUpdate
+from services.engine.sequence import StepUpdate, one_token_updates
 from services.messages import (
     MAX_MESSAGE_BYTES,
     PROMPT_TAIL,
@@ -68,7 +68,7 @@ def step_output(
     step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None, engine: int = 0
 ) -> StepOutput:
     """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
-    assert all(len(u.token_ids) <= 1 for u in updates), "StepOutput carries one token per row"
+    updates = one_token_updates(updates)
     new = []
     for u in updates:
         if u.new:

@@ -8,6 +8,7 @@ bitmasks are filled on another thread while the model runs (services/engine/stru
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -20,15 +21,17 @@ from services.engine.prompt_logprobs import prompt_rows, read_out
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
+from services.engine.spec.verifier import DraftProposals, Verifier
 from services.engine.structured import StructuredOutputs
 
 
 @dataclass
 class StepResult:
-    tokens: list[int]
+    tokens: list[int]  # one per sampled request, in ScheduledBatch.sampling() order
     logprobs: np.ndarray | None = None  # [B] float32, sampled token
     top_ids: np.ndarray | None = None  # [B, K]
     top_logprobs: np.ndarray | None = None
+    accepted: list[list[int]] | None = None  # per sampled request: kept proposals, before its token
 
 
 @dataclass
@@ -46,6 +49,8 @@ class FlatBatch:
     sample_rows: np.ndarray
     sample_slots: np.ndarray
     sample_seq_lens: np.ndarray
+    num_verify_rows: int = 0  # sample rows num_decode .. num_decode + this are verification rows
+    sample_offsets: np.ndarray | None = None  # with verification: each sample row's output index
 
 
 class ModelRunner:
@@ -57,7 +62,8 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        structured: StructuredOutputs,
+        structured: StructuredOutputs | None,
+        spec_tokens: int = 0,
     ):
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.structured = structured
@@ -78,11 +84,16 @@ class ModelRunner:
             "decode_seq_lens": buf(max_num_seqs, torch.int32),
             "prefill_seq_lens": buf(max_num_seqs, torch.int32),
             "prefill_cu_q_lens": buf(max_num_seqs + 1, torch.int32),
-            "sample_rows": buf(max_num_seqs, torch.int64),
-            "sample_slots": buf(max_num_seqs, torch.int64),
-            "sample_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
-            "sample_seq_lens": buf(max_num_seqs, torch.int32),
+            # Rows read out of the last layer: up to every row of the step (prompt logprobs read
+            # every prompt row; a verifying request samples at each of its 1 + k rows).
+            "sample_rows": buf(max_tokens, torch.int64),
+            "sample_slots": buf(max_tokens, torch.int64),
+            "sample_block_tables": buf(max_tokens, torch.int32, pool.max_pages_per_seq),
+            "sample_seq_lens": buf(max_tokens, torch.int32),
         }
+        if spec_tokens:
+            self.buf["sample_offsets"] = buf(max_tokens, torch.int64)
+        self.verifier = Verifier(sampler, device)
         # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
         self.staging = (
             None
@@ -111,9 +122,13 @@ class ModelRunner:
         d_pos = np.fromiter((s.num_computed for s in batch.decode), np.int64, nd)
         d_ids = np.fromiter((s.token_ids[-1] for s in batch.decode), np.int64, nd)
 
-        p_slots = np.fromiter((s.slot for s in batch.prefill), np.int64, len(batch.prefill))
-        p_lens = np.asarray(batch.prefill_lens, dtype=np.int64)
-        p_start = np.fromiter((s.num_computed for s in batch.prefill), np.int64, len(batch.prefill))
+        # Verification rows are chunks against the cache, like prefill chunks, and go first there.
+        nv = len(batch.verify)
+        chunks = batch.verify + batch.prefill
+        v_lens = np.fromiter((1 + len(p) for p in batch.proposals), np.int64, nv)
+        p_slots = np.fromiter((s.slot for s in chunks), np.int64, len(chunks))
+        p_lens = np.concatenate([v_lens, np.asarray(batch.prefill_lens, dtype=np.int64)])
+        p_start = np.fromiter((s.num_computed for s in chunks), np.int64, len(chunks))
         cu = np.zeros(len(p_lens) + 1, dtype=np.int64)
         np.cumsum(p_lens, out=cu[1:])
         total_p = int(cu[-1])
@@ -121,10 +136,17 @@ class ModelRunner:
         p_rows_req = np.repeat(np.arange(len(p_lens)), p_lens)
         p_pos = p_start[p_rows_req] + (np.arange(total_p) - cu[:-1][p_rows_req])
         p_ids = np.fromiter(
-            (
-                t
-                for s, a, n in zip(batch.prefill, p_start, p_lens, strict=True)
-                for t in s.token_ids[a : a + n]
+            itertools.chain(
+                (
+                    t
+                    for s, p in zip(batch.verify, batch.proposals, strict=True)
+                    for t in (s.token_ids[-1], *p)
+                ),
+                (
+                    t
+                    for s, a, n in zip(batch.prefill, p_start[nv:], p_lens[nv:], strict=True)
+                    for t in s.token_ids[a : a + n]
+                ),
             ),
             np.int64,
             total_p,
@@ -134,10 +156,16 @@ class ModelRunner:
         slot_mapping = table[row_slots, positions // size].astype(np.int64) * size + positions % size
 
         done = p_start + p_lens
-        p_samples = done == np.fromiter((s.num_tokens for s in batch.prefill), np.int64, len(batch.prefill))
-        sample_rows = np.concatenate([np.arange(nd), nd + cu[1:][p_samples] - 1])
-        sample_slots = np.concatenate([d_slots, p_slots[p_samples]])
-        sample_seq_lens = np.concatenate([d_pos + 1, done[p_samples]])
+        p_samples = done == np.fromiter((s.num_tokens for s in chunks), np.int64, len(chunks))
+        p_samples[:nv] = False  # every verification row samples, listed on its own
+        nvr = int(cu[nv])
+        sample_rows = np.concatenate([np.arange(nd + nvr), nd + cu[1:][p_samples] - 1])
+        sample_slots = np.concatenate([d_slots, p_slots[p_rows_req[:nvr]], p_slots[p_samples]])
+        sample_seq_lens = np.concatenate([d_pos + 1, p_pos[:nvr] + 1, done[p_samples]])
+        offsets = None
+        if nv:  # the output index of each verification row past its request's next one
+            offsets = np.zeros(sample_rows.size, dtype=np.int64)
+            offsets[nd : nd + nvr] = np.arange(nvr) - cu[:nv][p_rows_req[:nvr]]
         return FlatBatch(
             np.concatenate([d_ids, p_ids]),
             positions,
@@ -150,6 +178,8 @@ class ModelRunner:
             sample_rows,
             sample_slots,
             sample_seq_lens,
+            nvr,
+            offsets,
         )
 
     def metadata(self, flat: FlatBatch) -> AttentionMetadata:
@@ -179,11 +209,18 @@ class ModelRunner:
         )
 
     # -- the step -------------------------------------------------------------------------------
-    def run(self, batch: ScheduledBatch) -> StepResult:
+    def forward(self, batch: ScheduledBatch) -> tuple[FlatBatch, torch.Tensor | None]:
+        """The batch's model input and the logits [R, V] of its sampled rows (None: no row samples)."""
         flat = self.build(batch)
-        self.structured.begin(flat.sample_slots)  # bitmask rows fill while the model runs
-        extra = prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens)
-        read = flat if extra is None else replace(  # prompt logprobs: their rows are read out too
+        if self.structured is not None:  # bitmask rows fill while the model runs
+            self.structured.begin(flat.sample_slots)
+        # Prompt logprobs (the target model's runner: the draft's has no structured state) read
+        # their rows out too.
+        extra = None
+        if self.structured is not None:
+            # The chunks are the verification rows, then the prefills: skip the former's offsets.
+            extra = prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
+        read = flat if extra is None else replace(
             flat,
             sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
             sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
@@ -194,7 +231,7 @@ class ModelRunner:
         positions = self._stage("positions", flat.positions)
         hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the rows read out
         if read.sample_rows.size == 0:  # only partial prefill chunks this step
-            return StepResult([])
+            return flat, None
         # One logits pass over every row read out: under tensor parallelism it is a collective that
         # each worker joins once per step, over the same rows.
         logits = self.model.compute_logits(hidden)
@@ -202,11 +239,37 @@ class ModelRunner:
             every_row = read.sample_rows.size == flat.positions.size
             logits = read_out(logits, flat.sample_rows, extra, every_row)
         if flat.sample_rows.size == 0:  # prompt rows only
+            return flat, None
+        return flat, logits
+
+    def run(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> StepResult:
+        """drafts: the draft model's distributions behind batch.proposals (sampled proposals are
+        verified by rejection sampling; without them, proposals are kept while they match)."""
+        structured = self.structured
+        assert structured is not None, "the draft's runner only runs forward passes"
+        flat, logits = self.forward(batch)
+        if logits is None:
             return StepResult([])
         slots_t = self._stage("sample_slots", flat.sample_slots)
-        out = self.sampler.sample(logits, flat.sample_slots, slots_t, self.structured.mask())
-        result = StepResult(out.tokens.tolist())  # the one intended sync of the step
-        self.structured.advance(result.tokens)
+        if flat.sample_offsets is not None:
+            offsets = (flat.sample_offsets, self._stage("sample_offsets", flat.sample_offsets))
+            out = self.sampler.sample(logits, flat.sample_slots, slots_t, structured.mask(), offsets)
+            verified = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits, out.tokens,
+                                            offsets, drafts)
+            row_tokens = verified.row_tokens
+            result = StepResult(verified.tokens, accepted=verified.accepted)
+            self.sampler.advance(verified.slots, torch.as_tensor(verified.slots, device=self.device),
+                                 torch.as_tensor(verified.emitted, device=self.device))
+            if out.logprobs is not None:  # requests with logprobs never verify: one row each
+                keep = torch.as_tensor(verified.seq_rows, device=self.device)
+                assert out.top_ids is not None and out.top_logprobs is not None
+                out.logprobs, out.top_ids = out.logprobs[keep], out.top_ids[keep]
+                out.top_logprobs = out.top_logprobs[keep]
+        else:
+            out = self.sampler.sample(logits, flat.sample_slots, slots_t, structured.mask())
+            row_tokens = out.tokens.tolist()  # the one intended sync of the step
+            result = StepResult(row_tokens)
+        structured.advance(row_tokens)
         if out.logprobs is not None:
             assert out.top_ids is not None and out.top_logprobs is not None
             result.logprobs = out.logprobs.cpu().numpy()
@@ -220,8 +283,10 @@ class ModelRunner:
             seq.slot, seq.params, seq.token_ids[: seq.prompt_len], seq.output_ids, stop_ids
         )
         if seq.params.constrained:
+            assert self.structured is not None
             self.structured.admit(seq)
 
     def release(self, seq: Sequence) -> None:
         self.sampler.free(seq.slot)
-        self.structured.release(seq)
+        if self.structured is not None:
+            self.structured.release(seq)

@@ -65,6 +65,12 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor, keys: torch.Tensor) -> tor
     return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
 
 
+def race(log_weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """argmax of w / E with E = -log(u) exponential, in log space: a sample of softmax(log_weights)
+    per row (an exponential race), decided by the uniforms u alone."""
+    return (log_weights - (-u.log()).log()).argmax(-1)
+
+
 @dataclass
 class SampleOutput:
     tokens: torch.Tensor  # int64 [B]
@@ -201,11 +207,21 @@ class Sampler:
         self.output_counts[slot].scatter_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
     def sample(
-        self, logits: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor, mask: TokenMask | None = None
+        self,
+        logits: torch.Tensor,
+        slots: np.ndarray,
+        slots_t: torch.Tensor,
+        mask: TokenMask | None = None,
+        offsets: tuple[np.ndarray, torch.Tensor] | None = None,
     ) -> SampleOutput:
         """Sample one token per row of logits [B, V]; row i belongs to slot slots[i] (== slots_t[i]).
         mask: the structured-output constraint of some rows. Tokens stay on the device. Updates the
-        slots' output counts and generated counts."""
+        slots' output counts and generated counts.
+
+        offsets (host, device) int64 [B]: speculative verification, where a slot has several rows and
+        row i stands at output index generated + offsets[i]: its noise and min_tokens mask are that
+        index's, and nothing advances (the caller calls `advance` with the tokens it accepts). Rows
+        of penalized slots must have offset 0 (their counts would need the proposals)."""
         x = logits.float()  # never modified in place: logits may be float32 already
         if mask is not None:
             if x.data_ptr() == logits.data_ptr():
@@ -214,13 +230,15 @@ class Sampler:
         penalized = self.output_counts is not None and bool(self._penalized[slots].any())
         if penalized:
             x = self._apply_penalties(x, slots_t)
-        if (self._min_tokens[slots] > self._generated[slots]).any():
-            x = self._mask_stop_ids(x, slots_t)
+        steps = self.generated[slots_t] if offsets is None else self.generated[slots_t] + offsets[1]
+        host_steps = self._generated[slots] if offsets is None else self._generated[slots] + offsets[0]
+        if (self._min_tokens[slots] > host_steps).any():
+            x = self._mask_stop_ids(x, slots_t, steps)
         greedy = self._greedy[slots]
         if greedy.all():
             tokens = x.argmax(-1)
         else:
-            tokens = self._sample_random(x, slots, slots_t)
+            tokens = self._race(self.filtered_logits(x, slots, slots_t), slots_t, steps)
             if greedy.any():
                 tokens = torch.where(self.greedy[slots_t], x.argmax(-1), tokens)
         out = SampleOutput(tokens)
@@ -230,8 +248,35 @@ class Sampler:
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             out.top_logprobs, out.top_ids = logprobs.topk(num_top, dim=-1)
-        self._advance(slots, slots_t, tokens, penalized)
+        if offsets is None:
+            self._advance(slots, slots_t, tokens, penalized)
         return out
+
+    def is_greedy(self, slots: np.ndarray) -> np.ndarray:
+        """Host view: which of these slots decode greedily."""
+        greedy: np.ndarray = self._greedy[slots]
+        return greedy
+
+    def advance(self, slots: np.ndarray, slots_t: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count tokens accepted after a `sample` with offsets: one entry per token, slots repeating."""
+        penalized = self.output_counts is not None and bool(self._penalized[slots].any())
+        self._advance(slots, slots_t, tokens, penalized)
+
+    def processed_logits(
+        self, logits: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor, steps: torch.Tensor
+    ) -> torch.Tensor:
+        """The log-weights [B, V] `sample` races over for non-greedy rows (min_tokens mask at output
+        index `steps`, temperature, top-k, top-p, min-p; -inf outside the kept set): the distribution
+        speculative rejection sampling compares. Slots must not be penalized or constrained."""
+        x = logits.float()
+        if (self._min_tokens[slots] > 0).any():  # rows at or past min_tokens pass unchanged
+            x = self._mask_stop_ids(x, slots_t, steps)
+        return self.filtered_logits(x, slots, slots_t)
+
+    def noise(self, slots_t: torch.Tensor, steps: torch.Tensor, salt: int = 0) -> torch.Tensor:
+        """The uniforms [B, V] a row's race draws at output index `steps`; salt != 0: an independent
+        stream of the same seed (the draft's proposals, the acceptance test)."""
+        return uniform(self.seed[slots_t] ^ salt, steps, self.vocab_keys)
 
     def _apply_penalties(self, x: torch.Tensor, slots_t: torch.Tensor) -> torch.Tensor:
         assert self.output_counts is not None and self.prompt_mask is not None
@@ -248,12 +293,13 @@ class Sampler:
         )
         return penalized
 
-    def _mask_stop_ids(self, x: torch.Tensor, slots_t: torch.Tensor) -> torch.Tensor:
+    def _mask_stop_ids(self, x: torch.Tensor, slots_t: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         ids = self.stop_ids[slots_t]
-        blocked = (self.generated[slots_t] < self.min_tokens[slots_t])[:, None]
+        blocked = (steps < self.min_tokens[slots_t])[:, None]
         return x.scatter(1, ids, x.gather(1, ids).masked_fill(blocked, float("-inf")))
 
-    def _sample_random(self, x: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor) -> torch.Tensor:
+    def filtered_logits(self, x: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p as -inf: what the race samples from."""
         x = x / self.temperature[slots_t, None]
         use_top_p = bool((self._top_p[slots] < 1.0).any())
         # top-p needs the whole sorted row; top-k alone only the largest max(k) values.
@@ -264,9 +310,11 @@ class Sampler:
             # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps the row.
             floor = x.amax(dim=-1, keepdim=True) + self.min_p[slots_t, None].log()
             x = x.masked_fill(x < floor, float("-inf"))
+        return x
+
+    def _race(self, x: torch.Tensor, slots_t: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         # Exponential race (Gumbel-max): argmax p / E with E = -log(u), taken in log space.
-        u = uniform(self.seed[slots_t], self.generated[slots_t], self.vocab_keys)
-        return (x - (-u.log()).log()).argmax(-1)
+        return race(x, self.noise(slots_t, steps))
 
     def _top_k_top_p(
         self, x: torch.Tensor, slots_t: torch.Tensor, k_max: int, use_top_p: bool
@@ -292,4 +340,4 @@ class Sampler:
             flat = slots_t * self.vocab_size + tokens
             self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         self.generated.index_add_(0, slots_t, torch.ones_like(slots_t))
-        self._generated[slots] += 1
+        np.add.at(self._generated, slots, 1)  # slots repeat after speculative verification

@@ -22,10 +22,14 @@ class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # one row each, first in the flat batch
     prefill: list[Sequence] = field(default_factory=list)
     prefill_lens: list[int] = field(default_factory=list)  # chunk length of each prefill request
+    # Speculative verification: decoding requests whose row is their newest token followed by
+    # proposed tokens (a chunk of 1 + len(proposal) against their cache), placed before the prefills.
+    verify: list[Sequence] = field(default_factory=list)
+    proposals: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(self.prefill_lens)
+        return len(self.decode) + sum(self.prefill_lens) + sum(1 + len(p) for p in self.proposals)
 
     def sampling(self) -> list[Sequence]:
         """Requests that sample this step, in row order: every decode row and each prefill whose
@@ -35,7 +39,7 @@ class ScheduledBatch:
             for s, n in zip(self.prefill, self.prefill_lens, strict=True)
             if s.num_computed + n == s.num_tokens
         ]
-        return self.decode + done
+        return self.decode + self.verify + done
 
 
 class Scheduler:
@@ -67,8 +71,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, proposals: dict[Sequence, list[int]] | None = None) -> ScheduledBatch:
+        """proposals: speculative tokens of decoding requests, verified this step (as many as the
+        token budget and the pool have room for: they are cut before anything is preempted). A
+        request in proposals verifies even with none left (a sampled draft decides its token so)."""
         batch = ScheduledBatch()
+        proposals = proposals or {}
         budget = self.max_num_batched_tokens
         preempted = False
         # Running requests in admission order: decode rows, then chunks of unfinished prefills.
@@ -76,8 +84,13 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = seq.num_uncomputed
-            chunk = 1 if n == 1 else min(n, budget)
+            verifying = n == 1 and seq in proposals
+            proposal = proposals[seq][: budget - 1] if verifying else []
+            chunk = 1 + len(proposal) if n == 1 else min(n, budget)
             while not self.pool.grow(seq, seq.num_computed + chunk):
+                if proposal:  # speculation never costs another request its pages
+                    proposal, chunk = [], 1
+                    continue
                 preempted = True
                 later = self.running[self.running.index(seq) + 1 :]
                 victim = self.policy.pick_victim(later) if later else seq
@@ -86,13 +99,16 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            if n == 1:
+            if verifying:
+                batch.verify.append(seq)
+                batch.proposals.append(proposal)
+            elif n == 1:
                 batch.decode.append(seq)
             else:
                 batch.prefill.append(seq)
                 batch.prefill_lens.append(chunk)
-            if self.pool.prefix_caching:
-                self.pool.commit(seq, seq.num_computed + chunk)
+            if self.pool.prefix_caching:  # only real tokens: a proposal's page is never published
+                self.pool.commit(seq, seq.num_computed + min(chunk, n))
             budget -= chunk
         # New requests, strictly first come first served; none in a step that had to preempt.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -136,21 +152,36 @@ class Scheduler:
         return batch
 
     def postprocess(
-        self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int]
+        self,
+        batch: ScheduledBatch,
+        sampled: list[Sequence],
+        tokens: list[int],
+        accepted: list[list[int]] | None = None,
     ) -> list[Sequence]:
         """Advance the cache positions, append sampled tokens and finish requests that stop.
-        Returns the requests that finished."""
+        accepted: per sampled request, the proposals verification kept, emitted before its sampled
+        token (a stop or max_tokens inside them ends the request there). Returns the requests that
+        finished."""
         for seq in batch.decode:
             seq.num_computed += 1
         for seq, n in zip(batch.prefill, batch.prefill_lens, strict=True):
             seq.num_computed += n
         finished = []
-        for seq, token in zip(sampled, tokens, strict=True):
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self.finish(seq, reason)
-                finished.append(seq)
+        verifying = set(batch.verify)
+        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
+            kept = accepted[i] if accepted else []
+            if seq in verifying:
+                # Its newest token and the kept proposals have their K/V; the rest are overwritten
+                # later, and the pages past them go back to the request's promise.
+                seq.num_computed += 1 + len(kept)
+                self.pool.shrink(seq, seq.num_computed)
+            for tok in (*kept, token):
+                seq.token_ids.append(tok)
+                reason = self._stop_reason(seq, tok)
+                if reason:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str:

@@ -88,3 +88,21 @@ class StepUpdate:
     @property
     def rid(self) -> str:
         return self.seq.rid
+
+
+def one_token_updates(updates: list[StepUpdate]) -> list[StepUpdate]:
+    """The updates with one token each: a request that emitted several in one step (speculative
+    decoding) takes one update per token, all but the last still running, so that whatever reads
+    them token by token (stop strings, the wire's one-token rows) sees the order decoding made."""
+    if all(len(u.token_ids) <= 1 for u in updates):
+        return updates
+    out = []
+    for u in updates:
+        if len(u.token_ids) <= 1:
+            out.append(u)
+            continue
+        last = len(u.token_ids) - 1
+        out += [StepUpdate(u.seq, [tok], u.finish_reason if i == last else "", None, u.new and i == 0,
+                           u.prompt_logprobs if i == 0 else None)
+                for i, tok in enumerate(u.token_ids)]
+    return out

@@ -78,6 +78,13 @@ ENGINE_SERIES: dict[str, tuple[type[GaugeMetricFamily] | type[CounterMetricFamil
                              "prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": (CounterMetricFamily, "prefix_cache_hits",
                           "prompt tokens found in the prefix cache"),
+    "spec_decode_num_draft_tokens": (CounterMetricFamily, "spec_draft_tokens", "speculative decoding: tokens "
+                                     "proposed and verified"),
+    "spec_decode_num_accepted_tokens": (CounterMetricFamily, "spec_accepted_tokens", "speculative decoding: "
+                                        "proposed tokens the model kept"),
+    "spec_decode_num_drafts": (CounterMetricFamily, "spec_verifications", "speculative decoding: "
+                               "verifications (a request's proposals in one step); accepted / drafts is the "
+                               "mean accepted length"),
 }
 
 

@@ -97,6 +97,7 @@ OPTIONAL_SAMPLING = (
     "logprobs",
     "prompt_logprobs",
     "skip_special_tokens",
+    "speculative",
 )
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256

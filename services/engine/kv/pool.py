@@ -235,6 +235,19 @@ class KVPool:
             self.seq_of_page[new[0]] = row  # a scalar fill: no host-device sync
         return True
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the pages past `num_tokens` tokens (a rejected speculation's) to the request's
+        promise. They were never hashed: commit publishes real tokens only."""
+        keep = max(self.pages_for(num_tokens), 1)
+        if len(seq.pages) <= keep:
+            return
+        for page in seq.pages[keep:]:
+            assert page not in self.hash_of and self.refs[page] == 1
+            self.refs[page] = 0
+            self._free.append(page)
+        self.promised += len(seq.pages) - keep
+        del seq.pages[keep:]
+
     def release(self, seq: Sequence) -> None:
         """Drop every page reference and promise of a request (finish, abort or preemption). Pages no
         request references any more are free; hashed ones stay findable, queued for eviction tail

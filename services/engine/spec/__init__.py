@@ -1,0 +1,3 @@
+"""Speculative decoding: proposers (n-gram prompt lookup in `ngram.py`, a draft model in `draft.py`),
+exact verification (`verify.py`), the measured rule that sizes each request's proposal
+(`adaptive.py`) and the per-step orchestration with its counters (`speculator.py`)."""

@@ -1,0 +1,134 @@
+"""The engine's speculative decoding, one step at a time: before scheduling, size each decoding
+request's proposal (adaptive.py) and propose (n-gram lookup or the draft model); after the verified
+step, learn from what was kept, roll the draft's cache back to it, and count.
+
+Requests that opt out (`SamplingParams.speculative = False`), and those whose next token depends on
+more than the target's distribution at one position (penalties, structured outputs) or that ask for
+logprobs, decode normally in the same batch."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from services.engine.sampler import MIN_TEMPERATURE
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence, Status
+
+from .adaptive import AdaptiveK
+from .draft import DraftModel
+from .ngram import NgramProposer
+from .verifier import DraftProposals
+
+
+def speculates(seq: Sequence) -> bool:
+    p = seq.params
+    return (
+        p.speculative
+        and not p.constrained
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+    )
+
+
+class Speculator:
+    def __init__(self, k: int, max_num_seqs: int, max_model_len: int, adaptive: bool = True,
+                 ngram: NgramProposer | None = None, draft: DraftModel | None = None) -> None:
+        assert (ngram is None) != (draft is None), "one proposer"
+        self.ngram, self.draft = ngram, draft
+        self.max_model_len = max_model_len
+        self.adaptive = AdaptiveK(k, max_num_seqs, adaptive)
+        self._proposed: list[Sequence] = []
+        self.num_draft_tokens = 0  # proposed tokens that were verified
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0  # (request, step) pairs verified: accepted / this = mean run
+
+    # -- around the scheduler -------------------------------------------------------------------
+    def propose(self, running: list[Sequence]) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
+        start = time.perf_counter()
+        decoding = [s for s in running if s.status is Status.RUNNING and s.num_uncomputed == 1]
+        self._proposed = []
+        if not decoding or self.adaptive.off(len(decoding)):  # the common case at large batch: cheap
+            return {}, None
+        eligible = [s for s in decoding if speculates(s)]
+        if not eligible:
+            return {}, None
+        slots = np.fromiter((s.slot for s in eligible), np.int64, len(eligible))
+        sizes = self.adaptive.sizes(slots, len(decoding))
+        # Tokens past max_tokens or the context are never emitted: no use proposing them.
+        room = np.fromiter(
+            (min(s.params.max_tokens - s.num_output, self.max_model_len - s.num_tokens) - 1
+             for s in eligible),
+            np.int64,
+            len(eligible),
+        )
+        sizes = np.clip(np.minimum(sizes, room), 0, None)
+        if not sizes.all():
+            self.adaptive.idle(slots[sizes == 0])
+        drafts = None
+        proposals: dict[Sequence, list[int]] = {}
+        if self.ngram is not None:
+            for seq, n in zip(eligible, sizes.tolist(), strict=True):
+                proposal = self.ngram.propose(seq.token_ids, n) if n else []
+                if proposal:
+                    proposals[seq] = proposal
+        else:
+            # A sampled request draws one token more than it proposes and always verifies, so each
+            # of its tokens is decided by rejection sampling whatever the size (verify.py).
+            assert self.draft is not None
+            sampled = np.fromiter((s.params.temperature >= MIN_TEMPERATURE for s in eligible), bool,
+                                  len(eligible))
+            rounds = sizes + sampled
+            chosen = [s for s, n in zip(eligible, rounds, strict=True) if n > 0]
+            drawn, drafts = self.draft.propose(chosen, rounds[rounds > 0])
+            for seq, n, extra in zip(eligible, sizes.tolist(), sampled.tolist(), strict=True):
+                tokens = drawn.get(seq)
+                if tokens:
+                    proposals[seq] = tokens[: min(n, len(tokens) - extra)]
+        self._proposed = list(proposals)
+        if proposals:
+            self.adaptive.record_proposing(sum(map(len, proposals.values())), time.perf_counter() - start)
+        return proposals, drafts
+
+    def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
+        """After the runner, before postprocessing (the requests' token lists are still the step's
+        input): learn the step's cost and each verified request's outcome."""
+        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds)
+        verified: dict[Sequence, int] = {}
+        if batch.verify:
+            assert accepted is not None
+            nd = len(batch.decode)
+            kept = np.fromiter((len(a) for a in accepted[nd : nd + len(batch.verify)]), np.int64)
+            lens = np.fromiter((len(p) for p in batch.proposals), np.int64, len(batch.proposals))
+            slots = np.fromiter((s.slot for s in batch.verify), np.int64, len(batch.verify))
+            self.adaptive.observe(slots, lens, kept)
+            self.num_draft_tokens += int(lens.sum())
+            self.num_accepted_tokens += int(kept.sum())
+            self.num_verifications += len(batch.verify)
+            verified = dict(zip(batch.verify, kept.tolist(), strict=True))
+        if self.draft is not None:
+            for seq in self._proposed:  # proposals the scheduler dropped kept nothing
+                self.draft.rollback(seq, seq.num_tokens + verified.get(seq, 0))
+        self._proposed = []
+
+    # -- per request ----------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        self.adaptive.admit(seq.slot)
+
+    def release(self, seq: Sequence) -> None:
+        if self.draft is not None:
+            self.draft.release(seq)
+
+    @staticmethod
+    def zero_stats() -> dict[str, int]:
+        return dict.fromkeys(("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications"), 0)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_verifications": self.num_verifications,
+        }
