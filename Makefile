@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 WORKERS ?= 2
 PYTEST_ARGS ?=
 DOCKER_PACKAGES := docker.io docker-compose debootstrap
@@ -25,7 +26,7 @@ proto: $(STAMP)
 	$(BIN)/python -m services.gateway.proto
 
 serve: $(STAMP)
-	$(BIN)/pipeserve up $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) --tokenizer-workers $(WORKERS)
+	$(BIN)/pipeserve up $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --tokenizer-workers $(WORKERS)
 
 # The whole suite, after ruff and the type checker (CI runs this target).
 test: lint

@@ -189,11 +189,13 @@ def serve_synthetic(model_dir: str) -> int:
 
 # ---- the pipeline's processes -------------------------------------------------------------------
 @contextlib.contextmanager
-def pipeline(engine: EngineConfig, workers: int, synthetic: bool, timeout: float = 300.0) -> Iterator[str]:
-    """Start the launcher's processes (the engine or the synthetic one); yield the gRPC target."""
+def pipeline(engine: EngineConfig, workers: int, synthetic: bool, timeout: float = 300.0,
+             http_port: int | None = None) -> Iterator[str]:
+    """Start the launcher's processes (the engine or the synthetic one); yield the gRPC target.
+    http_port: the gateway serves the OpenAI HTTP API there too."""
     from services.launcher import running
 
-    gateway = GatewayConfig(port=free_port(), grace=1.0)
+    gateway = GatewayConfig(port=free_port(), grace=1.0, http_port=http_port)
     engine_argv = ["bench", "pipeline", "--serve-synthetic", str(engine.model)] if synthetic else None
     with running(engine, gateway, workers, timeout, [], engine_argv=engine_argv) as up:
         if not up.serving:

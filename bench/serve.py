@@ -1,4 +1,5 @@
-"""`pipeserve bench serve`: streaming gRPC clients against a running gateway (`pipeserve up`).
+"""`pipeserve bench serve`: streaming clients against a running gateway (`pipeserve up`): gRPC, or
+with --api openai the OpenAI-compatible HTTP API (`/v1/completions`, server-sent events).
 
 Workload, one of:
 - a trace replay (default): the shared traces (or --trace files) at their real arrival times
@@ -16,13 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
+import json
 import math
 import os
 import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 from tqdm import tqdm
@@ -53,6 +59,9 @@ class Planned:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="gateway host:port")
+    parser.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                        help="the front end to drive: gRPC, or the OpenAI HTTP API at --http-url")
+    parser.add_argument("--http-url", default="http://127.0.0.1:8000", help="the HTTP API's base URL")
     parser.add_argument("--trace", nargs="+", metavar="CSV",
                         help="trace files (default: every CSV in $PIPESERVE_SHARED/data/traces)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
@@ -121,12 +130,64 @@ async def send(client: AsyncClient, planned: Planned, prompt: list[int], timeout
     return outcome
 
 
-async def replay(args: argparse.Namespace) -> tuple[dict[str, Any], list[Outcome], float]:
-    """Run the workload; returns the server's model info, the outcomes and the duration."""
+async def send_openai(session: aiohttp.ClientSession, planned: Planned, prompt: list[int],
+                      timeout: float | None) -> Outcome:
+    """send() through the OpenAI HTTP API: one streamed /v1/completions, tokens counted by the ids
+    each event carries (return_token_ids)."""
+    record = RequestRecord(time.perf_counter(), prompt_tokens=planned.prompt_tokens, app=planned.app)
+    outcome = Outcome(planned, record)
+    body = {"prompt": prompt, "max_tokens": planned.output_tokens, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "return_token_ids": True}
+    try:
+        async with session.post("/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+            else:
+                async for line in response.content:  # one SSE line at a time
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        record.error = event["error"]["message"]
+                        break
+                    choice = event["choices"][0]
+                    record.add_chunk(time.perf_counter(), len(choice["token_ids"]))
+                    outcome.chunks += 1
+                    outcome.finish_reason = choice["finish_reason"] or outcome.finish_reason
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    if record.error is None and record.output_tokens != planned.output_tokens:
+        record.error = f"got {record.output_tokens} tokens, asked for {planned.output_tokens}"
+    return outcome
+
+
+def http_session(url: str) -> aiohttp.ClientSession:
+    """The HTTP client of the OpenAI API runs: aiohttp (as vLLM's benchmark), no connection limit."""
+    return aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+@contextlib.asynccontextmanager
+async def front_end(
+    args: argparse.Namespace,
+) -> AsyncIterator[tuple[Callable[..., Coroutine[Any, Any, Outcome]], Any]]:
+    """(send, model info) for --api: the gRPC client, or an HTTP client of the same server."""
     async with AsyncClient(args.target) as client:
         await client.wait_ready(args.ready_timeout)
         info = await client.model_info()
-        server = {"target": args.target, "name": info.name, "context_length": info.context_length,
+        if args.api == "grpc":
+            yield functools.partial(send, client), info
+            return
+        async with http_session(args.http_url) as http:
+            yield functools.partial(send_openai, http), info
+
+
+async def replay(args: argparse.Namespace) -> tuple[dict[str, Any], list[Outcome], float]:
+    """Run the workload; returns the server's model info, the outcomes and the duration."""
+    async with front_end(args) as (send_one, info):
+        server = {"target": args.target if args.api == "grpc" else args.http_url, "api": args.api,
+                  "name": info.name, "context_length": info.context_length,
                   "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device}  # fmt: skip
         work = plan(args, info.context_length)
         rng = np.random.default_rng(args.seed)
@@ -138,7 +199,7 @@ async def replay(args: argparse.Namespace) -> tuple[dict[str, Any], list[Outcome
             delay = start + planned.arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send(client, planned, prompt, args.timeout))
+            task = asyncio.create_task(send_one(planned, prompt, args.timeout))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         outcomes = list(await asyncio.gather(*tasks))

@@ -15,7 +15,7 @@ import importlib.util
 import sys
 
 # What `pipeserve[bench]` adds to the serving dependencies (pyproject.toml).
-BENCH_EXTRA = ("matplotlib", "rich")
+BENCH_EXTRA = ("matplotlib", "rich", "aiohttp")
 INSTALL_BENCH = "pip install 'pipeserve[bench]'"
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,7 +34,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "offline": ("bench.offline", "engine vs HF generate on trace-shaped requests"),
     "throughput": ("bench.throughput", "decode throughput by batch size"),
     "latency": ("bench.latency", "prefill and decode latency tables"),
-    "serve": ("bench.serve", "streaming gRPC clients replaying a trace"),
+    "serve": ("bench.serve", "streaming gRPC or OpenAI HTTP clients replaying a trace"),
+    "http": ("bench.http", "the OpenAI HTTP API vs gRPC: added TTFT and capacity (synthetic engine)"),
     "pipeline": ("bench.pipeline", "pipeline vs in-process, and gateway capacity"),
     "quant": ("bench.quant", "quantization accuracy, memory and speed"),
     "reliability": ("bench.reliability", "fault, overload and soak figures"),

@@ -227,6 +227,8 @@ class GatewayConfig:
                                   "end UNAVAILABLE)")
     grace: float = opt(10.0, "on SIGTERM, seconds in-flight streams get to finish")
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port; unset: off")
+    http_port: int | None = opt(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port; "
+                                "unset: 8000 under `pipeserve up`, off for `pipeserve gateway` alone")
     api_key: str | None = opt(None, 'require "authorization: Bearer KEY" on every call but health')
     tls_cert: str | None = opt(None, "PEM certificate: serve gRPC over TLS only (with --tls-key)")
     tls_key: str | None = opt(None, "PEM private key of --tls-cert")

@@ -59,6 +59,7 @@ PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW, then give up and shut down
 RESTART_WINDOW = 60.0
 STOP_TIMEOUT = 10.0
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port under `up` (as vLLM's)
 
 
 TITLE = "pipeserve: "
@@ -224,7 +225,7 @@ def plan(
         *engine_children,
         Child("detokenizer", ["detokenizer", *tokenizer], env=others_env),
         *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer], env=others_env) for i in range(workers)],
-        Child("gateway", ["gateway", *cfg.to_argv(gateway)], env=others_env),
+        Child("gateway", ["gateway", *cfg.to_argv(gateway), *tokenizer], env=others_env),
     ]
 
 
@@ -330,6 +331,8 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
     """The configs `up` serves, every start-up check passed (StartupError otherwise)."""
     if args.tokenizer_workers < 1:
         raise StartupError(f"--tokenizer-workers must be >= 1, got {args.tokenizer_workers}")
+    if args.http_port is None:
+        args.http_port = DEFAULT_HTTP_PORT
     try:
         engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
     except ValueError as exc:  # the configs' own checks (ranges, TLS files that go together)

@@ -64,13 +64,15 @@ class LocalCluster:
         """model None: the demo model. flags go to `pipeserve up`; security to the Client (TLS root
         certificate and server name, API key) when the flags make the gateway require it; env adds
         to the environment (e.g. a Hugging Face cache)."""
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI-compatible API
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log: IO[str] = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         argv = [
             *(["--model", model] if model else []),
             *["--device", device, "--port", str(self.port), "--metrics-port", str(self.metrics_port)],
+            *["--http-port", str(self.http_port)],
             *["--tokenizer-workers", str(workers), *flags],
         ]
         self.proc = subprocess.Popen(

@@ -101,7 +101,13 @@ class TokenizeRequest(Message):
     app: str = ""
     arrival: float = 0.0  # wall clock (time.time()) at the gateway; the engine process converts it
     cache_salt: str = ""  # prefix caching: pages are shared only among requests with the same salt
-    engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends it there)
+    n: int = 1  # engine requests made from this one prompt (the OpenAI `n`): see engine_rids()
+    fit_max_tokens: bool = False  # max_tokens was not given: lower it to what the context leaves
+    engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends all n there)
+
+    def engine_rids(self) -> list[str]:
+        """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""
+        return [self.rid] if self.n == 1 else [f"{self.rid}-{i}" for i in range(self.n)]
 
 
 @dataclass
@@ -130,6 +136,16 @@ class Abort(Message):
 
 
 @dataclass
+class PromptLogprobs:
+    """Every prompt token's logprob (NaN for the first, which has none) and its top-k alternatives."""
+
+    prompt_ids: bytes  # packed int32 [P]
+    logprobs: bytes  # packed float32 [P]
+    top_ids: bytes  # packed int32 [P * k], row-major
+    top_logprobs: bytes  # packed float32 [P * k]
+
+
+@dataclass
 class NewRequestInfo:
     """What the detokenizer needs to know of a request, sent with its first step output."""
 
@@ -140,6 +156,8 @@ class NewRequestInfo:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (usage)
+    queue_time: float = 0.0  # seconds from its arrival to its first scheduling (metrics)
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked
 
 
 @dataclass
@@ -213,6 +231,9 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     cached_prompt_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None] | None = None
     stats: dict[str, int] | None = None
+    queue_time: list[float] = field(default_factory=list)  # per row (metrics); empty: not measured
+    # With a request's first row, when it asked: one entry per prompt token (the first's logprob NaN).
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
     engines: dict[str, dict[str, int]] | None = None  # engine index (as a string) -> its latest counters
     row_engines: list[int] | None = None  # data parallel: the engine running each row's request
 

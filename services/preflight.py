@@ -1,7 +1,7 @@
 """What `pipeserve up` checks before it starts any process, so that a mistake ends in one line that
 says what is wrong and what to do instead of tracebacks from five processes:
 
-- the ports: the gRPC port (and the metrics port) must be free on the host;
+- the ports: the gRPC port (and the metrics and HTTP ports) must be free on the host;
 - the model: a checkpoint directory with config.json of a supported architecture and safetensors
   weights, or a hub id (downloaded into the Hugging Face cache, or found there offline);
 - the tokenizer (--tokenizer, or the model's; a slow-only one is converted here, once) and the
@@ -57,10 +57,14 @@ def check_port(host: str, port: int, flag: str) -> None:
 
 def check_ports(gateway: GatewayConfig) -> None:
     check_port(gateway.host, gateway.port, "--port")
-    if gateway.metrics_port is not None:
-        if gateway.metrics_port == gateway.port:
-            raise StartupError(f"--metrics-port {gateway.metrics_port} is also --port: choose another")
-        check_port(gateway.host, gateway.metrics_port, "--metrics-port")
+    taken = {gateway.port: "--port"}
+    for flag, port in (("--metrics-port", gateway.metrics_port), ("--http-port", gateway.http_port)):
+        if port is None:
+            continue
+        if port in taken:
+            raise StartupError(f"{flag} {port} is also {taken[port]}: choose another")
+        taken[port] = flag
+        check_port(gateway.host, port, flag)
 
 
 def resolve(engine: EngineConfig) -> EngineConfig:

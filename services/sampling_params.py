@@ -36,6 +36,8 @@ class SamplingParams:
     min_tokens: int = opt(0, "generate at least this many tokens before any stop applies")
     logprobs: int | None = opt(None, "return the log-probability of each token and of its N most likely "
                                "alternatives; unset: none")
+    prompt_logprobs: int | None = opt(None, "return the log-probability of every prompt token (the first has "
+                                      "none) and of its N most likely alternatives; unset: none")
     skip_special_tokens: bool = opt(True, "leave special tokens out of the text")
     speculative: bool = opt(True, "let the engine's speculative decoding propose tokens for this request "
                             "(exact either way); false opts out")
@@ -84,10 +86,10 @@ class SamplingParams:
             bad("seed", "must be an integer in [0, 2**63)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs
-        ):
-            bad("logprobs", f"must be in [0, {max_logprobs}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= max_logprobs):
+                bad(name, f"must be in [0, {max_logprobs}]")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} allowed")
         for s in self.stop:

@@ -57,7 +57,7 @@ sys.exit(main(["bench", "serve", "--target", "127.0.0.1:1"]))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    expected = "pipeserve bench serve needs matplotlib, rich: pip install 'pipeserve[bench]'"
+    expected = "pipeserve bench serve needs matplotlib, rich, aiohttp: pip install 'pipeserve[bench]'"
     assert proc.stderr.strip() == expected
     assert proc.stdout == ""
 

@@ -185,20 +185,23 @@ def test_serve_against_a_scripted_server(scripted, tmp_path: Path) -> None:
 
 # ---- end to end: `pipeserve up` on stories260K ----------------------------------------------------
 @pytest.fixture(scope="module")
-def server(stories_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(stories_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_path = tmp_path_factory.mktemp("serve") / "up.log"
     with LocalCluster(log_path, stories_dir, "--kv-cache-gb", "0.05", workers=1, startup=90) as cluster:
-        yield cluster.target
+        yield cluster
 
 
 @pytest.mark.slow
-def test_serve_end_to_end(server: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_serve_end_to_end(server: LocalCluster, api: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = parse(["--target", server, "--num-requests", "8", "--rate-scale", "2", "--timeout", "60",
+    args = parse(["--target", server.target, "--api", api, "--http-url", server.http_url,
+                  "--num-requests", "8", "--rate-scale", "2", "--timeout", "60",
                   "--json", str(tmp_path / "s.json"), "--out", str(out)])  # fmt: skip
     assert serve.main(args) == 0
     result = json.loads((tmp_path / "s.json").read_text())
     assert result["server"]["name"] == "stories260K" and result["server"]["context_length"] == 512
+    assert result["server"]["api"] == api
     s = result["summary"]
     assert (s["requests"], s["completed"], s["failed"]) == (8, 8, 0)
     for r in result["requests"]:

@@ -84,7 +84,7 @@ def test_services_and_networks(compose):
 def test_only_the_gateway_port_is_published(compose):
     published = {name: s.get("ports") for name, s in compose["services"].items() if s.get("ports")}
     assert list(published) == ["gateway"]
-    assert [p["target"] for p in published["gateway"]] == [50051]
+    assert [p["target"] for p in published["gateway"]] == [50051, 8000]  # gRPC, the OpenAI HTTP API
     assert set(compose["services"]["gateway"]["networks"]) == {"pipeline", "public"}
 
 
@@ -110,14 +110,14 @@ def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
     engine = compose["services"]["engine"]
     assert engine["runtime"] == "nvidia" and engine["environment"]["NVIDIA_VISIBLE_DEVICES"] == "0"
     assert engine["command"][-2:] == ["--device", "cuda"]
-    for name in ("tokenizer", "engine", "detokenizer"):
+    # The gateway reads only the tokenizer (HTTP /tokenize and /detokenize), from the same mount.
+    for name in ("tokenizer", "engine", "detokenizer", "gateway"):
         (volume,) = compose["services"][name]["volumes"]
         assert (volume["source"], volume["target"], volume["read_only"]) == (
             compose["model_dir"],
             "/model",
             True,
         )
-    assert "volumes" not in compose["services"]["gateway"]
 
 
 def test_healthchecks(compose):

@@ -59,6 +59,8 @@ def test_least_loaded_by_waiting_x4_plus_running_and_bursts_spread() -> None:
     router.report(1, {"waiting": 0, "running": 0}, heartbeat=True)  # settles what was routed to it
     assert router.pick([]) == 1
     assert [v.routed for v in router.engines] == [1, 2, 1]
+    # A request with n = 3 queues three engine requests there: 4 x (1 + 3).
+    assert router.pick([], copies=3) == 1 and router.engines[1].load() == 16
 
 
 def test_prefix_affinity_unless_much_busier_and_never_to_a_dead_engine() -> None:

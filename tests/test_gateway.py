@@ -78,6 +78,7 @@ class FakePipeline:
         self.control = self.controls[0]
         self.boots = [1] * engines
         self.silent: set[int] = set()  # engines whose heartbeats stopped
+        self.completions: dict[str, int] = {}
         self.stats = {"running": 0, "pages_used": 0}
         self.per_engine: dict[int, dict[str, int]] = {}  # an engine's own counters, instead of stats
         self.beating = threading.Event()
@@ -146,8 +147,11 @@ class FakePipeline:
         return msg
 
     def send(self, rows: list[tuple[str, str, list[int], str]], logprobs: list[Any] | None = None) -> None:
-        """rows of (rid, text, ids, finish), as one TextDeltas."""
+        """rows of (rid, text, ids, finish), as one TextDeltas (completion_tokens counts each rid's
+        ids so far, as the detokenizer does)."""
         offsets = np.cumsum([0] + [len(r[2]) for r in rows]).tolist()
+        for r in rows:
+            self.completions[r[0]] = self.completions.get(r[0], 0) + len(r[2])
         self.deltas.send(
             encode(
                 TextDeltas(
@@ -157,7 +161,7 @@ class FakePipeline:
                     offsets=offsets,
                     finish=[r[3] for r in rows],
                     prompt_tokens=[3] * len(rows),
-                    completion_tokens=[len(r[2]) for r in rows],
+                    completion_tokens=[self.completions[r[0]] for r in rows],
                     cached_prompt_tokens=[2] * len(rows),
                     logprobs=logprobs,
                 )
@@ -227,15 +231,16 @@ def test_stream_roundtrip_and_request_fields(fake):
     last = next(call)
     assert (last.text, list(last.token_ids), last.finish_reason) == (" there", [9, 10], "length")
     usage = last.usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 2, 2)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 3, 2)
     assert list(call) == []
     fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
     assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1
     assert fake.metric('pipeserve_engine{name="running"}') == 0
     fake.stats.update(spec_draft_tokens=12, spec_accepted_tokens=5, spec_verifications=4)
-    fake.wait(lambda: fake.metric("pipeserve:spec_decode_num_draft_tokens_total") == 12)
-    assert fake.metric("pipeserve:spec_decode_num_accepted_tokens_total") == 5
-    assert fake.metric("pipeserve:spec_decode_num_drafts_total") == 4
+    drafts = 'pipeserve:spec_decode_num_draft_tokens_total{engine="0"}'
+    fake.wait(lambda: scrape(fake.metrics_port).get(drafts) == 12)  # the next heartbeat
+    assert fake.metric('pipeserve:spec_decode_num_accepted_tokens_total{engine="0"}') == 5
+    assert fake.metric('pipeserve:spec_decode_num_drafts_total{engine="0"}') == 4
 
 
 def test_ids_and_chat_inputs_and_assigned_ids(fake):

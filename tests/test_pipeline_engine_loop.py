@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(30)
 @dataclass
 class FakeConfig:
     max_logprobs: int = 7
+    tensor_parallel_size: int = 1  # the heartbeat reports it
 
 
 class FakeEngine:

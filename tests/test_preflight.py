@@ -28,9 +28,14 @@ def test_a_port_in_use_is_one_line() -> None:
             check_ports(GatewayConfig(port=port))
         with pytest.raises(StartupError, match="choose another --metrics-port"):
             check_ports(GatewayConfig(port=free_port(), metrics_port=port))
+        with pytest.raises(StartupError, match="choose another --http-port"):
+            check_ports(GatewayConfig(port=free_port(), http_port=port))
+    grpc = free_port()
+    with pytest.raises(StartupError, match=f"--http-port {grpc} is also --port"):
+        check_ports(GatewayConfig(port=grpc, http_port=grpc))
     with pytest.raises(StartupError, match="not an address of this machine"):
         check_ports(GatewayConfig(host="192.0.2.1", port=free_port()))
-    check_ports(GatewayConfig(port=free_port(), metrics_port=free_port()))
+    check_ports(GatewayConfig(port=free_port(), metrics_port=free_port(), http_port=free_port()))
 
 
 def test_model_problems(tmp_path: Path, stories_dir: str) -> None:

@@ -322,7 +322,7 @@ def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
     for g, w in zip(got, want, strict=True):
         assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
         assert g.completion_tokens == len(w.token_ids)
-    assert metrics["pipeserve:spec_decode_num_accepted_tokens_total"] > 0
+    assert metrics['pipeserve:spec_decode_num_accepted_tokens_total{engine="0"}'] > 0
 
 
 def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
@@ -346,3 +346,22 @@ def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
     assert finished == [short] and short.output_ids == [9, 5, 6] and short.finish_reason == "length"
     assert long.output_ids == [9, 5, 11] and long.num_computed == 5 and len(long.pages) == 2
     assert pool.num_free == 30  # the short one's pages back, the long one's third page too
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_prompt_logprobs_beside_speculating_requests(tiny_model, method):
+    """Requests asking for prompt logprobs prefill in chunks beside ones that verify proposals: the
+    prompt rows are read out of the target model only (never the draft's), tokens unchanged."""
+    model = tiny_model("llama")
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+              for k in (2, None, 1, 0)]
+    want = LLM(model, device="cpu", dtype="float32", **CHUNKED).generate(PROMPTS, params)
+    llm = LLM(model, device="cpu", dtype="float32", **CHUNKED, **spec(method, model))
+    got = llm.generate(PROMPTS, params)
+    assert llm.engine.stats()["spec_verifications"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
+        for a, b in zip(g.prompt_logprobs or [], w.prompt_logprobs or [], strict=True):
+            assert (a is None and b is None) or (list(a["top"]) == list(b["top"])
+                                                 and a["logprob"] == pytest.approx(b["logprob"], abs=1e-5))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,6 +206,36 @@ def test_tp2_w8a8_stays_close_to_tp1(tiny_model) -> None:
     for one, two in zip(*runs, strict=True):
         assert one.token_ids == two.token_ids
         assert abs(one.logprobs[0]["logprob"] - two.logprobs[0]["logprob"]) < 0.05
+
+
+def prompt_logprobs(tiny_model, tp: int) -> list[tuple[list[int], Any]]:
+    """Chunked prefills where some requests ask for prompt logprobs: steps that read out sampled and
+    prompt rows together, prompt rows alone, and every row."""
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", tensor_parallel_size=tp, page_size=4,
+              max_num_batched_tokens=4)
+    prompts = [[1, 5, 9, 13, 2, 7, 30, 31, 4, 11, 19, 3, 8], [1, 40, 41], [1, 6]]
+    outs = [llm.generate([ids], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                               prompt_logprobs=k))[0]
+            for ids, k in zip(prompts, (3, None, 2), strict=True)]
+    together = llm.generate(prompts, [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                     prompt_logprobs=k) for k in (3, None, 2)])
+    llm.engine.close()
+    return [(o.token_ids, o.prompt_logprobs) for o in outs + together]
+
+
+@pytest.mark.slow
+def test_tp2_prompt_logprobs_match_tp1(tiny_model) -> None:
+    """Prompt rows read out beside the sampled ones take one logits pass (a collective every rank
+    joins), so TP=2 scores the prompt as TP=1 does."""
+    for (ids1, lp1), (ids2, lp2) in zip(prompt_logprobs(tiny_model, 1), prompt_logprobs(tiny_model, 2),
+                                        strict=True):
+        assert ids1 == ids2
+        assert (lp1 is None) == (lp2 is None)
+        if lp1 is not None:
+            assert lp1[0] is None and lp2[0] is None and len(lp1) == len(lp2) > 1
+            assert [list(e["top"]) for e in lp1[1:]] == [list(e["top"]) for e in lp2[1:]]
+            want, got = ([e["logprob"] for e in lp[1:]] for lp in (lp1, lp2))
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)
 
 
 # -- lifetime ------------------------------------------------------------------------------------

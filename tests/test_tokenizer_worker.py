@@ -235,3 +235,23 @@ def test_two_worker_processes(stories_dir: str, stories, tmp_path) -> None:
     assert codes == [0, 0]  # SIGTERM is a clean exit
     assert all(log.count("tokenized") > 0 for log in logs), logs  # both workers got work
     assert sum(log.count("dropping malformed") for log in logs) == 2
+
+
+def test_n_engine_requests_from_one_tokenization(worker: Tokenizer) -> None:
+    """n > 1: one EngineRequest per engine id with the same ids, seeds seed + i; errors likewise."""
+    outs = worker.handle_all(request(rid="m", prompt="Once upon", n=3, sampling={"seed": 7}))
+    assert [o.rid for o in outs] == ["m-0", "m-1", "m-2"]
+    assert all(isinstance(o, EngineRequest) and o.prompt_ids == outs[0].prompt_ids for o in outs)
+    assert [o.sampling.seed for o in outs] == [7, 8, 9]
+    unseeded = worker.handle_all(request(rid="u", prompt="Once upon", n=2))
+    assert [o.sampling.seed for o in unseeded] == [None, None]  # the engine draws each its own
+    errors = worker.handle_all(request(rid="e", prompt_ids=pack_ids([1, 99999]), n=2))
+    assert [(type(o).__name__, o.rid) for o in errors] == [("RequestError", "e-0"), ("RequestError", "e-1")]
+
+
+def test_fit_max_tokens_lowers_max_tokens_to_the_room_left(worker: Tokenizer) -> None:
+    out = worker.handle(request(prompt="Once upon a time", sampling={"max_tokens": 64}, fit_max_tokens=True))
+    assert isinstance(out, EngineRequest)
+    assert out.sampling.max_tokens == 64 - len(unpack_ids(out.prompt_ids))
+    refused = worker.handle(request(prompt="Once upon a time", sampling={"max_tokens": 64}))
+    assert isinstance(refused, RequestError) and "max_tokens" in refused.message

@@ -6,6 +6,7 @@ from typing import Any
 
 from services.messages import (
     MessageError,
+    PromptLogprobs,
     StepLogprobs,
     TokenLogprob,
     TopLogprob,
@@ -46,5 +47,24 @@ def format_logprobs(token_id: int, row: StepLogprobs, texts: TokenTexts) -> Toke
     top_lps = unpack_floats(row.top_logprobs).tolist()
     if len(top_lps) != len(top_ids):
         raise MessageError(f"{len(top_ids)} top ids but {len(top_lps)} top logprobs")
+    return _entry(token_id, row.logprob, top_ids, top_lps, texts)
+
+
+def format_prompt_logprobs(prompt: PromptLogprobs, texts: TokenTexts) -> list[TokenLogprob]:
+    """Every prompt token with its logprob (NaN for the first) and top alternatives, with texts."""
+    ids = unpack_ids(prompt.prompt_ids).tolist()
+    lps = unpack_floats(prompt.logprobs).tolist()
+    top_ids, top_lps = unpack_ids(prompt.top_ids), unpack_floats(prompt.top_logprobs)
+    if len(lps) != len(ids) or len(top_ids) != len(top_lps) or len(top_ids) % max(1, len(ids)):
+        raise MessageError(f"prompt logprobs of {len(ids)} ids: {len(lps)} logprobs, {len(top_ids)} top ids, "
+                           f"{len(top_lps)} top logprobs")
+    k = len(top_ids) // max(1, len(ids))
+    top_id_rows, top_lp_rows = top_ids.reshape(len(ids), k).tolist(), top_lps.reshape(len(ids), k).tolist()
+    return [_entry(t, lp, top_id_rows[i] if i else [], top_lp_rows[i] if i else [], texts)
+            for i, (t, lp) in enumerate(zip(ids, lps, strict=True))]
+
+
+def _entry(token_id: int, logprob: float, top_ids: list[int], top_lps: list[float],
+           texts: TokenTexts) -> TokenLogprob:
     top = [TopLogprob(t, texts[t], lp) for t, lp in zip(top_ids, top_lps, strict=True)]
-    return TokenLogprob(token_id, texts[token_id], row.logprob, top)
+    return TokenLogprob(token_id, texts[token_id], logprob, top)

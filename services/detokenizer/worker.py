@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from services.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
-from services.detokenizer.logprobs import TokenTexts, format_logprobs
+from services.detokenizer.logprobs import TokenTexts, format_logprobs, format_prompt_logprobs
 from services.messages import (
     Abort,
     MessageError,
@@ -47,6 +47,8 @@ class RequestState:
     prompt_tokens: int
     logprobs: bool
     cached_prompt_tokens: int = 0
+    queue_time: float = 0.0
+    prompt_logprobs: list[TokenLogprob] | None = None  # sent with the request's first row
     engine: int = 0  # data parallel: the engine running it (its stop abort goes there)
 
 
@@ -59,6 +61,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish: str = ""
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Detokenizer:
@@ -101,7 +104,8 @@ class Detokenizer:
                 continue
             row = rows.get(rid)
             if row is None or row.state is not state:
-                row = rows[rid] = Row(state)
+                row = rows[rid] = Row(state, prompt_logprobs=state.prompt_logprobs)
+                state.prompt_logprobs = None
             token = int(tokens[i])
             ids = [token] if token >= 0 else []
             if ids:
@@ -133,8 +137,14 @@ class Detokenizer:
             return  # announced again (e.g. after preemption): keep the text state
         detok = IncrementalDetokenizer(self.tokenizer, tail.tolist(), info.stop, info.skip_special_tokens,
                                        decode=self._decode, skip=self._skip)
+        prompt = None
+        if info.prompt_logprobs is not None:
+            try:
+                prompt = format_prompt_logprobs(info.prompt_logprobs, self.texts)
+            except MessageError as exc:
+                log.warning("dropping malformed prompt logprobs of %s: %s", info.rid, exc)
         self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None,
-                                               info.cached_prompt_tokens, engine)
+                                               info.cached_prompt_tokens, info.queue_time, prompt, engine)
 
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
@@ -142,6 +152,7 @@ class Detokenizer:
             tokens += row.tokens
             offsets.append(len(tokens))
         logprobs = [row.logprobs for row in rows.values()]
+        prompt = [row.prompt_logprobs for row in rows.values()]
         return TextDeltas(
             rids=list(rows), text=["".join(row.text) for row in rows.values()], tokens=pack_ids(tokens),
             offsets=offsets, finish=[row.finish for row in rows.values()],
@@ -149,8 +160,10 @@ class Detokenizer:
             cached_prompt_tokens=[row.state.cached_prompt_tokens for row in rows.values()],
             completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            row_engines=[row.state.engine for row in rows.values()],
             stats={"detok_requests": len(self.requests)},
+            queue_time=[row.state.queue_time for row in rows.values()],
+            prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None,
+            row_engines=[row.state.engine for row in rows.values()],
             engines={str(engine): stats for engine, stats in self.engine_stats.items()})
 
 

@@ -27,6 +27,7 @@ from services.engine.model.quantize import quantize_model
 from services.engine.model.tensor_parallel import check_shardable
 from services.engine.parallel import group as parallel_group
 from services.engine.parallel.group import TPGroup
+from services.engine.prompt_logprobs import PromptLogprobs
 from services.engine.runner import ModelRunner, StepResult
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler
@@ -322,7 +323,10 @@ class Engine:
     @staticmethod
     def _update(seq: Sequence, token_ids: list[int]) -> StepUpdate:
         new, seq.announced = not seq.announced, True
-        return StepUpdate(seq, token_ids, seq.finish_reason, None, new)
+        prompt = None
+        if new and seq.params.prompt_logprobs is not None:  # filled during prefill (prompt_logprobs.py)
+            prompt = seq.prompt_logprobs or PromptLogprobs.empty(seq.prompt_len, seq.params.prompt_logprobs)
+        return StepUpdate(seq, token_ids, seq.finish_reason, None, new, prompt)
 
     def close(self) -> None:
         """Persist what the admission policy learned since its last periodic save (on shutdown)."""

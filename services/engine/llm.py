@@ -31,6 +31,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Per generated token, when asked: {"logprob": float, "top": {token_id: logprob}}.
     logprobs: list[dict[str, Any]] | None = None
+    # Per prompt token, when asked (prompt_logprobs): None for the first, else as logprobs.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class LLM:
@@ -95,6 +97,12 @@ class LLM:
                 out = outputs[update.rid]
                 out.token_ids += update.token_ids
                 out.num_cached_tokens = update.seq.num_cached_tokens
+                if update.prompt_logprobs is not None:
+                    lp = update.prompt_logprobs
+                    top = [dict(zip(i.tolist(), v.tolist(), strict=True))
+                           for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+                    out.prompt_logprobs = [None] + [{"logprob": float(lp.logprobs[p]), "top": top[p]}
+                                                    for p in range(1, len(lp.logprobs))]
                 if out.logprobs is not None and update.logprobs is not None:
                     out.logprobs += [
                         {"logprob": lp.logprob,

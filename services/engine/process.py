@@ -46,6 +46,7 @@ from services.messages import (
     MessageError,
     ModelInfo,
     NewRequestInfo,
+    PromptLogprobs,
     RequestError,
     StepLogprobs,
     StepOutput,
@@ -73,8 +74,14 @@ def step_output(
         if u.new:
             seq, p = u.seq, u.seq.params
             tail = pack_ids(seq.token_ids[max(0, seq.prompt_len - PROMPT_TAIL) : seq.prompt_len])
+            queued = (seq.first_scheduled or seq.arrival) - seq.arrival
+            prompt = None
+            if u.prompt_logprobs is not None:
+                lp = u.prompt_logprobs
+                prompt = PromptLogprobs(pack_ids(seq.token_ids[: seq.prompt_len]), pack_floats(lp.logprobs),
+                                        pack_ids(lp.top_ids.ravel()), pack_floats(lp.top_logprobs.ravel()))
             new.append(NewRequestInfo(seq.rid, seq.prompt_len, tail, list(p.stop), p.skip_special_tokens,
-                                      p.logprobs, seq.num_cached_tokens))
+                                      p.logprobs, seq.num_cached_tokens, queued, prompt))
     logprobs: list[StepLogprobs | None] | None = None
     if any(u.logprobs for u in updates):
         logprobs = [

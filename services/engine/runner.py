@@ -9,7 +9,7 @@ bitmasks are filled on another thread while the model runs (services/engine/stru
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from services.engine.compiled_step import CompiledDecode
 from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
+from services.engine.prompt_logprobs import prompt_rows, read_out
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -86,20 +87,15 @@ class ModelRunner:
             "decode_seq_lens": buf(max_num_seqs, torch.int32),
             "prefill_seq_lens": buf(max_num_seqs, torch.int32),
             "prefill_cu_q_lens": buf(max_num_seqs + 1, torch.int32),
-            "sample_rows": buf(max_num_seqs, torch.int64),
-            "sample_slots": buf(max_num_seqs, torch.int64),
-            "sample_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
-            "sample_seq_lens": buf(max_num_seqs, torch.int32),
+            # Rows read out of the last layer: up to every row of the step (prompt logprobs read
+            # every prompt row; a verifying request samples at each of its 1 + k rows).
+            "sample_rows": buf(max_tokens, torch.int64),
+            "sample_slots": buf(max_tokens, torch.int64),
+            "sample_block_tables": buf(max_tokens, torch.int32, pool.max_pages_per_seq),
+            "sample_seq_lens": buf(max_tokens, torch.int32),
         }
-        if spec_tokens:  # a verifying request samples at each of its 1 + k rows
-            rows = max_num_batched_tokens + max_num_seqs
-            self.buf.update({
-                "sample_rows": buf(rows, torch.int64),
-                "sample_slots": buf(rows, torch.int64),
-                "sample_block_tables": buf(rows, torch.int32, pool.max_pages_per_seq),
-                "sample_seq_lens": buf(rows, torch.int32),
-                "sample_offsets": buf(rows, torch.int64),
-            })
+        if spec_tokens:
+            self.buf["sample_offsets"] = buf(max_tokens, torch.int64)
         self.verifier = Verifier(sampler, device)
         # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
         self.staging = (
@@ -230,13 +226,33 @@ class ModelRunner:
             table = self.pool.block_table[flat.decode_slots]
             logits = self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
             return flat, logits
-        meta = self.metadata(flat)
+        # Prompt logprobs (the target model's runner: the draft's has no structured state) read
+        # their rows out too.
+        extra = None
+        if self.structured is not None:
+            # The chunks are the verification rows, then the prefills: skip the former's offsets.
+            extra = prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
+        read = flat if extra is None else replace(
+            flat,
+            sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
+            sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
+            sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]),
+        )
+        meta = self.metadata(read)
         input_ids = self._stage("input_ids", flat.input_ids)
         positions = self._stage("positions", flat.positions)
-        hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the sampled rows'
-        if flat.sample_rows.size == 0:  # only partial prefill chunks this step
+        hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the rows read out
+        if read.sample_rows.size == 0:  # only partial prefill chunks this step
             return flat, None
-        return flat, self.model.compute_logits(hidden)
+        # One logits pass over every row read out: under tensor parallelism it is a collective that
+        # each worker joins once per step, over the same rows.
+        logits = self.model.compute_logits(hidden)
+        if extra is not None:
+            every_row = read.sample_rows.size == flat.positions.size
+            logits = read_out(logits, flat.sample_rows, extra, every_row)
+        if flat.sample_rows.size == 0:  # prompt rows only
+            return flat, None
+        return flat, logits
 
     def run(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> StepResult:
         """drafts: the draft model's distributions behind batch.proposals (sampled proposals are

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from services.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.prompt_logprobs import PromptLogprobs
 
 
 class Status(enum.Enum):
@@ -41,6 +44,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was admitted
     hash_root: bytes = b""  # prefix caching: the chain its page hashes start from (kv.prefix)
     page_hashes: list[bytes] = field(default_factory=list)  # of its full computed pages, in order
+    prompt_logprobs: PromptLogprobs | None = None  # filled during prefill when params ask for them
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +83,7 @@ class StepUpdate:
     finish_reason: str  # "" while running, else "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
     new: bool = False  # the request's first update
+    prompt_logprobs: PromptLogprobs | None = None  # on the first update, when the request asked
 
     @property
     def rid(self) -> str:
@@ -97,6 +102,7 @@ def one_token_updates(updates: list[StepUpdate]) -> list[StepUpdate]:
             out.append(u)
             continue
         last = len(u.token_ids) - 1
-        out += [StepUpdate(u.seq, [tok], u.finish_reason if i == last else "", None, u.new and i == 0)
+        out += [StepUpdate(u.seq, [tok], u.finish_reason if i == last else "", None, u.new and i == 0,
+                           u.prompt_logprobs if i == 0 else None)
                 for i, tok in enumerate(u.token_ids)]
     return out

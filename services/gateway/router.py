@@ -88,8 +88,10 @@ class Router:
         if heartbeat:
             view.routed_since_report = 0
 
-    def pick(self, blocks: list[bytes]) -> int:
-        """The engine for a request with these prefix blocks; at least one engine must be live."""
+    def pick(self, blocks: list[bytes], copies: int = 1) -> int:
+        """The engine for a request with these prefix blocks; at least one engine must be live.
+        copies: the engine requests it becomes (the OpenAI `n`), each queued there until the next
+        report."""
         live = [i for i, view in enumerate(self.engines) if view.live]
         assert live, "routing with no live engine"
         least = min(live, key=lambda i: self.engines[i].load())
@@ -109,7 +111,7 @@ class Router:
         while len(self.owners) > MAX_OWNERS:
             self.owners.popitem(last=False)
         view = self.engines[chosen]
-        view.routed_since_report += 1
+        view.routed_since_report += copies
         view.routed += 1
         return chosen
 

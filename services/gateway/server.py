@@ -44,11 +44,19 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import start_http_server
 
 from services import config as cfg
-from services.config import ABORTED_HOLD, Addresses, GatewayConfig, engine_endpoints, new_instance_id
+from services.config import (
+    ABORTED_HOLD,
+    TOKENIZER_FIELDS,
+    Addresses,
+    EngineConfig,
+    GatewayConfig,
+    engine_endpoints,
+    new_instance_id,
+)
+from services.gateway.metrics import ServingMetrics
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.router import Router, prefix_blocks
@@ -87,15 +95,9 @@ OPTIONAL_SAMPLING = (
     "frequency_penalty",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
     "speculative",
-)
-# Speculative decoding counters from the engine's stats, under vLLM's names (scraped with _total).
-SPEC_DECODE_COUNTERS = (
-    ("spec_draft_tokens", "pipeserve:spec_decode_num_draft_tokens", "tokens proposed and verified"),
-    ("spec_accepted_tokens", "pipeserve:spec_decode_num_accepted_tokens", "proposed tokens the model kept"),
-    ("spec_verifications", "pipeserve:spec_decode_num_drafts",
-     "verifications (a request's proposals in one step): accepted / drafts is the mean accepted length"),
 )
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
@@ -105,6 +107,7 @@ MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32; the tokenizer checks them again
 MONITOR_PERIOD = 0.1
 PIPELINE = ("detokenizer",)  # processes whose death breaks every in-flight stream (an engine's: its own)
 Failure = tuple[grpc.StatusCode, str]
+Info = ModelInfo  # the wire type, by a name the ModelInfo RPC does not shadow in the class
 
 
 class Reject(Exception):
@@ -118,21 +121,32 @@ def invalid(message: str) -> Reject:
 
 
 @dataclass
+class Delta:
+    """One TextDeltas row of a stream: new text, its token ids and, when asked, their logprobs."""
+
+    text: str
+    ids: np.ndarray
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first row of a request that asked
+
+
+@dataclass
 class Stream:
-    """One Generate call in flight."""
+    """One engine request in flight (a gRPC Generate call, or one choice of an HTTP request)."""
 
     rid: str
     boot: int  # the engine incarnation it was admitted under
     engine: int = 0  # data parallel: the engine it was routed to
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    # (text, ids, logprobs) per delta not yet written
-    pending: list[tuple[str, np.ndarray, list[pb.TokenLogprob] | None]] = field(default_factory=list)
+    pending: list[Delta] = field(default_factory=list)  # not yet written
     started: bool = False  # some output arrived: the engine has it
     finish: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     error: Failure | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float = 0.0  # monotonic time of the latest token (inter-token latency)
     abort_in_engine: bool = True  # when closed without a finish, does the engine need an Abort?
     done: bool = False  # the final message was written
 
@@ -141,29 +155,33 @@ class Stream:
             self.error, self.abort_in_engine = (code, message), abort_in_engine
             self.wake.set()
 
-    def take(self, max_bytes: int) -> tuple[pb.GenerateResponse, bool]:
-        """Everything pending, coalesced into one response (cut at about max_bytes); and whether it
-        is the last one."""
+    def take_rows(self, max_bytes: int) -> tuple[list[Delta], bool]:
+        """Everything pending (cut at about max_bytes), and whether it ends the stream."""
         count, size = 0, 0
-        for text, ids, lps in self.pending:
+        for row in self.pending:
             count += 1
-            size += len(text) * 4 + len(ids) * 8 + (0 if lps is None else 64 * len(lps))
+            size += len(row.text) * 4 + len(row.ids) * 8 + 64 * len(row.logprobs or ())
             if size >= max_bytes:
                 break
         rows, self.pending = self.pending[:count], self.pending[count:]
-        response = pb.GenerateResponse(request_id=self.rid, text="".join(r[0] for r in rows))
+        return rows, not self.pending and bool(self.finish)
+
+    def response(self, rows: list[Delta], last: bool) -> pb.GenerateResponse:
+        """Rows taken by take_rows() as one GenerateResponse (the last one with finish and usage)."""
+        response = pb.GenerateResponse(request_id=self.rid, text="".join(r.text for r in rows))
         if rows:
-            response.token_ids.extend(np.concatenate([r[1] for r in rows]).tolist())
-        for _, _, lps in rows:
-            if lps:
-                response.logprobs.extend(lps)
-        last = not self.pending and bool(self.finish)
+            response.token_ids.extend(np.concatenate([r.ids for r in rows]).tolist())
+        for row in rows:
+            if row.logprobs:
+                response.logprobs.extend(token_logprobs(row.logprobs))
+            if row.prompt_logprobs:
+                response.prompt_logprobs.extend(token_logprobs(row.prompt_logprobs))
         if last:
             response.finish_reason = self.finish
             response.usage.prompt_tokens = self.prompt_tokens
             response.usage.completion_tokens = self.completion_tokens
             response.usage.cached_prompt_tokens = self.cached_prompt_tokens
-        return response, last
+        return response
 
 
 def token_logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
@@ -180,7 +198,8 @@ def token_logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
 
 
 class Gateway(pb_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, addrs: Addresses, instance_id: str = "") -> None:
+    def __init__(self, config: GatewayConfig, addrs: Addresses, instance_id: str = "",
+                 tokenizer_config: EngineConfig | None = None) -> None:
         self.config, self.addrs = config, addrs
         self.instance_id = instance_id or new_instance_id()
         self.streams: dict[str, Stream] = {}
@@ -200,6 +219,10 @@ class Gateway(pb_grpc.GenerationServicer):
         self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
         self._metrics: Any = None
+        self.metrics = ServingMetrics(self, time.monotonic)
+        self.http: Any = None  # the OpenAI HTTP front end (services/gateway/openai.py), with --http-port
+        self.tokenizer_config = tokenizer_config  # what /tokenize and /detokenize load, on first use
+        self._tokenizer: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> int:
@@ -258,6 +281,15 @@ class Gateway(pb_grpc.GenerationServicer):
         if not self.port:
             self._zmq.destroy(linger=0)
             raise PortInUse(self.config.host, self.config.port)
+        if self.config.http_port is not None:
+            from services.gateway.openai import OpenAIServer  # FastAPI: only when HTTP is on
+
+            self.http = OpenAIServer(self, self._load_tokenizer)
+            try:
+                await self.http.start(self.config.host, self.config.http_port)
+            except OSError:
+                self._zmq.destroy(linger=0)
+                raise PortInUse(self.config.host, self.config.http_port, "--http-port") from None
         await self._set_health(False)
         await server.start()
         self._server = server
@@ -266,8 +298,7 @@ class Gateway(pb_grpc.GenerationServicer):
             for coro in (self._recv_deltas(), self._recv_errors(), self._recv_status(), self._monitor())
         ]
         if self.config.metrics_port is not None:
-            registry = CollectorRegistry()
-            registry.register(_Collector(self))
+            registry = self.metrics.registry
             self._metrics = start_http_server(self.config.metrics_port, self.config.host, registry)
         return self.port
 
@@ -276,6 +307,8 @@ class Gateway(pb_grpc.GenerationServicer):
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
+        if self.http is not None:
+            await self.http.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -295,34 +328,22 @@ class Gateway(pb_grpc.GenerationServicer):
                 "stop and messages must be valid UTF-8",
             )
             return
-        rid = request.request_id or uuid.uuid4().hex
         try:
-            message = self._admit(request, rid)
+            (stream,) = await self.submit(request, request.request_id or uuid.uuid4().hex)
         except Reject as reject:
-            self.outcomes[reject.code.name] += 1
             await context.abort(reject.code, reject.message)
-        stream = self.streams[rid] = Stream(rid, self.router.engines[message.engine].boot, message.engine)
         # Both paths: grpc.aio does not always raise CancelledError into the handler on a cancel.
-        context.add_done_callback(lambda _: self._close(stream))
+        context.add_done_callback(lambda _: self.close(stream))
         try:
-            await self.tokenize.send(encode(message))
-            while True:
-                if not stream.pending and not stream.finish and stream.error is None:
-                    stream.wake.clear()
-                    await stream.wake.wait()
-                if stream.error is not None:
-                    self._close(stream)
-                    await context.abort(*stream.error)
-                response, last = stream.take(self.config.max_response_bytes)
-                yield response
-                if last:
-                    stream.done = True
-                    return
+            async for rows, last in self.output(stream):
+                yield stream.response(rows, last)
+        except Reject as reject:
+            await context.abort(reject.code, reject.message)
         except asyncio.CancelledError:
-            self._close(stream)
+            self.close(stream)
             raise
         finally:
-            self._close(stream)
+            self.close(stream)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         stream = self.streams.get(request.request_id)
@@ -350,12 +371,65 @@ class Gateway(pb_grpc.GenerationServicer):
                                  waiting=view.stats.get("waiting", 0), routed=view.routed)
         return response
 
+    # ---- the request lifecycle both front ends share (gRPC here, HTTP in openai.py) ----------
+    async def submit(self, request: pb.GenerateRequest, rid: str, n: int = 1,
+                     fit_max_tokens: bool = False) -> list[Stream]:
+        """Validate and admit a request (Reject otherwise), open its streams and send it to be
+        tokenized. n > 1: n engine requests (ids `rid-0`...) sharing one tokenization, each with
+        its own seed stream (seed + i when the request has a seed). fit_max_tokens: a request
+        without max_tokens may generate up to the end of the context (OpenAI chat)."""
+        if fit_max_tokens and not request.HasField("max_tokens") and self.info is not None:
+            request.max_tokens = self.info.context_length
+        try:
+            message = self._admit(request, rid, n)
+            message.fit_max_tokens = fit_max_tokens
+        except Reject as reject:
+            self.outcomes[reject.code.name] += 1
+            raise
+        streams = [Stream(r, self.router.engines[message.engine].boot, message.engine)
+                   for r in message.engine_rids()]
+        for stream in streams:
+            self.streams[stream.rid] = stream
+        await self.tokenize.send(encode(message))
+        return streams
+
+    async def output(self, stream: Stream) -> AsyncIterator[tuple[list[Delta], bool]]:
+        """The stream's output as it arrives: at each wake-up everything pending (cut at
+        --max-response-bytes) and whether that ends the stream; Reject when the stream failed."""
+        while True:
+            if not stream.pending and not stream.finish and stream.error is None:
+                stream.wake.clear()
+                await stream.wake.wait()
+            if stream.error is not None:
+                self.close(stream)
+                raise Reject(*stream.error)
+            rows, last = stream.take_rows(self.config.max_response_bytes)
+            stream.done = last  # the engine is done with it: closing it now needs no Abort
+            yield rows, last
+            if last:
+                return
+
+    def model_info(self) -> Info | None:
+        return self.info
+
+    def _load_tokenizer(self) -> Any:
+        """The served tokenizer as a tokenizer worker holds it (loaded once, on a worker thread)."""
+        if self._tokenizer is None:
+            from services.tokenizer.load import load_for
+            from services.tokenizer.worker import Tokenizer
+
+            config = self.tokenizer_config or EngineConfig(model=os.environ.get("PIPESERVE_MODEL"))
+            tokenizer = load_for(config)[1]
+            context = self.info.context_length if self.info else tokenizer.model_max_length
+            self._tokenizer = Tokenizer(tokenizer, context, self.info.vocab_size if self.info else None)
+        return self._tokenizer
+
     # ---- admission -------------------------------------------------------------------------
-    def _admit(self, request: pb.GenerateRequest, rid: str) -> TokenizeRequest:
+    def _admit(self, request: pb.GenerateRequest, rid: str, n: int = 1) -> TokenizeRequest:
         """Validate and admit, or raise Reject with the status code and a message naming the field."""
         # Capacity first: under overload most calls are refused, so a refusal must cost nothing
         # beyond this count (no field checks, no SamplingParams).
-        if len(self.streams) >= self.config.max_inflight:
+        if len(self.streams) + n > self.config.max_inflight:
             raise Reject(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.streams)} requests in flight, the limit is {self.config.max_inflight}",
@@ -394,7 +468,7 @@ class Gateway(pb_grpc.GenerationServicer):
                 f"cache_salt is {len(request.cache_salt)} characters, at most {MAX_CACHE_SALT_LEN} allowed"
             )
         message = TokenizeRequest(rid=rid, sampling=params, app=request.app, arrival=time.time(),
-                                  cache_salt=request.cache_salt)
+                                  cache_salt=request.cache_salt, n=n)
         if which is None:
             raise invalid("prompt is missing: set one of prompt, prompt_token_ids or messages")
         if which == "prompt":
@@ -417,11 +491,11 @@ class Gateway(pb_grpc.GenerationServicer):
                 if m.role not in CHAT_ROLES:
                     raise invalid(f"messages[{i}].role is {m.role!r}, not one of {', '.join(CHAT_ROLES)}")
             message.messages = [ChatMessage(m.role, m.content) for m in chat]
-        if rid in self.streams or rid in self.aborted:
+        if any(r in self.streams or r in self.aborted for r in message.engine_rids()):
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if not self.serving:
             raise Reject(grpc.StatusCode.UNAVAILABLE, self._why_not_serving())
-        message.engine = self.router.pick(self._prefix(request) if len(self.router.engines) > 1 else [])
+        message.engine = self.router.pick(self._prefix(request) if len(self.router.engines) > 1 else [], n)
         return message
 
     def _prefix(self, request: pb.GenerateRequest) -> list[bytes]:
@@ -437,8 +511,9 @@ class Gateway(pb_grpc.GenerationServicer):
         return prefix_blocks(request.cache_salt, text=text)
 
     # ---- request state ---------------------------------------------------------------------
-    def _close(self, stream: Stream) -> None:
-        """Idempotent end of a call, however it ended."""
+    def close(self, stream: Stream) -> None:
+        """Idempotent end of a stream, however it ended: one closed before its finish is aborted in
+        the engine."""
         if self.streams.get(stream.rid) is not stream:
             return
         del self.streams[stream.rid]
@@ -492,12 +567,14 @@ class Gateway(pb_grpc.GenerationServicer):
             or any(len(c) != n for c in (msg.text, msg.finish, msg.prompt_tokens, msg.completion_tokens,
                                          msg.cached_prompt_tokens))
             or (msg.logprobs is not None and len(msg.logprobs) != n)
+            or len(msg.queue_time) not in (0, n)
+            or (msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n)
             or (msg.row_engines is not None and len(msg.row_engines) != n)
             or (n and msg.offsets[-1] > len(ids))
         ):
             log.warning("dropped a malformed TextDeltas of %d rows", n)
             return
-        self.pipeline_seen = time.monotonic()
+        now = self.pipeline_seen = time.monotonic()
         if msg.stats is not None:
             self.detok_stats.update(msg.stats)
         for key, stats in (msg.engines or {}).items():
@@ -516,12 +593,20 @@ class Gateway(pb_grpc.GenerationServicer):
                         orphans.append((engine, rid))
                 continue
             stream.started = True
-            row_logprobs = msg.logprobs[i] if msg.logprobs is not None else None
-            logprobs = token_logprobs(row_logprobs) if row_logprobs is not None else None
-            stream.pending.append((msg.text[i], ids[msg.offsets[i] : msg.offsets[i + 1]], logprobs))
+            row_ids = ids[msg.offsets[i] : msg.offsets[i + 1]]
+            stream.pending.append(Delta(msg.text[i], row_ids, msg.logprobs[i] if msg.logprobs else None,
+                                        msg.prompt_logprobs[i] if msg.prompt_logprobs else None))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.cached_prompt_tokens = msg.cached_prompt_tokens[i]
             stream.finish = msg.finish[i]
+            if len(row_ids):
+                queue_time = msg.queue_time[i] if msg.queue_time else 0.0
+                self.metrics.tokens(stream.arrival, stream.last_token, len(row_ids), stream.prompt_tokens,
+                                    queue_time, now)
+                stream.last_token = now
+            if stream.finish:
+                self.metrics.finished(stream.arrival, stream.finish, stream.prompt_tokens,
+                                      stream.completion_tokens, now)
             stream.wake.set()
         if orphans:
             log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0][1])
@@ -571,6 +656,7 @@ class Gateway(pb_grpc.GenerationServicer):
             log.info("engine %d (boot %d) up: %s", index, msg.boot, msg.info)
             view.boot = msg.boot
         self.info = msg.info
+        self.metrics.set_context(msg.info.context_length)
         view.seen = time.monotonic()
         view.tensor_parallel_size = msg.tensor_parallel_size
         if msg.stats is not None:
@@ -688,61 +774,6 @@ async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext) -> A
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (--api-key)")
 
 
-class _Collector:
-    """Prometheus view of the gateway, read at scrape time (nothing on the hot path)."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-
-    def collect(self) -> Any:
-        gw = self.gateway
-        yield GaugeMetricFamily(
-            "pipeserve_gateway_inflight", "Generate streams in flight", value=len(gw.streams)
-        )
-        yield GaugeMetricFamily(
-            "pipeserve_gateway_aborting", "aborted ids awaiting the engine's finish", value=len(gw.aborted)
-        )
-        yield GaugeMetricFamily(
-            "pipeserve_gateway_serving", "1 when health is SERVING", value=float(gw.serving)
-        )
-        outcomes = CounterMetricFamily(
-            "pipeserve_gateway_requests", "Generate calls by outcome", labels=["outcome"]
-        )
-        for outcome, count in dict(gw.outcomes).items():
-            outcomes.add_metric([outcome], count)
-        yield outcomes
-        engines = gw.router.engines
-        total: collections.Counter[str] = collections.Counter(gw.detok_stats)
-        for view in engines:
-            total.update(view.stats)
-        for key, name, doc in SPEC_DECODE_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=total.get(key, 0))
-        engine = GaugeMetricFamily("pipeserve_engine", "engine counters as last reported, summed over the "
-                                   "engines", labels=["name"])
-        for name, value in total.items():
-            engine.add_metric([name], value)
-        yield engine
-        per_engine = GaugeMetricFamily("pipeserve_engine_stat", "each engine's counters as last reported",
-                                       labels=["engine", "name"])
-        live = GaugeMetricFamily("pipeserve_engine_serving", "1 while the engine's heartbeats arrive",
-                                 labels=["engine"])
-        load = GaugeMetricFamily("pipeserve_engine_load", "the routing load: waiting x 4 + running",
-                                 labels=["engine"])
-        routed = CounterMetricFamily("pipeserve_gateway_routed_requests", "requests routed to each engine",
-                                     labels=["engine"])
-        for i, view in enumerate(engines):
-            for name, value in dict(view.stats).items():
-                per_engine.add_metric([str(i), name], value)
-            live.add_metric([str(i)], float(view.live))
-            load.add_metric([str(i)], view.load())
-            routed.add_metric([str(i)], view.routed)
-        topology = GaugeMetricFamily("pipeserve_topology", "engines (data parallel) and ranks per engine "
-                                     "(tensor parallel)",
-                                     labels=["data_parallel_size", "tensor_parallel_size"])
-        topology.add_metric([str(len(engines)), str(max(v.tensor_parallel_size for v in engines))], 1)
-        yield from (per_engine, live, load, routed, topology)
-
-
 def on_engine(engine: int) -> Callable[[Stream], bool]:
     """Selects the streams routed to one engine (for _fail)."""
     return lambda stream: stream.engine == engine
@@ -778,13 +809,13 @@ def _log_failure(future: asyncio.Future[Any]) -> None:
 
 
 class PortInUse(OSError):
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, flag: str = "--port") -> None:
         super().__init__(f"cannot listen on {host}:{port}: the port is in use (another pipeserve?); "
-                         "stop that server or pick another --port")
+                         f"stop that server or pick another {flag}")
 
 
-async def serve(config: GatewayConfig, addrs: Addresses) -> int:
-    gateway = Gateway(config, addrs, os.environ.get("PIPESERVE_INSTANCE_ID", ""))
+async def serve(config: GatewayConfig, addrs: Addresses, tokenizer: EngineConfig | None = None) -> int:
+    gateway = Gateway(config, addrs, os.environ.get("PIPESERVE_INSTANCE_ID", ""), tokenizer)
     try:
         port = await gateway.start()
     except PortInUse as exc:
@@ -795,6 +826,8 @@ async def serve(config: GatewayConfig, addrs: Addresses) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("gateway listening on %s:%d (instance %s)", config.host, port, gateway.instance_id)
+    if gateway.http is not None:
+        log.info("OpenAI-compatible HTTP API on %s:%d", config.host, gateway.http.port)
     await stop.wait()
     log.info("shutting down, %d streams get %.1f s to finish", len(gateway.streams), config.grace)
     await gateway.stop(config.grace)
@@ -804,8 +837,11 @@ async def serve(config: GatewayConfig, addrs: Addresses) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
     cfg.add_arguments(parser, Addresses)
+    cfg.add_arguments(parser, EngineConfig, only=TOKENIZER_FIELDS)  # the tokenizer /tokenize serves
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return uvloop.run(serve(cfg.from_args(GatewayConfig, args), cfg.from_args(Addresses, args)))
+    args.model = args.model or os.environ.get("PIPESERVE_MODEL")
+    tokenizer = cfg.from_args(EngineConfig, args)
+    return uvloop.run(serve(cfg.from_args(GatewayConfig, args), cfg.from_args(Addresses, args), tokenizer))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -60,6 +61,21 @@ class Tokenizer:
             log.exception("tokenizing %s failed", req.rid)
             return RequestError(req.rid, "INTERNAL", f"tokenizer failed: {exc}")
 
+    def handle_all(self, req: TokenizeRequest) -> list[EngineRequest | RequestError]:
+        """handle(), once, for every engine request of req (n > 1: the same ids, or the same error,
+        under each engine id; a seeded request's copy i samples with seed + i)."""
+        out = self.handle(req)
+        if req.n == 1:
+            return [out]
+        if isinstance(out, RequestError):
+            return [replace(out, rid=rid) for rid in req.engine_rids()]
+        seed = out.sampling.seed
+        return [
+            replace(out, rid=rid,
+                    sampling=replace(out.sampling, seed=None if seed is None else (seed + i) % 2**63))
+            for i, rid in enumerate(req.engine_rids())
+        ]
+
     def prepare(self, req: TokenizeRequest) -> EngineRequest:
         """Token ids within the model's limits. The gateway validated the request's shape (one
         non-empty input) and its sampling parameters; what needs the tokenizer is checked here."""
@@ -70,7 +86,7 @@ class Tokenizer:
         if req.prompt is not None:
             ids = self.tokenizer.encode(req.prompt)
         elif req.messages is not None:
-            ids = self._encode_messages(req.messages)
+            ids = self.encode_messages(req.messages)
         else:
             ids = self._check_ids(req.prompt_ids or b"")
         if req.sampling.constrained:
@@ -79,11 +95,13 @@ class Tokenizer:
             raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
                                  f"context of {self.max_model_len} tokens")
         room = self.max_model_len - len(ids)
-        if req.sampling.max_tokens > room:  # refused, not silently cut short (as vLLM does)
-            raise InvalidRequest(f"max_tokens is {req.sampling.max_tokens}, but the context is "
+        params = req.sampling
+        if req.fit_max_tokens and params.max_tokens > room:
+            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        if params.max_tokens > room:  # refused, not silently cut short (as vLLM does)
+            raise InvalidRequest(f"max_tokens is {params.max_tokens}, but the context is "
                                  f"{self.max_model_len} tokens and {name} takes {len(ids)}: at most {room} "
                                  "can be generated; lower max_tokens")
-        params = req.sampling
         return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival, req.cache_salt)
 
     @staticmethod
@@ -95,7 +113,7 @@ class Tokenizer:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
 
-    def _encode_messages(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages: this model has no chat template; send a prompt instead")
         chat = [{"role": m.role, "content": m.content} for m in messages]
@@ -134,9 +152,10 @@ def serve(
         except MessageError as exc:
             log.warning("dropping malformed message: %s", exc)
             continue
-        out = worker.handle(req)
-        log.debug("tokenized %s: %s", req.rid, out.TAG)
-        (requests[req.engine] if isinstance(out, EngineRequest) else errors).send(encode(out))
+        # All n copies go to the one engine the gateway chose, so they share its prefix cache.
+        for out in worker.handle_all(req):
+            log.debug("tokenized %s: %s", out.rid, out.TAG)
+            (requests[req.engine] if isinstance(out, EngineRequest) else errors).send(encode(out))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
