@@ -140,6 +140,15 @@ def first_stop(text: str, stops: list[str]) -> str:
 CHUNKS = st.lists(st.integers(1, 3), max_size=40)
 
 
+def test_skipped_prompt_ids_do_not_crowd_out_the_context(stories) -> None:
+    """A prompt ending in skipped special ids: the context is the last MAX_CONTEXT kept ids, so a
+    4-byte character before them stays whole instead of leaving stray continuation bytes."""
+    prompt = [243, 162, 155, 131] + [stories.unk_token_id] * (MAX_CONTEXT - 3)  # U+1F600, <unk>s
+    out = [231, 187, 176]  # U+4E2D in three byte tokens
+    deltas, _ = stream(stories, prompt, out, True, [])
+    assert "".join(deltas) == reference(stories, prompt, out, True) == "\u4e2d"
+
+
 @PROPERTY
 @given(data=st.data(), skip=st.booleans(), chunks=CHUNKS)
 def test_stories_utf8_streams_exactly(stories, data, skip: bool, chunks: list[int]) -> None:

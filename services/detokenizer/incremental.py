@@ -106,7 +106,9 @@ class IncrementalDetokenizer:
         if not skip_special_tokens:
             skip = frozenset()
         self._skip = skip if skip is not None else skipped_ids(tokenizer)
-        tail = [int(i) for i in list(prompt_ids)[-MAX_CONTEXT:] if int(i) not in self._skip]
+        # Skipped ids are dropped before the tail is cut, so they cannot crowd out the context.
+        kept = [int(i) for i in prompt_ids if int(i) not in self._skip]
+        tail = kept[-MAX_CONTEXT:]
         self.ids = tail[self._clean_start(tail):]
         self.read_offset = len(self.ids)
         self.prefix_text = self._text()
