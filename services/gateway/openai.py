@@ -22,19 +22,20 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
 import numpy as np
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.client import build_request
 from services.gateway.server import MAX_TOKEN_ID, Delta, Gateway, Reject, Stream
@@ -60,6 +61,9 @@ PARAM = re.compile(r"^([a-z_]+)")
 
 
 # ---- request bodies --------------------------------------------------------------------------------
+
+
+B = TypeVar("B", bound="Sampling")
 
 
 class StreamOptions(BaseModel):
@@ -174,6 +178,15 @@ class HTTPError(Exception):
     def response(self) -> JSONResponse:
         headers = {"Retry-After": RETRY_AFTER} if self.status == 503 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid_body(errors: list[Any]) -> HTTPError:
+    """A request body's first validation error as a 400 naming its parameter (never a bare 422)."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param or 'request body'}: {first.get('msg', 'invalid')}"
+    return HTTPError(400, message, param.split(".")[0] if param else None)
 
 
 def from_reject(reject: Reject) -> HTTPError:
@@ -345,20 +358,19 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            param = ".".join(loc) or None
-            message = f"{param or 'request body'}: {first.get('msg', 'invalid')}"
-            return HTTPError(400, message, param.split(".")[0] if param else None).response()
+            return invalid_body(list(exc.errors())).response()
 
         @app.exception_handler(HTTPError)
         async def refused(request: Request, exc: HTTPError) -> JSONResponse:
             return exc.response()
 
-        # --api-key guards the API; probes and metrics carry no secrets (as vLLM).
+        # --api-key guards the API; probes and metrics carry no secrets (as vLLM). The two generation
+        # routes are plain Starlette routes (key checked inline, body parsed straight from its
+        # bytes): FastAPI's dependency solving and body machinery cost each request time on the
+        # gateway's loop, before anything reaches the pipeline.
+        app.add_route("/v1/completions", self._parsed(CompletionRequest, self.completions), ["POST"])
+        app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat), ["POST"])
         keyed = [Depends(self._check_key)]
-        app.post("/v1/completions", dependencies=keyed)(self.completions)
-        app.post("/v1/chat/completions", dependencies=keyed)(self.chat)
         app.get("/v1/models", dependencies=keyed)(self.models)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
         app.post("/detokenize", dependencies=keyed)(self.detokenize)
@@ -367,7 +379,24 @@ class OpenAIServer:
         app.get("/version")(self.version)
         return app
 
+    def _parsed(self, model: type[B], handler: Callable[[B, Request], Awaitable[Response]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+        """A route calling handler with the request's body validated as model (400s as FastAPI's)."""
+
+        async def endpoint(request: Request) -> Response:
+            self._authorize(request)
+            try:
+                body = model.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise invalid_body(exc.errors()) from None
+            return await handler(body, request)
+
+        return endpoint
+
     async def _check_key(self, request: Request) -> None:  # async: FastAPI runs sync ones on threads
+        self._authorize(request)
+
+    def _authorize(self, request: Request) -> None:
         key = self.gateway.config.api_key
         given = request.headers.get("authorization", "")
         if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
@@ -457,8 +486,7 @@ class OpenAIServer:
             raise from_reject(reject) from None
         if body.stream:
             usage_last = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(call, usage_last), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return EventStream(self._events(call, usage_last))
         try:
             return JSONResponse(await _until_disconnect(request, self._collect(call)))
         except Reject as reject:
@@ -478,7 +506,7 @@ class OpenAIServer:
         await asyncio.gather(*(one(c) for c in call.choices))
         return call.final()
 
-    async def _events(self, call: Call, usage_last: bool) -> AsyncIterator[bytes]:
+    async def _events(self, call: Call, usage_last: bool) -> AsyncGenerator[bytes, None]:
         """The SSE stream of a call: chunks as each choice's output arrives, then [DONE]. Leaving
         early (a disconnect cancels this generator) closes every stream: the engine aborts them."""
         try:
@@ -582,6 +610,48 @@ def _build(prompt: Any, cache_salt: str, params: dict[str, Any]) -> Any:
         return build_request(prompt, cache_salt=cache_salt, **params)
     except (ValueError, TypeError) as exc:
         raise HTTPError(400, f"a parameter is out of range: {exc}") from None
+
+
+class EventStream(Response):
+    """A server-sent event stream sent from the request's own task: StreamingResponse runs each
+    stream in a task group of two tasks, per request on the gateway's loop. A watcher task cancels
+    the sending when the client disconnects; the events generator is closed either way (its
+    cleanup aborts the requests)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})  # no body: no Content-Length
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.current_task()
+        assert sender is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            sender.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                watcher.cancel()
+                await self.events.aclose()
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            sender.uncancel()  # the client left: a normal end of the request, not an error
 
 
 class _Server(uvicorn.Server):
