@@ -22,7 +22,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any, Literal, TypeVar
@@ -32,10 +32,9 @@ import numpy as np
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.types import Receive, Scope, Send
 
 from services.gateway.client import build_request
 from services.gateway.server import MAX_TOKEN_ID, Delta, Gateway, Reject, Stream
@@ -486,7 +485,8 @@ class OpenAIServer:
             raise from_reject(reject) from None
         if body.stream:
             usage_last = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self._events(call, usage_last))
+            return StreamingResponse(self._events(call, usage_last), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         try:
             return JSONResponse(await _until_disconnect(request, self._collect(call)))
         except Reject as reject:
@@ -506,7 +506,7 @@ class OpenAIServer:
         await asyncio.gather(*(one(c) for c in call.choices))
         return call.final()
 
-    async def _events(self, call: Call, usage_last: bool) -> AsyncGenerator[bytes, None]:
+    async def _events(self, call: Call, usage_last: bool) -> AsyncIterator[bytes]:
         """The SSE stream of a call: chunks as each choice's output arrives, then [DONE]. Leaving
         early (a disconnect cancels this generator) closes every stream: the engine aborts them."""
         try:
@@ -610,48 +610,6 @@ def _build(prompt: Any, cache_salt: str, params: dict[str, Any]) -> Any:
         return build_request(prompt, cache_salt=cache_salt, **params)
     except (ValueError, TypeError) as exc:
         raise HTTPError(400, f"a parameter is out of range: {exc}") from None
-
-
-class EventStream(Response):
-    """A server-sent event stream sent from the request's own task: StreamingResponse runs each
-    stream in a task group of two tasks, per request on the gateway's loop. A watcher task cancels
-    the sending when the client disconnects; the events generator is closed either way (its
-    cleanup aborts the requests)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        self.events = events
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache"})  # no body: no Content-Length
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sender = asyncio.current_task()
-        assert sender is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            sender.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            try:
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                watcher.cancel()
-                await self.events.aclose()
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            sender.uncancel()  # the client left: a normal end of the request, not an error
 
 
 class _Server(uvicorn.Server):
