@@ -237,6 +237,10 @@ def test_api_key(tmp_path):
         with pytest.raises(openai.AuthenticationError) as info:
             wrong.models.list()
         assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        for path in ("/v1/completions", "/v1/chat/completions"):  # the generation routes check it too
+            response = httpx.post(api.url + path, json={"prompt": "x", "messages": []}, timeout=10)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert api.tokenize.poll(50) == 0
         assert [m.id for m in api.openai.models.list()] == ["fake"]
         assert httpx.get(api.url + "/health").status_code == 200  # probes carry no secrets
     finally:
@@ -276,6 +280,17 @@ def test_bad_input_is_400_naming_the_parameter(api, body, param):
     error = response.json()["error"]
     assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
     assert api.tokenize.poll(50) == 0  # nothing reached the pipeline
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""])
+def test_a_body_that_is_no_json_object_is_400(api, path, content):
+    response = httpx.post(api.url + path, content=content, headers={"Content-Type": "application/json"},
+                          timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("request body: ")
+    assert api.tokenize.poll(50) == 0
 
 
 def test_errors_as_the_sdk_exception_classes(tmp_path):
