@@ -206,9 +206,20 @@ def place(children: list[Child], engine: EngineConfig, engines: int) -> Placemen
     where = dict(zip(hosts, ray.get([h.node.remote() for h in hosts.values()], timeout=READY_TIMEOUT),
                      strict=True))
 
+    # Every binder's ports, asked of one host per IP address in one call (held together, so they
+    # differ): nodes that share an address (several on one machine) must not be given the same port.
+    binders = [("gateway", 4), *((f"engine-{i}", 2) for i in range(engines)), ("detokenizer", 1)]
+    wanted: dict[str, int] = {}
+    for name, count in binders:
+        wanted[where[name][1]] = wanted.get(where[name][1], 0) + count
+    asker = {where[name][1]: hosts[name] for name, _ in binders}
+    ports = dict(zip(wanted, ray.get([asker[ip].free_ports.remote(n) for ip, n in wanted.items()],
+                                     timeout=CALL_TIMEOUT), strict=True))
+
     def endpoints(name: str, count: int) -> list[str]:
-        ports = ray.get(hosts[name].free_ports.remote(count), timeout=CALL_TIMEOUT)
-        return [f"tcp://{where[name][1]}:{port}" for port in ports]
+        ip = where[name][1]
+        taken, ports[ip] = ports[ip][:count], ports[ip][count:]
+        return [f"tcp://{ip}:{port}" for port in taken]
 
     tokenize, deltas, errors, status = endpoints("gateway", 4)
     per_engine = [endpoints(f"engine-{i}", 2) for i in range(engines)]
