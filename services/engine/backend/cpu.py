@@ -45,8 +45,15 @@ def page_index(block_tables: torch.Tensor, max_len: int, page_size: int) -> tupl
     return block_tables[:, :pages].reshape(-1), pages
 
 
-@torch.library.custom_op("pipeserve::gather_pages", mutates_args=())
-def _gather_op(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+# The compiled step's opaque ops (gather_pages, store_kv), declared to the dispatcher directly:
+# torch.library.custom_op's Python wrapper costs more per call than these small ops themselves.
+_OPS = torch.library.Library("pipeserve", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define("gather_pages(Tensor cache, Tensor index, str name) -> Tensor")  # type: ignore[no-untyped-call]
+_OPS.define("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "  # type: ignore[no-untyped-call]
+            "Tensor(c!)? k_scale, Tensor(d!)? v_scale) -> ()")
+
+
+def _gather_impl(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
     """Whole pages copied by index_select into the workspace `name`. Opaque to the compiler on
     purpose: its own gather loops, into fresh buffers, ran several times slower than this (each
     fresh multi-MB buffer is page-faulted in again)."""
@@ -55,9 +62,12 @@ def _gather_op(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Ten
     return out
 
 
-@_gather_op.register_fake
+@torch.library.register_fake("pipeserve::gather_pages")  # type: ignore[untyped-decorator]
 def _(cache: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
     return cache.new_empty((index.shape[0], *cache.shape[1:]))
+
+
+_OPS.impl("gather_pages", _gather_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
@@ -77,7 +87,7 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
     # (cache[tables]) goes element by element.
     out: torch.Tensor
     if torch.compiler.is_compiling():
-        out = _gather_op(cache, index, name or "gather")
+        out = torch.ops.pipeserve.gather_pages(cache, index, name or "gather")
     elif name is None:
         out = cache.index_select(0, index)
     else:
@@ -239,8 +249,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     # Memos and pointer checks are host-side; under the compiler, which fuses the ops anyway, no.
     compiling = torch.compiler.is_compiling()
     if compiling:
-        table, perm = _rotation_table(cos_sin_cache)
-        cos, sin = _rows(table, positions)
+        # The table of the positions' rows alone: of the whole cache, the compiled step would
+        # rebuild every row, every step.
+        table, perm = _rotation_table(cos_sin_cache.index_select(0, positions))
+        cos, sin = table[:, None, 0], table[:, None, 1]
     else:
         table, perm = _ROTATION.get((cos_sin_cache,), None, lambda: _rotation_table(cos_sin_cache))
         cos, sin = _ROWS.get((positions, cos_sin_cache), None, lambda: _rows(table, positions))
@@ -340,17 +352,13 @@ def fused_moe_w8a8(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     return moe(x, router_logits, top_k, renormalize, w2_scale.shape[1], mlp)
 
 
-@torch.library.custom_op("pipeserve::store_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
-def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
-                 v_scale: torch.Tensor | None) -> None:
-    reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-@_store_kv_op.register_fake
+@torch.library.register_fake("pipeserve::store_kv")  # type: ignore[untyped-decorator]
 def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     return None
+
+
+_OPS.impl("store_kv", reference.store_kv, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -359,7 +367,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """reference.store_kv; under the compiler as one opaque op that writes the cache in place (traced
     as plain torch, the write into the pool's one tensor is rewritten as a copy of the whole pool)."""
     if torch.compiler.is_compiling():
-        _store_kv_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        torch.ops.pipeserve.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
