@@ -25,8 +25,8 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs():
 
 def test_inductor_buckets_stop_at_its_largest_batch():
     pool = tiny_pool()
-    assert CompiledDecode(None, pool, 32, "inductor").buckets == (1, 2, 4, 8)  # type: ignore[arg-type]
-    assert CompiledDecode(None, pool, 32, "cuda-graph").buckets[-1] == 32  # type: ignore[arg-type]
+    assert CompiledDecode(None, pool, 256, "inductor").buckets == (1, 2, 4, 8, 16, 32, 64)  # type: ignore[arg-type]
+    assert CompiledDecode(None, pool, 256, "cuda-graph").buckets[-1] == 256  # type: ignore[arg-type]
     assert CompiledDecode(None, pool, 6, "inductor").buckets == (1, 2, 4, 6)  # type: ignore[arg-type]
 
 

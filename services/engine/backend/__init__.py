@@ -175,8 +175,10 @@ def get_backend(name: str) -> Backend:
 
         return reference
     if name in ("cpu", "torch"):
+        from . import native
         from .cpu import BACKEND as cpu
 
+        native.available()  # built (or loaded) now, not inside a compiled step's trace
         return cpu
     if name == "triton":
         from .triton import BACKEND as triton

@@ -1,0 +1,345 @@
+// Paged KV store and decode attention for the CPU backend, built by native.py with the host's C++
+// compiler and called through ctypes: no torch headers, so the build takes about a second.
+//
+// Cache layout (one layer): [pages, page_size, kv_heads, head_dim], contiguous. Queries and outputs
+// are fp32; the cache holds fp32, bf16 or fp16 (the model's dtype). Decode rows attend to keys
+// [max(0, len - window), len) of their own pages: one query token per row, at position len - 1.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kMaxGroup = 64;  // query heads per KV head (native.py checks it)
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// One (row, KV head): the scores of its group's query heads against every key, softmax, then the
+// weighted values; each key and value row is read once, for the whole group. D > 0 fixes head_dim
+// at compile time.
+// e^x for the softmax's x <= 0 (Cephes' expf: a degree-6 polynomial around the nearest power of
+// two, within 2 ulp): unlike std::exp it vectorizes in the loops below.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T, int D>
+void decode_head(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
+                 const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
+                 int head_dim, int group, int start, int len, float scale, float* __restrict oh,
+                 std::vector<float>& scores) {
+  const int dim = D > 0 ? D : head_dim;
+  const int n = len - start;
+  scores.resize(static_cast<size_t>(group) * n);
+  float* __restrict sc = scores.data();
+  for (int t = start; t < len; ++t) {
+    const T* __restrict k = k_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+    for (int g = 0; g < group; ++g) {
+      const float* __restrict qg = qh + g * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < dim; ++d) dot += qg[d] * to_float(k[d]);
+      sc[static_cast<size_t>(g) * n + (t - start)] = dot * scale;
+    }
+  }
+  float inv[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    float* __restrict s = sc + static_cast<size_t>(g) * n;
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int i = 1; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; ++i) {
+      const float e = exp_nonpositive(s[i] - m);
+      s[i] = e;
+      sum += e;
+    }
+    inv[g] = 1.0f / sum;
+  }
+  std::fill(oh, oh + static_cast<int64_t>(group) * dim, 0.0f);
+  for (int t = start; t < len; ++t) {
+    const T* __restrict v = v_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+    for (int g = 0; g < group; ++g) {
+      const float p = sc[static_cast<size_t>(g) * n + (t - start)];
+      float* __restrict og = oh + g * dim;
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) og[d] += p * to_float(v[d]);
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* __restrict og = oh + g * dim;
+#pragma omp simd
+    for (int d = 0; d < dim; ++d) og[d] *= inv[g];
+  }
+}
+
+// The same for small head_dim (D under 32), where a dot product over D channels is mostly its
+// horizontal sum: the vectors run across a page's tokens instead (strided loads, one per channel).
+template <typename T, int D>
+void decode_head_small(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
+                       const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
+                       int group, int start, int len, float scale, float* __restrict oh,
+                       std::vector<float>& scores) {
+  const int n = len - start;
+  scores.resize(static_cast<size_t>(group) * n);
+  float* __restrict sc = scores.data();
+  for (int t0 = start; t0 < len;) {
+    const int in_page = t0 % page_size;
+    const int count = std::min(page_size - in_page, len - t0);
+    const T* __restrict k = k_cache + table[t0 / page_size] * page_stride + in_page * token_stride;
+    for (int g = 0; g < group; ++g) {
+      float* __restrict s = sc + static_cast<size_t>(g) * n + (t0 - start);
+      const float* __restrict qg = qh + g * D;
+#pragma omp simd
+      for (int j = 0; j < count; ++j) {
+        float dot = 0.0f;
+        for (int d = 0; d < D; ++d) dot += qg[d] * to_float(k[j * token_stride + d]);
+        s[j] = dot * scale;
+      }
+    }
+    t0 += count;
+  }
+  float inv[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    float* __restrict s = sc + static_cast<size_t>(g) * n;
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int i = 1; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; ++i) {
+      const float e = exp_nonpositive(s[i] - m);
+      s[i] = e;
+      sum += e;
+    }
+    inv[g] = 1.0f / sum;
+  }
+  for (int g = 0; g < group; ++g) {
+    const float* __restrict p = sc + static_cast<size_t>(g) * n;
+    float acc[D] = {};
+    for (int t0 = start; t0 < len;) {
+      const int in_page = t0 % page_size;
+      const int count = std::min(page_size - in_page, len - t0);
+      const T* __restrict v = v_cache + table[t0 / page_size] * page_stride + in_page * token_stride;
+      const float* __restrict pp = p + (t0 - start);
+      for (int d = 0; d < D; ++d) {
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int j = 0; j < count; ++j) part += pp[j] * to_float(v[j * token_stride + d]);
+        acc[d] += part;
+      }
+      t0 += count;
+    }
+    for (int d = 0; d < D; ++d) oh[g * D + d] = acc[d] * inv[g];
+  }
+}
+
+#if defined(__AVX512F__)
+// decode_head_small for an fp32 cache with AVX-512: each channel of a page's (up to 16) tokens is one
+// gather, so scores and values take one fused multiply-add per channel and query head, and the
+// horizontal sums wait until the end of the row.
+template <int D>
+void decode_head_small_avx512(const float* __restrict qh, const float* __restrict k_cache,
+                              const float* __restrict v_cache, const int32_t* __restrict table, int64_t page_stride,
+                              int64_t token_stride, int page_size, int group, int start, int len, float scale,
+                              float* __restrict oh, std::vector<float>& scores) {
+  const int n = len - start;
+  scores.resize(static_cast<size_t>(group) * n + 16);
+  float* __restrict sc = scores.data();
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(token_stride)));
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 running_max[kMaxGroup];
+  for (int g = 0; g < group; ++g) running_max[g] = _mm512_set1_ps(-FLT_MAX);
+  for (int t0 = start; t0 < len;) {
+    const int in_page = t0 % page_size;
+    const int count = std::min({page_size - in_page, len - t0, 16});
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    const float* k = k_cache + table[t0 / page_size] * page_stride + in_page * token_stride;
+    __m512 kd[D];
+    for (int d = 0; d < D; ++d) kd[d] = _mm512_mask_i32gather_ps(zero, mask, idx, k + d, 4);
+    for (int g = 0; g < group; ++g) {
+      const float* qg = qh + g * D;
+      __m512 s = zero;
+      for (int d = 0; d < D; ++d) s = _mm512_fmadd_ps(_mm512_set1_ps(qg[d]), kd[d], s);
+      s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+      running_max[g] = _mm512_mask_max_ps(running_max[g], mask, running_max[g], s);
+      _mm512_mask_storeu_ps(sc + static_cast<size_t>(g) * n + (t0 - start), mask, s);
+    }
+    t0 += count;
+  }
+  float inv[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    float* __restrict s = sc + static_cast<size_t>(g) * n;
+    const float m = _mm512_reduce_max_ps(running_max[g]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; ++i) {
+      const float e = exp_nonpositive(s[i] - m);
+      s[i] = e;
+      sum += e;
+    }
+    inv[g] = 1.0f / sum;
+  }
+  __m512 acc[kMaxGroup][D];
+  for (int g = 0; g < group; ++g)
+    for (int d = 0; d < D; ++d) acc[g][d] = zero;
+  for (int t0 = start; t0 < len;) {
+    const int in_page = t0 % page_size;
+    const int count = std::min({page_size - in_page, len - t0, 16});
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    const float* v = v_cache + table[t0 / page_size] * page_stride + in_page * token_stride;
+    __m512 vd[D];
+    for (int d = 0; d < D; ++d) vd[d] = _mm512_mask_i32gather_ps(zero, mask, idx, v + d, 4);
+    for (int g = 0; g < group; ++g) {
+      const __m512 p = _mm512_maskz_loadu_ps(mask, sc + static_cast<size_t>(g) * n + (t0 - start));
+      for (int d = 0; d < D; ++d) acc[g][d] = _mm512_fmadd_ps(p, vd[d], acc[g][d]);
+    }
+    t0 += count;
+  }
+  for (int g = 0; g < group; ++g)
+    for (int d = 0; d < D; ++d) oh[g * D + d] = _mm512_reduce_add_ps(acc[g][d]) * inv[g];
+}
+#endif
+
+template <typename T, int D>
+void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, int page_size,
+                 int kv_heads, int head_dim, const int32_t* tables, int64_t table_stride,
+                 const int32_t* seq_lens, int batch, int q_heads, float scale, int window, float* out,
+                 int threads) {
+  const int group = q_heads / kv_heads;
+  const int64_t token_stride = static_cast<int64_t>(kv_heads) * head_dim;
+  const int64_t page_stride = token_stride * page_size;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < kv_heads; ++h) {
+      thread_local std::vector<float> scores;
+      const int len = seq_lens[b];
+      const int start = window > 0 ? std::max(0, len - window) : 0;
+      float* oh = out + (static_cast<int64_t>(b) * q_heads + static_cast<int64_t>(h) * group) * head_dim;
+      if (len <= start) {
+        std::fill(oh, oh + static_cast<int64_t>(group) * head_dim, 0.0f);
+        continue;
+      }
+      if constexpr (D > 0 && D < 32) {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float>) {
+          decode_head_small_avx512<D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
+                                      k_cache + static_cast<int64_t>(h) * head_dim,
+                                      v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride,
+                                      page_stride, token_stride, page_size, group, start, len, scale, oh, scores);
+          continue;
+        }
+#endif
+        decode_head_small<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
+                                k_cache + static_cast<int64_t>(h) * head_dim,
+                                v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride,
+                                page_stride, token_stride, page_size, group, start, len, scale, oh, scores);
+        continue;
+      }
+      decode_head<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
+                        k_cache + static_cast<int64_t>(h) * head_dim, v_cache + static_cast<int64_t>(h) * head_dim,
+                        tables + b * table_stride, page_stride, token_stride, page_size, head_dim, group, start,
+                        len, scale, oh, scores);
+    }
+  }
+}
+
+// head_dim as a compile-time constant for the common sizes.
+template <typename T>
+void decode_any(const float* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, int page_size,
+                int kv_heads, int head_dim, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                int batch, int q_heads, float scale, int window, float* out, int threads) {
+#define PIPESERVE_DECODE(D)                                                                                   \
+  decode_rows<T, D>(q, q_row_stride, k_cache, v_cache, page_size, kv_heads, head_dim, tables, table_stride, \
+                    seq_lens, batch, q_heads, scale, window, out, threads)
+  switch (head_dim) {
+    case 8: PIPESERVE_DECODE(8); break;
+    case 16: PIPESERVE_DECODE(16); break;
+    case 32: PIPESERVE_DECODE(32); break;
+    case 64: PIPESERVE_DECODE(64); break;
+    case 128: PIPESERVE_DECODE(128); break;
+    default: PIPESERVE_DECODE(0);
+  }
+#undef PIPESERVE_DECODE
+}
+
+template <typename T>
+void store_rows(const T* k, const T* v, int64_t k_row_stride, int64_t v_row_stride, T* k_cache, T* v_cache,
+                const int64_t* slots, int rows, int64_t row_elems) {
+  for (int i = 0; i < rows; ++i) {
+    std::memcpy(k_cache + slots[i] * row_elems, k + i * k_row_stride, row_elems * sizeof(T));
+    std::memcpy(v_cache + slots[i] * row_elems, v + i * v_row_stride, row_elems * sizeof(T));
+  }
+}
+
+}  // namespace
+
+// dtype: 0 fp32, 1 bf16, 2 fp16 (the cache's).
+extern "C" void pipeserve_decode_attention(int dtype, const float* q, int64_t q_row_stride, const void* k_cache,
+                                           const void* v_cache, int page_size, int kv_heads, int head_dim,
+                                           const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                                           int batch, int q_heads, float scale, int window, float* out,
+                                           int threads) {
+  switch (dtype) {
+    case 0:
+      decode_any(q, q_row_stride, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+                  page_size, kv_heads, head_dim, tables, table_stride, seq_lens, batch, q_heads, scale, window,
+                  out, threads);
+      break;
+    case 1:
+      decode_any(q, q_row_stride, static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
+                  page_size, kv_heads, head_dim, tables, table_stride, seq_lens, batch, q_heads, scale, window,
+                  out, threads);
+      break;
+    default:
+      decode_any(q, q_row_stride, static_cast<const _Float16*>(k_cache), static_cast<const _Float16*>(v_cache),
+                  page_size, kv_heads, head_dim, tables, table_stride, seq_lens, batch, q_heads, scale, window,
+                  out, threads);
+  }
+}
+
+// Elements are copied as bytes of their size: 4 (fp32) or 2 (bf16, fp16).
+extern "C" void pipeserve_store_kv(int elem_size, const void* k, const void* v, int64_t k_row_stride,
+                                   int64_t v_row_stride, void* k_cache, void* v_cache, const int64_t* slots,
+                                   int rows, int64_t row_elems) {
+  if (elem_size == 4) {
+    store_rows(static_cast<const float*>(k), static_cast<const float*>(v), k_row_stride, v_row_stride,
+               static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, rows, row_elems);
+  } else {
+    store_rows(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_row_stride, v_row_stride,
+               static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slots, rows, row_elems);
+  }
+}

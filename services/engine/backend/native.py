@@ -1,0 +1,194 @@
+"""The CPU backend's native kernels (csrc/paged_attention.cpp): the paged KV store and decode
+attention, built once per source and host with the C++ compiler and loaded through ctypes.
+
+Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
+run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
+page, with no copy, no mask and one call per layer. The source is plain C++ (no torch headers), so
+the build takes about a second; the library lands in the project cache, named by a hash of the
+source and flags, and later processes load it directly. Without a compiler (`g++`, or `$CXX`) the
+backend keeps its torch path: `available()` says which.
+
+Both kernels are also torch ops (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`)
+so a compiled step calls them as opaque ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from services.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
+# -ffast-math: a library linked with it switches the whole process to flush denormals to zero.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_GROUP = 64  # query heads per KV head (the kernel's kMaxGroup)
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_enabled = True
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def _build(compiler: str) -> Path:
+    """The library for this source and these flags, compiled unless the cache has it."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = Path(cache_dir()) / "native" / f"paged_attention-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: concurrent engines never load a partial file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, target)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C++ compiler (g++, or $CXX) on this host: the cpu backend's attention runs on torch ops")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        log.warning("building the native CPU kernels failed; attention runs on torch ops: %s", detail)
+        return None
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.pipeserve_decode_attention.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, ptr, i64, ptr, i32, i32,
+                                               f32, i32, ptr, i32]
+    lib.pipeserve_decode_attention.restype = None
+    lib.pipeserve_store_kv.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i64]
+    lib.pipeserve_store_kv.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (and not switched off by set_enabled)."""
+    return _enabled and _load() is not None
+
+
+def set_enabled(enabled: bool) -> None:
+    """Tests compare the native kernels with the torch path they replace."""
+    global _enabled
+    _enabled = enabled
+
+
+def _rows_packed(x: torch.Tensor) -> bool:
+    """[T, H, D] whose rows may be strided but whose heads and channels are packed."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether decode_attention takes these inputs (an unquantized, contiguous CPU cache)."""
+    return (q.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
+            and k_cache.is_contiguous() and q.shape[1] // k_cache.shape[2] <= MAX_GROUP and available())
+
+
+def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   k_scale: torch.Tensor | None) -> bool:
+    return (k.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
+            and k.dtype == k_cache.dtype == v.dtype and k_cache.is_contiguous()
+            and _rows_packed(k) and _rows_packed(v) and available())
+
+
+def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    lib = _lib
+    assert lib is not None
+    qf = q if q.dtype == torch.float32 else q.float()
+    if not _rows_packed(qf):
+        qf = qf.contiguous()
+    batch, heads, dim = qf.shape
+    out = torch.empty((batch, heads, dim), dtype=torch.float32)
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    assert tables.stride(1) == 1 and lens.is_contiguous()
+    lib.pipeserve_decode_attention(
+        CACHE_DTYPES[k_cache.dtype], qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.shape[1], k_cache.shape[2], dim, tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch,
+        heads, scale, window, out.data_ptr(), torch.get_num_threads())
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _store_impl(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    lib = _lib
+    assert lib is not None
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    k, v = (x if _rows_packed(x) else x.contiguous() for x in (k, v))
+    assert slots.is_contiguous()
+    lib.pipeserve_store_kv(k.element_size(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
+                           k.shape[1] * k.shape[2])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] in q's dtype; each row attends to its first seq_len keys (the last
+    sliding_window of them, when set). Call when supports_decode()."""
+    window = sliding_window or 0
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = torch.ops.pipeserve.native_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+        return out
+    return _decode_impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Rows [T, Hkv, D] into the cache [P, S, Hkv, D] at their slots. Call when supports_store()."""
+    if k.shape[0] == 0:
+        return
+    if torch.compiler.is_compiling():
+        torch.ops.pipeserve.native_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        _store_impl(k, v, k_cache, v_cache, slot_mapping)
+
+
+# Declared to the dispatcher directly (torch.library.custom_op's wrapper costs more per call).
+_OPS = torch.library.Library("pipeserve", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define("native_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "  # type: ignore[no-untyped-call]
+            "Tensor seq_lens, float scale, int window) -> Tensor")
+_OPS.define("native_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "  # type: ignore[no-untyped-call]
+            "Tensor slot_mapping) -> ()")
+_OPS.impl("native_decode_attention", _decode_impl, "CPU")  # type: ignore[no-untyped-call]
+_OPS.impl("native_store_kv", _store_impl, "CPU")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("pipeserve::native_decode_attention")  # type: ignore[untyped-decorator]
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+      seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("pipeserve::native_store_kv")  # type: ignore[untyped-decorator]
+def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor) -> None:
+    return None

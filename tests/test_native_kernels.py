@@ -1,0 +1,130 @@
+"""The CPU backend's native kernels (services/engine/backend/native.py) against the reference
+backend: decode attention over every cache dtype, head size (the small-head and generic paths),
+query-head grouping, sliding windows and page boundaries, strided query rows, one and two threads;
+the KV store; the torch path they replace; the compiled step's view of them as opaque ops; and the
+build: cached by source hash, and a host without a compiler falls back to torch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.backend import cpu, native, reference
+from tests.kernel_utils import paged_kv, seeded
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler"),
+]
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hkv", "group", "dim"), [(2, 2, 8), (1, 4, 16), (2, 1, 64), (1, 2, 80)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_matches_the_reference(threads, dtype, hkv, group, dim, window):
+    gen = seeded(11)
+    lens = [1, 16, 17, 150, 33]  # one key, a whole page, one past it, many pages
+    kv = paged_kv(lens, 16, hkv, dim, dtype, None, gen).clean()
+    # Query rows strided as slices of a fused projection are.
+    fused = torch.randn(len(lens), hkv * group * dim + 24, generator=gen).to(dtype)
+    q = fused[:, : hkv * group * dim].view(len(lens), hkv * group, dim)
+    assert native.supports_decode(q, kv.k_cache, None)
+    got = native.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
+    want = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_backend_takes_the_native_path_and_the_torch_path_agrees():
+    gen = seeded(12)
+    kv = paged_kv([5, 150, 9, 33], 16, 2, 8, torch.float32, None, gen).clean()
+    q = torch.randn(4, 4, 8, generator=gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.35, None)
+    got = cpu.decode_attention(*args)
+    native.set_enabled(False)
+    try:
+        assert not native.supports_decode(q, kv.k_cache, None)
+        torch_path = cpu.decode_attention(*args)
+    finally:
+        native.set_enabled(True)
+    torch.testing.assert_close(got, torch_path, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_caches_keep_the_torch_path():
+    gen = seeded(13)
+    kv = paged_kv([20, 40], 16, 2, 16, torch.float32, torch.int8, gen).clean()
+    q = torch.randn(2, 4, 16, generator=gen)
+    assert not native.supports_decode(q, kv.k_cache, kv.k_scale)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, None)
+    torch.testing.assert_close(cpu.decode_attention(*args, **kv.scales()),
+                               reference.decode_attention(*args, **kv.scales()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_matches_the_reference(dtype):
+    gen = seeded(14)
+    pages, page_size, hkv, dim = 6, 4, 2, 8
+    qkv = torch.randn(5, (4 + 2 * hkv) * dim, generator=gen).to(dtype)
+    k = qkv[:, 4 * dim : (4 + hkv) * dim].view(5, hkv, dim)  # strided rows, as the model's
+    v = qkv[:, (4 + hkv) * dim :].view(5, hkv, dim)
+    slots = torch.tensor([3, 17, 4, 22, 9])
+    caches = [torch.zeros(pages, page_size, hkv, dim, dtype=dtype) for _ in range(4)]
+    assert native.supports_store(k, v, caches[0], None)
+    native.store_kv(k, v, caches[0], caches[1], slots)
+    reference.store_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_opaque_ops_under_the_compiler():
+    """The compiled step sees both kernels as ops: same numbers as the direct calls."""
+    gen = seeded(15)
+    kv = paged_kv([9, 40], 16, 2, 16, torch.float32, None, gen).clean()
+    q = torch.randn(2, 4, 16, generator=gen)
+    k_new, v_new = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    slots = (kv.block_tables[:, 2].long() * 16 + 15)  # unused slots of unused pages
+
+    def step(q, k_new, v_new, k_cache, v_cache, tables, lens):
+        native.store_kv(k_new, v_new, k_cache, v_cache, slots)
+        return native.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, None)
+
+    want = step(q, k_new, v_new, kv.k_cache.clone(), kv.v_cache.clone(), kv.block_tables, kv.seq_lens)
+    k_cache, v_cache = kv.k_cache.clone(), kv.v_cache.clone()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        q, k_new, v_new, k_cache, v_cache, kv.block_tables, kv.seq_lens)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots], k_new)
+
+
+def test_build_is_cached_and_a_missing_compiler_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPESERVE_CACHE", str(tmp_path))
+    compiler = shutil.which(os.environ.get("CXX") or "g++")
+    assert compiler is not None
+    first = native._build(compiler)
+    assert first.exists() and first.is_relative_to(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native._build(compiler) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("CXX", str(Path(tmp_path) / "no-such-compiler"))
+    assert not native.available()
+    gen = seeded(16)
+    kv = paged_kv([12, 30], 16, 2, 8, torch.float32, None, gen).clean()
+    q = torch.randn(2, 4, 8, generator=gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.35, None)
+    torch.testing.assert_close(cpu.decode_attention(*args), reference.decode_attention(*args),
+                               atol=1e-5, rtol=1e-5)
