@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp-src", help="an unpacked llama-cpp-python source package (its "
                         "vendored llama.cpp converts the checkpoint to GGUF); default: downloaded once "
                         "with pip into the cache dir")
-    parser.add_argument("--profile-steps", type=int, default=16, help="decode steps under torch.profiler (0: no profile)")
+    parser.add_argument("--profile-steps", type=int, default=16,
+                        help="decode steps under torch.profiler (0: no profile)")
     parser.add_argument("--startup", action="store_true", help="instead: seconds to the first token of "
                         "LLM(stories260K) and `pipeserve up`, with an empty and then a warm compiler cache")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")

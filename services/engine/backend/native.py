@@ -70,7 +70,8 @@ def _load() -> ctypes.CDLL | None:
     _tried = True
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C++ compiler (g++, or $CXX) on this host: the cpu backend's attention runs on torch ops")
+        log.warning("no C++ compiler (g++, or $CXX) on this host: the cpu backend's attention runs on "
+                    "torch ops")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
@@ -79,8 +80,8 @@ def _load() -> ctypes.CDLL | None:
         log.warning("building the native CPU kernels failed; attention runs on torch ops: %s", detail)
         return None
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.pipeserve_decode_attention.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, ptr, i64, ptr, i32, i32,
-                                               f32, i32, ptr, i32]
+    lib.pipeserve_decode_attention.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, ptr, i64, ptr, i32,
+                                               i32, f32, i32, ptr, i32]
     lib.pipeserve_decode_attention.restype = None
     lib.pipeserve_store_kv.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i64]
     lib.pipeserve_store_kv.restype = None
