@@ -232,6 +232,67 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < D; ++d) oh[g * D + d] = _mm512_reduce_add_ps(acc[g][d]) * inv[g];
 }
+
+// decode_head for an fp32 cache with AVX-512 and head_dim a multiple of 16: the group's queries and
+// output accumulators stay in registers for the whole row.
+template <int D>
+void decode_head_avx512(const float* __restrict qh, const float* __restrict k_cache, const float* __restrict v_cache,
+                        const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
+                        int group, int start, int len, float scale, float* __restrict oh,
+                        std::vector<float>& scores) {
+  constexpr int C = D / 16;  // 16-float chunks per head
+  const int n = len - start;
+  scores.resize(static_cast<size_t>(group) * n);
+  float* __restrict sc = scores.data();
+  float m[kMaxGroup];
+  for (int g0 = 0; g0 < group; g0 += 2) {  // two query heads at a time: 2 * C registers of queries
+    const int gn = std::min(2, group - g0);
+    __m512 qv[2][C];
+    for (int g = 0; g < gn; ++g)
+      for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qh + (g0 + g) * D + c * 16);
+    float mx[2] = {-FLT_MAX, -FLT_MAX};
+    for (int t = start; t < len; ++t) {
+      const float* k = k_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+      for (int g = 0; g < gn; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(k + c * 16), acc);
+        const float x = _mm512_reduce_add_ps(acc) * scale;
+        sc[static_cast<size_t>(g0 + g) * n + (t - start)] = x;
+        mx[g] = std::max(mx[g], x);
+      }
+    }
+    for (int g = 0; g < gn; ++g) m[g0 + g] = mx[g];
+  }
+  float inv[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    float* __restrict s = sc + static_cast<size_t>(g) * n;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; ++i) {
+      const float e = exp_nonpositive(s[i] - m[g]);
+      s[i] = e;
+      sum += e;
+    }
+    inv[g] = 1.0f / sum;
+  }
+  for (int g0 = 0; g0 < group; g0 += 2) {
+    const int gn = std::min(2, group - g0);
+    __m512 acc[2][C];
+    for (int g = 0; g < 2; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int t = start; t < len; ++t) {
+      const float* v = v_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+      for (int g = 0; g < gn; ++g) {
+        const __m512 p = _mm512_set1_ps(sc[static_cast<size_t>(g0 + g) * n + (t - start)]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * 16), acc[g][c]);
+      }
+    }
+    for (int g = 0; g < gn; ++g) {
+      const __m512 w = _mm512_set1_ps(inv[g0 + g]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + (g0 + g) * D + c * 16, _mm512_mul_ps(acc[g][c], w));
+    }
+  }
+}
 #endif
 
 template <typename T, int D>
@@ -269,6 +330,15 @@ void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T
                                 page_stride, token_stride, page_size, group, start, len, scale, oh, scores);
         continue;
       }
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float> && D >= 32 && D % 16 == 0) {
+        decode_head_avx512<D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
+                              k_cache + static_cast<int64_t>(h) * head_dim,
+                              v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride, page_stride,
+                              token_stride, page_size, group, start, len, scale, oh, scores);
+        continue;
+      }
+#endif
       decode_head<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
                         k_cache + static_cast<int64_t>(h) * head_dim, v_cache + static_cast<int64_t>(h) * head_dim,
                         tables + b * table_stride, page_stride, token_stride, page_size, head_dim, group, start,
