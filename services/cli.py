@@ -47,6 +47,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "dp": ("bench.dp", "bench serve against data parallel sizes (pipeserve up --data-parallel-size)"),
     "spec": ("bench.spec", "speculative decoding (n-gram, draft model) on vs off: acceptance, speedup"),
     "step": ("bench.step", "decode step vs the memory floor, HF generate and llama.cpp; compiled vs eager"),
+    "cpu-ops": ("bench.cpu_ops", "the cpu backend's native attention and packed linear vs the torch ops"),
 }
 
 
