@@ -1,8 +1,10 @@
 """`pipeserve bench cpu-ops`: the cpu backend's own kernels against the torch ops they replace, one
 thread, alternated, medians:
 
-- linear: packed (oneDNN, services/engine/model/packed_linear.py) vs F.linear (MKL), by row count,
-  on the ~18M Llama's weight shapes by default;
+- linear: the native small-row product (services/engine/backend/native.py, used by
+  services/engine/model/cpu_linear.py) vs F.linear (MKL), by row count, on the ~18M Llama's weight
+  shapes by default, each over copies of the weight totalling 64 MB (a model's weights are not in
+  the core's caches when its step reaches them);
 - decode attention: the native kernel (services/engine/backend/native.py) vs the torch path (pages
   gathered, one masked SDPA call), on stories260K's and the ~18M Llama's head shapes by default.
 
@@ -55,33 +57,32 @@ def _alternate(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tupl
 
 
 def linear_rows(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> list[dict[str, Any]]:
-    from services.engine.model.packed_linear import PACK_HINT_ROWS
+    from services.engine.backend import native
 
     out = []
     for n, k in shapes:
-        weight = torch.randn(n, k)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
+        weights = [torch.randn(n, k) for _ in range(max(1, (64 << 20) // (n * k * 4)))]
         for m in rows:
             x = torch.randn(m, k)
 
-            def mkl(x: torch.Tensor = x, w: torch.Tensor = weight) -> torch.Tensor:
-                return F.linear(x, w)
+            def mkl(x: torch.Tensor = x, ws: list[torch.Tensor] = weights) -> None:
+                for w in ws:
+                    F.linear(x, w)
 
-            def onednn(x: torch.Tensor = x, w: torch.Tensor = packed) -> torch.Tensor:
-                out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                return out
+            def small(x: torch.Tensor = x, ws: list[torch.Tensor] = weights) -> None:
+                for w in ws:
+                    native.linear(x, w, None)
 
-            t_mkl, t_onednn = _alternate(mkl, onednn, repeats)
-            out.append({"n": n, "k": k, "rows": m, "f_linear_us": t_mkl, "packed_us": t_onednn,
-                        "packed_over_f_linear": t_onednn / t_mkl})
+            t_mkl, t_native = (t / len(weights) for t in _alternate(mkl, small, repeats))
+            out.append({"n": n, "k": k, "rows": m, "f_linear_us": t_mkl, "native_us": t_native,
+                        "native_over_f_linear": t_native / t_mkl,
+                        "native_GBps": n * k * 4 / t_native / 1e3, "f_linear_GBps": n * k * 4 / t_mkl / 1e3})
     return out
 
 
 def decode_attention(repeats: int) -> list[dict[str, Any]]:
     from services.engine.backend import cpu, native
 
-    if not native.available():
-        raise SystemExit("bench cpu-ops: the native kernels are unavailable (no C++ compiler)")
     out = []
     for batch, hkv, group, dim, keys in ATTENTION:
         page = 16
@@ -110,6 +111,11 @@ def decode_attention(repeats: int) -> list[dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from services.engine.backend import native
+
+    if not native.available():
+        raise SystemExit("bench cpu-ops: the native kernels are unavailable (no C++ compiler, or "
+                         "PIPESERVE_NATIVE=0)")
     torch.set_num_threads(1)
     shapes = [(int(a), int(b)) for a, b in (s.split("x") for s in args.linear_shapes.split(","))]
     rows = [int(r) for r in args.rows.split(",")]
@@ -119,9 +125,9 @@ def main(args: argparse.Namespace) -> int:
         results["decode_attention"] = decode_attention(args.repeats)
     results |= {"machine": machine_info(), "loadavg_after": open("/proc/loadavg").read().split()[:3],
                 "repeats": args.repeats}
-    print_table("linear: packed (oneDNN) / F.linear (MKL) time, by rows (1 thread)",
+    print_table("linear: native small-row product / F.linear (MKL) time, by rows (1 thread, cold weights)",
                 ["weight", *map(str, rows)],
-                [[f"{n}x{k}", *(r["packed_over_f_linear"] for r in results["linear"]
+                [[f"{n}x{k}", *(r["native_over_f_linear"] for r in results["linear"]
                                 if (r["n"], r["k"]) == (n, k))] for n, k in shapes])
     print_table("decode attention, µs per call (1 thread)",
                 ["rows", "kv heads x group", "head_dim", "keys", "native", "torch", "speedup"],

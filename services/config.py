@@ -86,9 +86,6 @@ class EngineConfig:
     compile: bool = opt(help="decode-only steps run as one compiled unit per batch-size bucket "
                         "(Inductor on CPU, CUDA graphs on CUDA); the default follows $PIPESERVE_COMPILE "
                         "(0: off), else on", factory=lambda: os.environ.get("PIPESERVE_COMPILE", "1") != "0")
-    packed_weights: bool = opt(True, "CPU, fp32: large linear layers keep a oneDNN-packed copy of their "
-                               "weight for steps of 4-128 rows (decode batches, speculative verification: "
-                               "their GEMMs run up to 2x faster); those weights take twice the memory")
     generation_config: str = opt("auto", "auto: the checkpoint's generation_config.json sampling defaults "
                                  "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests "
                                  "that leave them unset; none: pipeserve's defaults",

@@ -20,10 +20,10 @@ from services.engine.compiled_step import CompiledDecode, compile_mode
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
+from services.engine.model.cpu_linear import use_cpu_linears
 from services.engine.model.demo import ensure_demo_model
 from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import load_model, resolve_dtype
-from services.engine.model.packed_linear import pack_linears
 from services.engine.model.quantize import quantize_model
 from services.engine.model.tensor_parallel import check_shardable
 from services.engine.parallel import group as parallel_group
@@ -83,8 +83,8 @@ class Engine:
         )
         self.backend = backend.name
         quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
-        if config.packed_weights and backend.name == "cpu":
-            pack_linears(self.model)
+        if backend.name == "cpu":
+            use_cpu_linears(self.model)
         shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
         per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
                                      config.prefix_caching)
@@ -258,8 +258,8 @@ class Engine:
             raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the model's "
                              f"({model_cfg.vocab_size}): it must share the tokenizer")
         model, _ = load_model(draft_dir, backend, self.device, self.dtype, self.max_model_len)
-        if config.packed_weights and backend.name == "cpu":
-            pack_linears(model)
+        if backend.name == "cpu":
+            use_cpu_linears(model)
         return model, draft_cfg
 
     def _speculator(self, config: EngineConfig,

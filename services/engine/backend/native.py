@@ -1,5 +1,6 @@
-"""The CPU backend's native kernels (csrc/paged_attention.cpp): the paged KV store and decode
-attention, built once per source and host with the C++ compiler and loaded through ctypes.
+"""The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
+through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), and the fp32
+product of a few rows with a weight (csrc/small_gemm.cpp).
 
 Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
@@ -8,8 +9,12 @@ the build takes about a second; the library lands in the project cache, named by
 source and flags, and later processes load it directly. Without a compiler (`g++`, or `$CXX`) the
 backend keeps its torch path: `available()` says which.
 
-Both kernels are also torch ops (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`)
-so a compiled step calls them as opaque ops.
+Library GEMMs (MKL) stream a weight at full speed for one row but several times slower per byte
+for 2-16 rows; the small-row product reads the weight once for up to 8 rows (model/cpu_linear.py
+decides when it runs).
+
+Every kernel is also a torch op (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`,
+`pipeserve::native_linear`) so a compiled step calls them as opaque ops.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from services.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_gemm.cpp"))
 # The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
 # -ffast-math: a library linked with it switches the whole process to flush denormals to zero.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -39,7 +44,7 @@ MAX_GROUP = 64  # query heads per KV head (the kernel's kMaxGroup)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-_enabled = True
+_enabled = os.environ.get("PIPESERVE_NATIVE", "1") != "0"  # 0: torch ops throughout (comparisons)
 
 
 def _compiler() -> str | None:
@@ -48,16 +53,16 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     """The library for this source and these flags, compiled unless the cache has it."""
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = Path(cache_dir()) / "native" / f"paged_attention-{digest}.so"
+    target = Path(cache_dir()) / "native" / f"kernels-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place: concurrent engines never load a partial file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES)], check=True,
                        capture_output=True, text=True)
         os.replace(partial, target)
     return target
@@ -85,6 +90,8 @@ def _load() -> ctypes.CDLL | None:
     lib.pipeserve_decode_attention.restype = None
     lib.pipeserve_store_kv.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i64]
     lib.pipeserve_store_kv.restype = None
+    lib.pipeserve_small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i64, i64, i32]
+    lib.pipeserve_small_gemm.restype = None
     _lib = lib
     return lib
 
@@ -116,6 +123,35 @@ def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     return (k.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
             and k.dtype == k_cache.dtype == v.dtype and k_cache.is_contiguous()
             and _rows_packed(k) and _rows_packed(v) and available())
+
+
+def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear takes these: fp32 rows on the CPU (x's last dimension packed), a contiguous
+    fp32 weight."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
+            and weight.is_contiguous() and available())
+
+
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lib = _lib
+    assert lib is not None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape[0], weight.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32)
+    b = None if bias is None else bias.contiguous()  # held: its pointer must outlive the call
+    lib.pipeserve_small_gemm(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                             None if b is None else b.data_ptr(), out.data_ptr(), rows, n, weight.shape[1],
+                             torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a few fp32 rows [M, K] with weight [N, K]. Call when supports_linear()."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = torch.ops.pipeserve.native_linear(x, weight, bias)
+        return out
+    return _linear_impl(x, weight, bias)
 
 
 def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -179,7 +215,9 @@ _OPS.define("native_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, T
             "Tensor seq_lens, float scale, int window) -> Tensor")
 _OPS.define("native_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "  # type: ignore[no-untyped-call]
             "Tensor slot_mapping) -> ()")
+_OPS.define("native_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 _OPS.impl("native_decode_attention", _decode_impl, "CPU")  # type: ignore[no-untyped-call]
+_OPS.impl("native_linear", _linear_impl, "CPU")  # type: ignore[no-untyped-call]
 _OPS.impl("native_store_kv", _store_impl, "CPU")  # type: ignore[no-untyped-call]
 
 
@@ -187,6 +225,11 @@ _OPS.impl("native_store_kv", _store_impl, "CPU")  # type: ignore[no-untyped-call
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
       seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("pipeserve::native_linear")  # type: ignore[untyped-decorator]
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.register_fake("pipeserve::native_store_kv")  # type: ignore[untyped-decorator]

@@ -1,0 +1,86 @@
+"""The CPU's linear layers (services/engine/model/cpu_linear.py) and the native small-row product
+behind them: which layers are swapped, which row counts take the native product, its numbers
+against F.linear (tails of K and N, bias, strided rows, one and two threads, in and out of the
+compiler), and an engine's greedy tokens with the native kernels on and off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine import LLM, SamplingParams
+from services.engine.backend import native
+from services.engine.model import cpu_linear as C
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler"),
+]
+
+
+def test_only_plain_fp32_cpu_linears_are_swapped():
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(16, 16).to(torch.bfloat16), nn.ReLU())
+    model.add_module("lm_head", nn.Linear(32, 64))
+    assert C.use_cpu_linears(model) == 1
+    assert isinstance(model[0], C.CpuLinear) and model[0].weight is not None
+    assert type(model[1]) is nn.Linear and type(model.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "n", "k"), [(2, 64, 32), (3, 37, 50), (5, 130, 517), (8, 4, 16),
+                                              (9, 70, 33), (17, 256, 128), (32, 3, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_product_matches_f_linear(threads, rows, n, k, bias):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * n + k)
+        wide = torch.randn(rows, k + 7, generator=gen)
+        x = wide[:, 3 : 3 + k]  # strided rows, as a slice of a fused projection's output
+        w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if bias else None
+        assert native.supports_linear(x, w)
+        torch.testing.assert_close(native.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 200])
+def test_row_counts_pick_the_path(rows, monkeypatch):
+    calls: list[int] = []
+    real = native._linear_impl
+    monkeypatch.setattr(native, "_linear_impl", lambda *a: calls.append(1) or real(*a))
+    layer = C.CpuLinear(nn.Linear(64, 96))
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    assert bool(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)
+
+
+def test_compiled_op_matches_eager():
+    layer = C.CpuLinear(nn.Linear(64, 96))
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = torch.relu(layer(x))
+        got = torch.compile(lambda t: torch.relu(layer(t)), fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(got, want)
+
+
+def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model):
+    model_dir = tiny_model("llama")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4], [20, 21, 22, 23], [30, 31]]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = []
+    for enabled in (True, False):
+        native.set_enabled(enabled)
+        try:
+            llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=64)
+            outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            native.set_enabled(True)
+    assert outs[0] == outs[1]
