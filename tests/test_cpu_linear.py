@@ -54,17 +54,18 @@ def test_row_counts_pick_the_path(rows, monkeypatch):
     calls: list[int] = []
     real = native._linear_impl
     monkeypatch.setattr(native, "_linear_impl", lambda *a: calls.append(1) or real(*a))
-    layer = C.CpuLinear(nn.Linear(64, 96))
-    x = torch.randn(rows, 64)
-    with torch.inference_mode():
-        got = layer(x)
-    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
-    assert bool(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)
+    large, small = C.CpuLinear(nn.Linear(512, 1024)), C.CpuLinear(nn.Linear(64, 96))
+    for layer in (large, small):
+        x = torch.randn(rows, layer.weight.shape[1])
+        with torch.inference_mode():
+            got = layer(x)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    assert len(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)  # the large layer's only
 
 
 def test_compiled_op_matches_eager():
-    layer = C.CpuLinear(nn.Linear(64, 96))
-    x = torch.randn(5, 64)
+    layer = C.CpuLinear(nn.Linear(512, 1024))
+    x = torch.randn(5, 512)
     with torch.inference_mode():
         want = torch.relu(layer(x))
         got = torch.compile(lambda t: torch.relu(layer(t)), fullgraph=True, dynamic=False)(x)
@@ -72,7 +73,7 @@ def test_compiled_op_matches_eager():
 
 
 def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model):
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model("llama", hidden_size=512, intermediate_size=1024)  # MLPs large enough
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4], [20, 21, 22, 23], [30, 31]]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     outs = []

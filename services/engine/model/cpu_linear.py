@@ -5,8 +5,9 @@ slower per byte for a few more: on the 2-core development machine, over weights 
 caches, 5 rows of a [2816, 512] weight took 4x one row's time. Decode batches of a few requests and
 speculative verification rows (1 + k rows per request) live there. The native product
 (backend/native.py, csrc/small_gemm.cpp) reads the weight once for up to 8 rows: 0.47-0.88x
-F.linear's time at 4-8 rows, level at 1-2, slower from 16 (`pipeserve bench cpu-ops`;
-docs/engine.md). So 4-8 rows take it and everything else stays on F.linear. The rule is fixed by
+F.linear's time at 4-8 rows on weights of half a million elements or more, level at 1-3 rows and
+on smaller weights, slower from 16 rows (`pipeserve bench cpu-ops`; docs/engine.md). So 4-8 rows of
+such weights take it and everything else stays on F.linear. The rule is fixed by
 row count, so a step's numbers never depend on timing.
 """
 
@@ -19,17 +20,21 @@ from torch import nn
 from services.engine.backend import native
 
 MIN_ROWS, MAX_ROWS = 4, 8
+MIN_ELEMENTS = 512 * 1024
 
 
 class CpuLinear(nn.Module):
-    """nn.Linear's weight and bias; MIN_ROWS-MAX_ROWS rows go through the native product."""
+    """nn.Linear's weight and bias; MIN_ROWS-MAX_ROWS rows of a large weight go through the native
+    product."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
+        self.large = linear.weight.numel() >= MIN_ELEMENTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS and native.supports_linear(x, self.weight):
+        if (self.large and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+                and native.supports_linear(x, self.weight)):
             return native.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
