@@ -63,6 +63,7 @@ def test_row_counts_pick_the_path(rows, monkeypatch):
     assert len(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)  # the large layer's only
 
 
+@pytest.mark.slow  # compiles (Inductor or the library build)
 def test_compiled_op_matches_eager():
     layer = C.CpuLinear(nn.Linear(512, 1024))
     x = torch.randn(5, 512)
@@ -72,6 +73,7 @@ def test_compiled_op_matches_eager():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow  # an engine each way
 def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model):
     model_dir = tiny_model("llama", hidden_size=512, intermediate_size=1024)  # MLPs large enough
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4], [20, 21, 22, 23], [30, 31]]

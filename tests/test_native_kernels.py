@@ -109,6 +109,7 @@ def test_opaque_ops_under_the_compiler():
     assert torch.equal(k_cache.view(-1, 2, 16)[slots], k_new)
 
 
+@pytest.mark.slow  # compiles (Inductor or the library build)
 def test_build_is_cached_and_a_missing_compiler_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPESERVE_CACHE", str(tmp_path))
     compiler = shutil.which(os.environ.get("CXX") or "g++")
