@@ -54,6 +54,29 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Each of the group's score rows (n apiece) becomes exp(score - its max), in place; inv[g] gets 1 /
+// row g's sum. max_of[g]: the row's maximum when the caller tracked it, else nullptr.
+inline void softmax_rows(float* __restrict scores, int group, int n, const float* max_of, float* inv) {
+  for (int g = 0; g < group; ++g) {
+    float* __restrict s = scores + static_cast<size_t>(g) * n;
+    float m = s[0];
+    if (max_of != nullptr) {
+      m = max_of[g];
+    } else {
+#pragma omp simd reduction(max : m)
+      for (int i = 1; i < n; ++i) m = std::max(m, s[i]);
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; ++i) {
+      const float e = exp_nonpositive(s[i] - m);
+      s[i] = e;
+      sum += e;
+    }
+    inv[g] = 1.0f / sum;
+  }
+}
+
 template <typename T, int D>
 void decode_head(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
                  const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
@@ -74,20 +97,7 @@ void decode_head(const float* __restrict qh, const T* __restrict k_cache, const 
     }
   }
   float inv[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    float* __restrict s = sc + static_cast<size_t>(g) * n;
-    float m = s[0];
-#pragma omp simd reduction(max : m)
-    for (int i = 1; i < n; ++i) m = std::max(m, s[i]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < n; ++i) {
-      const float e = exp_nonpositive(s[i] - m);
-      s[i] = e;
-      sum += e;
-    }
-    inv[g] = 1.0f / sum;
-  }
+  softmax_rows(sc, group, n, nullptr, inv);
   std::fill(oh, oh + static_cast<int64_t>(group) * dim, 0.0f);
   for (int t = start; t < len; ++t) {
     const T* __restrict v = v_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
@@ -132,20 +142,7 @@ void decode_head_small(const float* __restrict qh, const T* __restrict k_cache, 
     t0 += count;
   }
   float inv[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    float* __restrict s = sc + static_cast<size_t>(g) * n;
-    float m = s[0];
-#pragma omp simd reduction(max : m)
-    for (int i = 1; i < n; ++i) m = std::max(m, s[i]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < n; ++i) {
-      const float e = exp_nonpositive(s[i] - m);
-      s[i] = e;
-      sum += e;
-    }
-    inv[g] = 1.0f / sum;
-  }
+  softmax_rows(sc, group, n, nullptr, inv);
   for (int g = 0; g < group; ++g) {
     const float* __restrict p = sc + static_cast<size_t>(g) * n;
     float acc[D] = {};
@@ -170,6 +167,19 @@ void decode_head_small(const float* __restrict qh, const T* __restrict k_cache, 
 // decode_head_small for an fp32 cache with AVX-512: each channel of a page's (up to 16) tokens is one
 // gather, so scores and values take one fused multiply-add per channel and query head, and the
 // horizontal sums wait until the end of the row.
+// Channel d of the (up to 16) tokens from t0 to the end of t0's page, or to len: out[d], one lane per
+// token; count gets their number, the result their lanes.
+template <int D>
+inline __mmask16 gather_chunk(const float* cache, const int32_t* table, int64_t page_stride, int64_t token_stride,
+                              int page_size, __m512i idx, int t0, int len, __m512* out, int& count) {
+  const int in_page = t0 % page_size;
+  count = std::min({page_size - in_page, len - t0, 16});
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+  const float* base = cache + table[t0 / page_size] * page_stride + in_page * token_stride;
+  for (int d = 0; d < D; ++d) out[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, base + d, 4);
+  return mask;
+}
+
 template <int D>
 void decode_head_small_avx512(const float* __restrict qh, const float* __restrict k_cache,
                               const float* __restrict v_cache, const int32_t* __restrict table, int64_t page_stride,
@@ -184,12 +194,10 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
   __m512 running_max[kMaxGroup];
   for (int g = 0; g < group; ++g) running_max[g] = _mm512_set1_ps(-FLT_MAX);
   for (int t0 = start; t0 < len;) {
-    const int in_page = t0 % page_size;
-    const int count = std::min({page_size - in_page, len - t0, 16});
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-    const float* k = k_cache + table[t0 / page_size] * page_stride + in_page * token_stride;
     __m512 kd[D];
-    for (int d = 0; d < D; ++d) kd[d] = _mm512_mask_i32gather_ps(zero, mask, idx, k + d, 4);
+    int count;
+    const __mmask16 mask = gather_chunk<D>(k_cache, table, page_stride, token_stride, page_size, idx, t0, len, kd,
+                                           count);
     for (int g = 0; g < group; ++g) {
       const float* qg = qh + g * D;
       __m512 s = zero;
@@ -200,29 +208,17 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
     }
     t0 += count;
   }
-  float inv[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    float* __restrict s = sc + static_cast<size_t>(g) * n;
-    const float m = _mm512_reduce_max_ps(running_max[g]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < n; ++i) {
-      const float e = exp_nonpositive(s[i] - m);
-      s[i] = e;
-      sum += e;
-    }
-    inv[g] = 1.0f / sum;
-  }
+  float m[kMaxGroup], inv[kMaxGroup];
+  for (int g = 0; g < group; ++g) m[g] = _mm512_reduce_max_ps(running_max[g]);
+  softmax_rows(sc, group, n, m, inv);
   __m512 acc[kMaxGroup][D];
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = zero;
   for (int t0 = start; t0 < len;) {
-    const int in_page = t0 % page_size;
-    const int count = std::min({page_size - in_page, len - t0, 16});
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-    const float* v = v_cache + table[t0 / page_size] * page_stride + in_page * token_stride;
     __m512 vd[D];
-    for (int d = 0; d < D; ++d) vd[d] = _mm512_mask_i32gather_ps(zero, mask, idx, v + d, 4);
+    int count;
+    const __mmask16 mask = gather_chunk<D>(v_cache, table, page_stride, token_stride, page_size, idx, t0, len, vd,
+                                           count);
     for (int g = 0; g < group; ++g) {
       const __m512 p = _mm512_maskz_loadu_ps(mask, sc + static_cast<size_t>(g) * n + (t0 - start));
       for (int d = 0; d < D; ++d) acc[g][d] = _mm512_fmadd_ps(p, vd[d], acc[g][d]);
@@ -264,17 +260,7 @@ void decode_head_avx512(const float* __restrict qh, const float* __restrict k_ca
     for (int g = 0; g < gn; ++g) m[g0 + g] = mx[g];
   }
   float inv[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    float* __restrict s = sc + static_cast<size_t>(g) * n;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < n; ++i) {
-      const float e = exp_nonpositive(s[i] - m[g]);
-      s[i] = e;
-      sum += e;
-    }
-    inv[g] = 1.0f / sum;
-  }
+  softmax_rows(sc, group, n, m, inv);
   for (int g0 = 0; g0 < group; g0 += 2) {
     const int gn = std::min(2, group - g0);
     __m512 acc[2][C];
