@@ -126,8 +126,9 @@ class Engine:
         # A tensor-parallel forward sends the step plan to the other ranks: it runs eager.
         mode = compile_mode(config.compile, backend.name, self.device) if tp is None else None
         whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
-        compiled = None if mode is None else CompiledDecode(
-            self.model, self.pool, config.max_num_seqs, mode, whole_graph)
+        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
+        compiled = None if mode is None else CompiledDecode(  # verification rows run as decode rows
+            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens), mode, whole_graph)
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -136,7 +137,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.structured,
-            config.num_speculative_tokens if config.speculative_method != "none" else 0,
+            spec_tokens,
             compiled,
         )
         self.runner.warm_up()  # compiles before the engine reports ready
