@@ -188,7 +188,7 @@ def count_compiled_verifications(llm: LLM) -> dict[str, int]:
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_stories_verification_steps_compiled_equal_eager(stories_dir, method):
     """Verification rows run as compiled decode rows when the step's rows fit a bucket (one request
-    verifying 1 + 4 rows: bucket 8) and eager otherwise (two requests: 10 rows); the greedy tokens
+    verifying 1 + 4 rows: bucket 5) and eager otherwise (two requests: 10 rows); the greedy tokens
     are a plain eager engine's."""
     prompts = ["Once upon a time, there was a little girl. Once upon a time, there",
                "Lily and Ben went to the park. They saw a dog. Lily and Ben went to"]
@@ -198,7 +198,7 @@ def test_stories_verification_steps_compiled_equal_eager(stories_dir, method):
     draft = dict(draft_model=stories_dir) if method == "draft" else dict(prompt_lookup_min=1)
     llm = LLM(stories_dir, device="cpu", dtype="float32", compile=True, max_num_seqs=2,
               speculative_method=method, speculative_adaptive=False, **draft)
-    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.buckets == (1, 2, 4, 8)
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.buckets == (1, 2, 3, 4, 5, 8)
     counts = count_compiled_verifications(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.stats()["spec_accepted_tokens"] > 0

@@ -100,14 +100,18 @@ def use_cache_dir() -> None:
 
 class CompiledDecode:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_rows: int, mode: str,
-                 whole_graph: bool = True) -> None:
+                 whole_graph: bool = True, exact: tuple[int, ...] = ()) -> None:
         """max_rows: the most decode rows a step can have (max_num_seqs, times 1 + k when each may
         verify k proposals). whole_graph: the forward pass traces as one graph (dense, unquantized
-        models do; the expert dispatch of a mixture of experts breaks it)."""
+        models do; the expert dispatch of a mixture of experts breaks it). exact: row counts that
+        get a bucket of their own (a batch-1 verification step's 1 + j rows: on the CPU a product
+        of 3 rows costs what 1 row does and one of 4 twice that, so padding 3 rows to 4 would
+        double the step)."""
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph
-        self.buckets = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
+        top = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
+        self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
         self.scratch_page = pool.reserve_scratch_page()

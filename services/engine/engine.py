@@ -128,7 +128,8 @@ class Engine:
         whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
         spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         compiled = None if mode is None else CompiledDecode(  # verification rows run as decode rows
-            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens), mode, whole_graph)
+            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens), mode, whole_graph,
+            tuple(range(2, 2 + spec_tokens)))
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -262,9 +263,11 @@ class Engine:
                     draft: tuple[LlamaForCausalLM, ModelConfig] | None) -> Speculator | None:
         sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
                   config.speculative_adaptive)
+        compiled = self.runner.compiled
+        exact_rows = 0 if compiled is None else compiled.buckets[-1]
         if config.speculative_method == "ngram":
             lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            return Speculator(*sizing, ngram=lookup)
+            return Speculator(*sizing, ngram=lookup, exact_rows=exact_rows)
         if draft is None:
             return None
         model, draft_cfg = draft
@@ -273,7 +276,7 @@ class Engine:
                       config.max_num_seqs, self.max_model_len)
         drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
                              config.max_num_batched_tokens)
-        return Speculator(*sizing, draft=drafter)
+        return Speculator(*sizing, draft=drafter, exact_rows=exact_rows)
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -36,12 +36,16 @@ def speculates(seq: Sequence) -> bool:
 
 class Speculator:
     def __init__(self, k: int, max_num_seqs: int, max_model_len: int, adaptive: bool = True,
-                 ngram: NgramProposer | None = None, draft: DraftModel | None = None) -> None:
+                 ngram: NgramProposer | None = None, draft: DraftModel | None = None,
+                 exact_rows: int = 0) -> None:
+        """exact_rows: steps of up to this many decode and verification rows run compiled, one unit
+        per row count (the adaptive rule costs them per row count)."""
         assert (ngram is None) != (draft is None), "one proposer"
         self.ngram, self.draft = ngram, draft
         self.max_model_len = max_model_len
-        self.adaptive = AdaptiveK(k, max_num_seqs, adaptive)
+        self.adaptive = AdaptiveK(k, max_num_seqs, adaptive, exact_rows)
         self._proposed: list[Sequence] = []
+        self._proposing = 0.0  # seconds the last propose took
         self.num_draft_tokens = 0  # proposed tokens that were verified
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # (request, step) pairs verified: accepted / this = mean run
@@ -49,6 +53,12 @@ class Speculator:
     # -- around the scheduler -------------------------------------------------------------------
     def propose(self, running: list[Sequence]) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         start = time.perf_counter()
+        proposed = self._propose(running, start)
+        self._proposing = time.perf_counter() - start
+        return proposed
+
+    def _propose(self, running: list[Sequence],
+                 start: float) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         decoding = [s for s in running if s.status is Status.RUNNING and s.num_uncomputed == 1]
         self._proposed = []
         if not decoding or self.adaptive.off(len(decoding)):  # the common case at large batch: cheap
@@ -58,6 +68,9 @@ class Speculator:
             return {}, None
         slots = np.fromiter((s.slot for s in eligible), np.int64, len(eligible))
         sizes = self.adaptive.sizes(slots, len(decoding))
+        if not sizes.any():  # no request gains at this batch size: rest there a few steps
+            self.adaptive.rest(slots, len(decoding))
+            return {}, None
         # Tokens past max_tokens or the context are never emitted: no use proposing them.
         room = np.fromiter(
             (min(s.params.max_tokens - s.num_output, self.max_model_len - s.num_tokens) - 1
@@ -96,7 +109,8 @@ class Speculator:
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
         """After the runner, before postprocessing (the requests' token lists are still the step's
         input): learn the step's cost and each verified request's outcome."""
-        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds)
+        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds, not batch.prefill,
+                                  self._proposing)
         verified: dict[Sequence, int] = {}
         if batch.verify:
             assert accepted is not None
