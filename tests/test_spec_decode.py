@@ -14,7 +14,7 @@ from services.engine import LLM, SamplingParams
 from services.engine.kv.pool import KVPool
 from services.engine.process import step_output
 from services.engine.sequence import Sequence, Status, StepUpdate, one_token_updates
-from services.engine.spec.adaptive import AdaptiveK
+from services.engine.spec.adaptive import REFIT, AdaptiveK
 from services.engine.spec.ngram import NgramProposer
 from services.engine.spec.verify import accept_matching
 from services.messages import unpack_ids
@@ -273,6 +273,15 @@ def test_adaptive_rule_sizes_compiled_steps_by_their_row_counts():
     assert measured_rule(flat, 0.95).sizes(one, 1).tolist() == [4]
     # Poor acceptance: verifying never pays.
     assert measured_rule(cliff, 0.02).sizes(one, 1).tolist() == [0]
+    # Lookups that rarely find anything: each miss costs its lookup and gains nothing.
+    rare = measured_rule(flat, 0.95)
+    rare.record_lookups(one, np.array([False]), 0, 0.3e-3)
+    assert rare.hits[0] / rare.asks[0] < 1 and rare.miss_seconds > 0
+    rare.hits[0], rare.miss_seconds = 0.05 * rare.asks[0], 0.3e-3
+    assert rare.sizes(one, 1).tolist() == [0]
+    rare.hits[0] = 0.5 * rare.asks[0]
+    rare.cost.count += REFIT  # the next refit decides again
+    assert rare.sizes(one, 1).tolist() == [4]
     # Row counts not measured yet cost at least the largest smaller one measured: the most
     # promising of them is tried.
     assert measured_rule({1: 1e-3, 5: 2.05e-3}, 0.95).sizes(one, 1).tolist() == [3]

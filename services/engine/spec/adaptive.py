@@ -16,7 +16,9 @@ linear in their rows: on the CPU a matrix product of 3 rows costs what 1 row doe
 twice that. Their cost is measured per row count instead, and when every verifying request's rows
 fit there, one proposal size for the step is chosen outright: the one with the most expected tokens
 per second of step and proposing. A row count not measured yet is taken to cost what the most
-expensive smaller one measured does (costs grow with rows), so each is tried once."""
+expensive smaller one measured does (costs grow with rows), so each is tried once. An n-gram lookup
+finds nothing on many steps: a step then costs a plain step plus the lookup, and gains nothing, so
+the expected gain and cost of proposing are weighed by each request's measured hit rate."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import numpy as np
 
 PRIOR_ALPHA = 0.5
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior per request
+PRIOR_HIT = 1.0  # a request's lookups find a proposal until measured otherwise
 DECAY = 0.9  # per verification: older outcomes weigh less
 RECOVER = 0.02  # per step without proposals: share of the way back to the prior
 HOLD = 8  # steps the rule rests at a batch size after finding that no request there gains
@@ -105,12 +108,16 @@ class AdaptiveK:
         self.cost = CostModel(exact_rows)
         self.kept = np.full(max_num_seqs, PRIOR_ALPHA * PRIOR_WEIGHT)
         self.trials = np.full(max_num_seqs, PRIOR_WEIGHT)
+        self.hits = np.full(max_num_seqs, PRIOR_HIT * PRIOR_WEIGHT)  # lookups that found a proposal
+        self.asks = np.full(max_num_seqs, PRIOR_WEIGHT)
         self.propose_seconds = 0.0  # per proposed token, running mean
+        self.miss_seconds = 0.0  # a lookup that found nothing, running mean
         self.resting, self.rest_batch = 0, 0  # steps left of a rest, at that batch size
         self._best: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, requests): (size, epoch)
 
     def admit(self, slot: int) -> None:
         self.kept[slot], self.trials[slot] = PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.hits[slot], self.asks[slot] = PRIOR_HIT * PRIOR_WEIGHT, PRIOR_WEIGHT
 
     def alpha(self, slots: np.ndarray) -> np.ndarray:
         return np.asarray(self.kept[slots] / self.trials[slots])
@@ -128,7 +135,7 @@ class AdaptiveK:
             key, epoch = (batch, len(slots)), self.cost.count // REFIT
             size, decided = self._best.get(key, (0, -1))
             if decided != epoch:
-                size = self.best_size(alpha, batch)
+                size = self.best_size(alpha, batch, float((self.hits[slots] / self.asks[slots]).mean()))
                 self._best[key] = (size, epoch)
             return np.full(len(slots), size, dtype=np.int64)
         w, v = costs
@@ -162,10 +169,11 @@ class AdaptiveK:
         self.rest(np.arange(self.kept.size), batch)
         return True
 
-    def best_size(self, alpha: np.ndarray, batch: int) -> int:
+    def best_size(self, alpha: np.ndarray, batch: int, hit: float) -> int:
         """The one proposal size j (0..k) for requests of acceptance alpha [n] in a step of `batch`
         decoding rows that makes the most expected tokens per second, from the per-row-count costs
-        (batch + n * k rows may exceed them: larger sizes are left out)."""
+        (batch + n * k rows may exceed them: larger sizes are left out). hit: the share of steps
+        whose lookups find proposals; the others cost a plain step and the failed lookup."""
         sizes = np.arange(self.k + 1)
         rows = batch + alpha.size * sizes
         inside = self.cost.exact_mask(rows)
@@ -174,7 +182,9 @@ class AdaptiveK:
         seconds = self.cost.seconds_by_rows(rows)
         if not seconds.all():  # a row count never measured: try it
             return int(sizes[np.argmin(seconds)])
-        return int(sizes[np.argmax((batch + kept) / seconds)])
+        # Size 0 is a plain step (rows == batch), without lookups.
+        expected = np.where(sizes > 0, hit * seconds + (1 - hit) * (seconds[0] + self.miss_seconds), seconds)
+        return int(sizes[np.argmax((batch + hit * kept) / expected)])
 
     def observe(self, slots: np.ndarray, proposed: np.ndarray, kept: np.ndarray) -> None:
         """Outcome of one verification per slot: kept of proposed tokens (a rejection ends a run)."""
@@ -187,6 +197,7 @@ class AdaptiveK:
         the prior."""
         share = 1 - (1 - RECOVER) ** steps
         self.kept[slots] += share * (PRIOR_ALPHA * self.trials[slots] - self.kept[slots])
+        self.hits[slots] += share * (PRIOR_HIT * self.asks[slots] - self.hits[slots])
 
     def rest(self, slots: np.ndarray, batch: int) -> None:
         """No request of these slots gains at `batch` decoding rows: off(batch) holds for the next
@@ -198,6 +209,12 @@ class AdaptiveK:
                     proposing: float = 0.0) -> None:
         self.cost.record(tokens, verifying, seconds, decode_only, proposing)
 
-    def record_proposing(self, tokens: int, seconds: float) -> None:
+    def record_lookups(self, slots: np.ndarray, hit: np.ndarray, tokens: int, seconds: float) -> None:
+        """Proposing for these slots took `seconds` and proposed `tokens` tokens; hit [n] bool: the
+        slots that got a proposal."""
+        self.hits[slots] = DECAY * self.hits[slots] + hit
+        self.asks[slots] = DECAY * self.asks[slots] + 1
         if tokens:
             self.propose_seconds += 0.1 * (seconds / tokens - self.propose_seconds)
+        else:
+            self.miss_seconds += 0.1 * (seconds - self.miss_seconds)

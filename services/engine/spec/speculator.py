@@ -79,8 +79,9 @@ class Speculator:
             len(eligible),
         )
         sizes = np.clip(np.minimum(sizes, room), 0, None)
-        if not sizes.all():
-            self.adaptive.idle(slots[sizes == 0])
+        asked = sizes > 0
+        if not asked.all():
+            self.adaptive.idle(slots[~asked])
         drafts = None
         proposals: dict[Sequence, list[int]] = {}
         if self.ngram is not None:
@@ -102,15 +103,17 @@ class Speculator:
                 if tokens:
                     proposals[seq] = tokens[: min(n, len(tokens) - extra)]
         self._proposed = list(proposals)
-        if proposals:
-            self.adaptive.record_proposing(sum(map(len, proposals.values())), time.perf_counter() - start)
+        hit = np.fromiter((s in proposals for s in eligible), bool, len(eligible))
+        self.adaptive.record_lookups(slots[asked], hit[asked], sum(map(len, proposals.values())),
+                                     time.perf_counter() - start)
         return proposals, drafts
 
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
         """After the runner, before postprocessing (the requests' token lists are still the step's
         input): learn the step's cost and each verified request's outcome."""
+        # A verifying step's row count costs its proposing too; a plain step's is what resting gives.
         self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds, not batch.prefill,
-                                  self._proposing)
+                                  self._proposing if batch.verify else 0.0)
         verified: dict[Sequence, int] = {}
         if batch.verify:
             assert accepted is not None
