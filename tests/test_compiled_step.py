@@ -200,9 +200,27 @@ def test_stories_verification_steps_compiled_equal_eager(stories_dir, method):
               speculative_method=method, speculative_adaptive=False, **draft)
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.buckets == (1, 2, 3, 4, 5, 8)
     counts = count_compiled_verifications(llm)
+    drafted = count_draft_rounds(llm) if method == "draft" else None
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
     assert counts["compiled"] > 0 and counts["eager"] > 0
+    assert drafted is None or drafted["rows"] > 0  # the draft's own rounds ran compiled
+
+
+def count_draft_rounds(llm: LLM) -> dict[str, int]:
+    """Counts the draft model's rows that ran through its compiled decode steps."""
+    speculator = llm.engine.speculator
+    assert speculator is not None and speculator.draft is not None
+    compiled = speculator.draft.runner.compiled
+    assert compiled is not None and compiled is not llm.engine.runner.compiled
+    counts, run = {"rows": 0}, compiled.run
+
+    def counted(input_ids, *args):
+        counts["rows"] += input_ids.shape[0]
+        return run(input_ids, *args)
+
+    compiled.run = counted
+    return counts
 
 
 @pytest.mark.slow

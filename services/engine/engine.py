@@ -274,8 +274,11 @@ class Engine:
         # As many tokens as the model's pool: every request it holds can be drafted for.
         pool = KVPool(draft_cfg, self.pool.num_pages, self.pool.page_size, self.dtype, self.device,
                       config.max_num_seqs, self.max_model_len)
+        # The draft's one-token rounds run compiled like the model's decode steps (buckets of its own).
+        draft_compiled = None if compiled is None else CompiledDecode(
+            model, pool, config.max_num_seqs, compiled.mode, not any(draft_cfg.moe_layers or ()))
         drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
-                             config.max_num_batched_tokens)
+                             config.max_num_batched_tokens, draft_compiled)
         return Speculator(*sizing, draft=drafter, exact_rows=exact_rows)
 
     # -- the step -------------------------------------------------------------------------------

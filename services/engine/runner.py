@@ -123,8 +123,9 @@ class ModelRunner:
     def warm_up(self, every_bucket: bool = False) -> None:
         """Compile the default decode buckets (and a batch-1 verification step's), or every one (when
         decode steps are compiled)."""
-        if self.compiled is not None:  # and the bucket of a batch-1 verification step
-            self.compiled.warm_up(self._stage, every_bucket, (1 + self.spec_tokens,) if self.spec_tokens else ())
+        if self.compiled is not None:
+            verification = (1 + self.spec_tokens,) if self.spec_tokens else ()
+            self.compiled.warm_up(self._stage, every_bucket, verification)
 
     # -- metadata -------------------------------------------------------------------------------
     def build(self, batch: ScheduledBatch) -> FlatBatch:

@@ -41,7 +41,7 @@ ROWS_DECAY = 0.1  # per measurement of a row count: the weight of the newest
 
 class CostModel:
     """Seconds per step as a + b * tokens + c * verifying requests: decaying least squares (running
-    normal equations, O(1) per step)."""
+    normal equations, O(1) per step), refitted every REFIT steps."""
 
     def __init__(self, exact_rows: int = 0) -> None:
         """exact_rows: steps of up to this many rows, all decode or verification rows, are costed
@@ -49,6 +49,7 @@ class CostModel:
         self.xtx = np.zeros((3, 3))
         self.xty = np.zeros(3)
         self.count = 0
+        self._pending: list[tuple[float, int, int, float]] = []  # (1, tokens, verifying, seconds)
         self.fit: tuple[float, float, float] | None = None
         self.by_rows = np.zeros(exact_rows + 1)  # seconds, decaying mean; 0: not measured
         self.rows_seen = np.zeros(exact_rows + 1, dtype=np.int64)
@@ -66,12 +67,20 @@ class CostModel:
                 self.by_rows[tokens] = total
             elif self.rows_seen[tokens] > 2:
                 self.by_rows[tokens] += ROWS_DECAY * (total - self.by_rows[tokens])
-        x = np.array([1.0, tokens, verifying])
-        keep = 1.0 - 1.0 / WINDOW
-        self.xtx = keep * self.xtx + np.outer(x, x)
-        self.xty = keep * self.xty + seconds * x
+        # Folded into the normal equations REFIT steps at a time: one batch of array work instead of
+        # a few small operations every step.
+        self._pending.append((1.0, tokens, verifying, seconds))
         self.count += 1
-        if self.count >= MIN_FIT and self.count % REFIT == 0:
+        if len(self._pending) < REFIT:
+            return
+        steps = np.array(self._pending)
+        self._pending.clear()
+        x, y = steps[:, :3], steps[:, 3]
+        keep = 1.0 - 1.0 / WINDOW
+        weights = keep ** np.arange(len(steps) - 1, -1, -1)  # the newest step weighs 1
+        self.xtx = keep ** len(steps) * self.xtx + (x.T * weights) @ x
+        self.xty = keep ** len(steps) * self.xty + (x.T * weights) @ y
+        if self.count >= MIN_FIT:
             ridge = RIDGE * np.diag([0.0, 1.0, 1.0]) * self.xtx[0, 0]
             a, b, c = np.linalg.solve(self.xtx + ridge, self.xty).tolist()
             self.fit = (max(a, 1e-9), max(b, 0.0), max(c, 0.0))
