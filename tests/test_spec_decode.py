@@ -257,7 +257,8 @@ def measured_rule(costs: dict[int, float], alpha: float) -> AdaptiveK:
     rule = AdaptiveK(4, 8, exact_rows=8)
     for _ in range(8):
         for rows, seconds in costs.items():
-            rule.record_step(rows, int(rows > 1), seconds, True)
+            rule.record_step(rows, int(rows > 1), seconds)
+            rule.record_rows(rows, seconds)
     rule.kept[0], rule.trials[0] = 1000 * alpha, 1000
     return rule
 

@@ -288,6 +288,7 @@ class Engine:
     def step(self) -> list[StepUpdate]:
         """Run one step; one update per request it touched: those that sampled a token, in batch
         row order, then those that ended between steps (no token)."""
+        step_start = time.perf_counter()
         if self.structured.waiting:
             self._take_compiled()
         proposals, drafts = self.speculator.propose(self.scheduler.running) if self.speculator else ({}, None)
@@ -313,6 +314,8 @@ class Engine:
             del self.requests[seq.rid]
             self.structured.finish(seq)
         self._ended = []
+        if self.speculator is not None:
+            self.speculator.finish(time.perf_counter() - step_start)
         return updates
 
     def _take_compiled(self) -> None:

@@ -121,10 +121,10 @@ class ModelRunner:
         return dev
 
     def warm_up(self, every_bucket: bool = False) -> None:
-        """Compile the default decode buckets (and a batch-1 verification step's), or every one (when
-        decode steps are compiled)."""
+        """Compile the default decode buckets (and those of a batch-1 verification step), or every
+        one (when decode steps are compiled)."""
         if self.compiled is not None:
-            verification = (1 + self.spec_tokens,) if self.spec_tokens else ()
+            verification = tuple(range(2, 2 + self.spec_tokens))  # a batch-1 verification's rows
             self.compiled.warm_up(self._stage, every_bucket, verification)
 
     # -- metadata -------------------------------------------------------------------------------

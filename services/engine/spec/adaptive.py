@@ -28,13 +28,14 @@ import numpy as np
 
 PRIOR_ALPHA = 0.5
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior per request
-PRIOR_HIT = 1.0  # a request's lookups find a proposal until measured otherwise
+PRIOR_HIT = 0.5  # hit rates drift back to this while resting (so requests try again)
 DECAY = 0.9  # per verification: older outcomes weigh less
 RECOVER = 0.02  # per step without proposals: share of the way back to the prior
+HIT_RECOVER = 0.002  # the same for the hit rate: a failed lookup costs more than a rejected token
 HOLD = 8  # steps the rule rests at a batch size after finding that no request there gains
 WINDOW = 64  # steps: a step's weight in the cost fit decays by 1 - 1 / WINDOW per later step
 MIN_FIT = 8
-REFIT = 4  # steps between solves of the fit
+REFIT = 16  # steps between solves of the fit
 RIDGE = 1e-6  # keeps b and c at 0 until steps differ in them
 ROWS_DECAY = 0.1  # per measurement of a row count: the weight of the newest
 
@@ -54,19 +55,19 @@ class CostModel:
         self.by_rows = np.zeros(exact_rows + 1)  # seconds, decaying mean; 0: not measured
         self.rows_seen = np.zeros(exact_rows + 1, dtype=np.int64)
 
-    def record(self, tokens: int, verifying: int, seconds: float, decode_only: bool = False,
-               proposing: float = 0.0) -> None:
-        """A step of `tokens` rows, `verifying` requests verifying, that ran in `seconds` after
-        `proposing` seconds of proposing (counted in the per-row-count costs only: the fit has its
-        own per-token term for it)."""
-        if decode_only and 0 < tokens < self.by_rows.size:
+    def record_rows(self, rows: int, seconds: float) -> None:
+        """A step of `rows` decode and verification rows (no prefill) took `seconds` in all."""
+        if 0 < rows < self.by_rows.size:
             # A row count's first step may have compiled its unit: it is left out.
-            self.rows_seen[tokens] += 1
-            total = seconds + proposing
-            if self.rows_seen[tokens] == 2:
-                self.by_rows[tokens] = total
-            elif self.rows_seen[tokens] > 2:
-                self.by_rows[tokens] += ROWS_DECAY * (total - self.by_rows[tokens])
+            self.rows_seen[rows] += 1
+            if self.rows_seen[rows] == 2:
+                self.by_rows[rows] = seconds
+            elif self.rows_seen[rows] > 2:
+                self.by_rows[rows] += ROWS_DECAY * (seconds - self.by_rows[rows])
+
+    def record(self, tokens: int, verifying: int, seconds: float) -> None:
+        """A step of `tokens` rows, `verifying` requests verifying, whose model pass and sampling
+        took `seconds` (proposing has its own per-token term)."""
         # Folded into the normal equations REFIT steps at a time: one batch of array work instead of
         # a few small operations every step.
         self._pending.append((1.0, tokens, verifying, seconds))
@@ -121,12 +122,13 @@ class AdaptiveK:
         self.asks = np.full(max_num_seqs, PRIOR_WEIGHT)
         self.propose_seconds = 0.0  # per proposed token, running mean
         self.miss_seconds = 0.0  # a lookup that found nothing, running mean
+        self.hit_rate = 1.0  # of every request's lookups, running mean: a new request's prior
         self.resting, self.rest_batch = 0, 0  # steps left of a rest, at that batch size
         self._best: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, requests): (size, epoch)
 
     def admit(self, slot: int) -> None:
         self.kept[slot], self.trials[slot] = PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT
-        self.hits[slot], self.asks[slot] = PRIOR_HIT * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.hits[slot], self.asks[slot] = self.hit_rate * PRIOR_WEIGHT, PRIOR_WEIGHT
 
     def alpha(self, slots: np.ndarray) -> np.ndarray:
         return np.asarray(self.kept[slots] / self.trials[slots])
@@ -206,23 +208,28 @@ class AdaptiveK:
         the prior."""
         share = 1 - (1 - RECOVER) ** steps
         self.kept[slots] += share * (PRIOR_ALPHA * self.trials[slots] - self.kept[slots])
+        share = 1 - (1 - HIT_RECOVER) ** steps
         self.hits[slots] += share * (PRIOR_HIT * self.asks[slots] - self.hits[slots])
 
     def rest(self, slots: np.ndarray, batch: int) -> None:
         """No request of these slots gains at `batch` decoding rows: off(batch) holds for the next
         HOLD - 1 steps, and the slots drift as over HOLD idle steps."""
         self.idle(slots, HOLD)
+        self.hit_rate += (1 - (1 - HIT_RECOVER) ** HOLD) * (PRIOR_HIT - self.hit_rate)
         self.resting, self.rest_batch = HOLD - 1, batch
 
-    def record_step(self, tokens: int, verifying: int, seconds: float, decode_only: bool = False,
-                    proposing: float = 0.0) -> None:
-        self.cost.record(tokens, verifying, seconds, decode_only, proposing)
+    def record_step(self, tokens: int, verifying: int, seconds: float) -> None:
+        self.cost.record(tokens, verifying, seconds)
+
+    def record_rows(self, rows: int, seconds: float) -> None:
+        self.cost.record_rows(rows, seconds)
 
     def record_lookups(self, slots: np.ndarray, hit: np.ndarray, tokens: int, seconds: float) -> None:
         """Proposing for these slots took `seconds` and proposed `tokens` tokens; hit [n] bool: the
         slots that got a proposal."""
         self.hits[slots] = DECAY * self.hits[slots] + hit
         self.asks[slots] = DECAY * self.asks[slots] + 1
+        self.hit_rate += 0.05 * (float(hit.mean()) - self.hit_rate)
         if tokens:
             self.propose_seconds += 0.1 * (seconds / tokens - self.propose_seconds)
         else:

@@ -46,6 +46,7 @@ class Speculator:
         self.adaptive = AdaptiveK(k, max_num_seqs, adaptive, exact_rows)
         self._proposed: list[Sequence] = []
         self._proposing = 0.0  # seconds the last propose took
+        self._rows, self._verifying = 0, False  # the step's rows (0: not costed by row count)
         self.num_draft_tokens = 0  # proposed tokens that were verified
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # (request, step) pairs verified: accepted / this = mean run
@@ -67,18 +68,17 @@ class Speculator:
         if not eligible:
             return {}, None
         slots = np.fromiter((s.slot for s in eligible), np.int64, len(eligible))
-        sizes = self.adaptive.sizes(slots, len(decoding))
-        if not sizes.any():  # no request gains at this batch size: rest there a few steps
+        rule = self.adaptive.sizes(slots, len(decoding)).tolist()
+        if not any(rule):  # no request gains at this batch size: rest there a few steps
             self.adaptive.rest(slots, len(decoding))
             return {}, None
         # Tokens past max_tokens or the context are never emitted: no use proposing them.
-        room = np.fromiter(
-            (min(s.params.max_tokens - s.num_output, self.max_model_len - s.num_tokens) - 1
-             for s in eligible),
+        sizes = np.fromiter(
+            (max(0, min(n, s.params.max_tokens - s.num_output - 1, self.max_model_len - s.num_tokens - 1))
+             for s, n in zip(eligible, rule, strict=True)),
             np.int64,
             len(eligible),
         )
-        sizes = np.clip(np.minimum(sizes, room), 0, None)
         asked = sizes > 0
         if not asked.all():
             self.adaptive.idle(slots[~asked])
@@ -103,17 +103,19 @@ class Speculator:
                 if tokens:
                     proposals[seq] = tokens[: min(n, len(tokens) - extra)]
         self._proposed = list(proposals)
-        hit = np.fromiter((s in proposals for s in eligible), bool, len(eligible))
-        self.adaptive.record_lookups(slots[asked], hit[asked], sum(map(len, proposals.values())),
-                                     time.perf_counter() - start)
+        if asked.any():
+            hit = np.fromiter((s in proposals for s in eligible), bool, len(eligible))
+            self.adaptive.record_lookups(slots[asked], hit[asked], sum(map(len, proposals.values())),
+                                         time.perf_counter() - start)
         return proposals, drafts
 
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
-        """After the runner, before postprocessing (the requests' token lists are still the step's
-        input): learn the step's cost and each verified request's outcome."""
-        # A verifying step's row count costs its proposing too; a plain step's is what resting gives.
-        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds, not batch.prefill,
-                                  self._proposing if batch.verify else 0.0)
+        """After the runner (`seconds`), before postprocessing (the requests' token lists are still
+        the step's input): learn the runner's cost and each verified request's outcome."""
+        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds)
+        # Row counts are costed by the whole step (finish): verifying steps' bookkeeping included.
+        self._rows = batch.num_tokens if not batch.prefill else 0
+        self._verifying = bool(batch.verify)
         verified: dict[Sequence, int] = {}
         if batch.verify:
             assert accepted is not None
@@ -130,6 +132,13 @@ class Speculator:
             for seq in self._proposed:  # proposals the scheduler dropped kept nothing
                 self.draft.rollback(seq, seq.num_tokens + verified.get(seq, 0))
         self._proposed = []
+
+    def finish(self, seconds: float) -> None:
+        """The whole engine step took `seconds` (proposing to its updates): a verifying step's row
+        count is costed by all of it; a plain step's by all but its proposing (what resting costs)."""
+        if self._rows:
+            self.adaptive.record_rows(self._rows, seconds if self._verifying else seconds - self._proposing)
+        self._rows = 0
 
     # -- per request ----------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
