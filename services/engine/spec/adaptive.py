@@ -13,9 +13,9 @@ A request that stopped proposing drifts back toward the prior acceptance, so it 
 
 Small steps whose rows all run compiled (one compiled unit per row count, compiled_step.py) are not
 linear in their rows: on the CPU a matrix product of 3 rows costs what 1 row does and one of 4 about
-twice that. Their cost is measured per row count instead, and when every verifying request's rows
-fit there, one proposal size for the step is chosen outright: the one with the most expected tokens
-per second of step and proposing. A row count not measured yet is taken to cost what the most
+twice that. Their cost is measured per row count instead (the whole engine step's time), and when
+every verifying request's rows fit there, one proposal size for the step is chosen outright: the
+one with the most expected tokens per second. A row count not measured yet is taken to cost what the most
 expensive smaller one measured does (costs grow with rows), so each is tried once. An n-gram lookup
 finds nothing on many steps: a step then costs a plain step plus the lookup, and gains nothing, so
 the expected gain and cost of proposing are weighed by each request's measured hit rate."""
@@ -38,6 +38,7 @@ MIN_FIT = 8
 REFIT = 16  # steps between solves of the fit
 RIDGE = 1e-6  # keeps b and c at 0 until steps differ in them
 ROWS_DECAY = 0.1  # per measurement of a row count: the weight of the newest
+ROWS_CLIP = 1.25  # a measurement above this many times its row count's mean counts as this
 
 
 class CostModel:
@@ -63,6 +64,9 @@ class CostModel:
             if self.rows_seen[rows] == 2:
                 self.by_rows[rows] = seconds
             elif self.rows_seen[rows] > 2:
+                # A step the host stalled in (another process on the core, a collection) counts as
+                # at most ROWS_CLIP times the mean: rare row counts would otherwise carry it long.
+                seconds = min(seconds, ROWS_CLIP * self.by_rows[rows])
                 self.by_rows[rows] += ROWS_DECAY * (seconds - self.by_rows[rows])
 
     def record(self, tokens: int, verifying: int, seconds: float) -> None:
