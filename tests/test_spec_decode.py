@@ -302,6 +302,11 @@ def test_adaptive_rule_rests_where_nothing_pays():
     assert rule.alpha(np.array([0]))[0] > before  # drifted toward the prior at once
     assert all(rule.off(1) for _ in range(HOLD - 1))  # no look at the costs meanwhile
     assert not rule.off(1)  # then sizes decides again
+    rule.rest(np.array([0]), 1)  # a second rest in a row is twice as long
+    assert all(rule.off(1) for _ in range(2 * HOLD - 1)) and not rule.off(1)
+    rule.record_lookups(np.array([0]), np.array([True]), 2, 1e-5)  # proposing again: back to HOLD
+    rule.rest(np.array([0]), 1)
+    assert all(rule.off(1) for _ in range(HOLD - 1)) and not rule.off(1)
     rule.rest(np.array([0]), 1)
     assert not rule.off(2)  # another batch size ends the rest
 

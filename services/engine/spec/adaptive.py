@@ -33,11 +33,13 @@ DECAY = 0.9  # per verification: older outcomes weigh less
 RECOVER = 0.02  # per step without proposals: share of the way back to the prior
 HIT_RECOVER = 0.002  # the same for the hit rate: a failed lookup costs more than a rejected token
 HOLD = 8  # steps the rule rests at a batch size after finding that no request there gains
+MAX_HOLD = 64  # consecutive rests at one batch size double, up to this
 WINDOW = 64  # steps: a step's weight in the cost fit decays by 1 - 1 / WINDOW per later step
 MIN_FIT = 8
 REFIT = 16  # steps between solves of the fit
 RIDGE = 1e-6  # keeps b and c at 0 until steps differ in them
 ROWS_DECAY = 0.1  # per measurement of a row count: the weight of the newest
+MIN_GAIN = 1.05  # proposing must promise this many times the plain step's token rate (the model's error)
 ROWS_CLIP = 1.25  # a measurement above this many times its row count's mean counts as this
 
 
@@ -128,6 +130,7 @@ class AdaptiveK:
         self.miss_seconds = 0.0  # a lookup that found nothing, running mean
         self.hit_rate = 1.0  # of every request's lookups, running mean: a new request's prior
         self.resting, self.rest_batch = 0, 0  # steps left of a rest, at that batch size
+        self.rest_steps = 0  # the length of the last rest; 0 once proposals were made since
         self._best: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, requests): (size, epoch)
 
     def admit(self, slot: int) -> None:
@@ -144,15 +147,16 @@ class AdaptiveK:
         costs = self.cost.costs(batch, self.propose_seconds)
         if costs is None:  # nothing measured yet: speculate, and measure
             return np.full(len(slots), self.k, dtype=np.int64)
-        alpha = np.clip(self.alpha(slots), 1e-6, 1 - 1e-6)
         if self.cost.exact(batch + len(slots)):
             # Decided once per refit of the costs (a step's host work stays small).
             key, epoch = (batch, len(slots)), self.cost.count // REFIT
             size, decided = self._best.get(key, (0, -1))
             if decided != epoch:
-                size = self.best_size(alpha, batch, float((self.hits[slots] / self.asks[slots]).mean()))
+                hit = float((self.hits[slots] / self.asks[slots]).mean())
+                size = self.best_size(np.clip(self.alpha(slots), 1e-6, 1 - 1e-6), batch, hit)
                 self._best[key] = (size, epoch)
             return np.full(len(slots), size, dtype=np.int64)
+        alpha = np.clip(self.alpha(slots), 1e-6, 1 - 1e-6)
         w, v = costs
         if w >= 1.0:
             return np.zeros(len(slots), dtype=np.int64)
@@ -165,8 +169,9 @@ class AdaptiveK:
     def off(self, batch: int) -> bool:
         """Whether no request could gain in a step of `batch` decoding rows, not even the one with
         the best acceptance (then every request's estimate drifts toward the prior, as idle does).
-        Resting: after finding that, the next HOLD - 1 steps at the same batch size are off without
-        another look (the drift of those steps applied at once): a step's host work stays small."""
+        Resting: after finding that, the next steps at the same batch size are off without another
+        look (HOLD of them, doubling with each rest in a row up to MAX_HOLD; the drift of those
+        steps applied at once): a step's host work stays small."""
         if self.resting:
             if batch == self.rest_batch:
                 self.resting -= 1
@@ -199,7 +204,9 @@ class AdaptiveK:
             return int(sizes[np.argmin(seconds)])
         # Size 0 is a plain step (rows == batch), without lookups.
         expected = np.where(sizes > 0, hit * seconds + (1 - hit) * (seconds[0] + self.miss_seconds), seconds)
-        return int(sizes[np.argmax((batch + hit * kept) / expected)])
+        rate = (batch + hit * kept) / expected
+        best = int(np.argmax(rate))
+        return int(sizes[best]) if rate[best] > MIN_GAIN * rate[0] else 0
 
     def observe(self, slots: np.ndarray, proposed: np.ndarray, kept: np.ndarray) -> None:
         """Outcome of one verification per slot: kept of proposed tokens (a rejection ends a run)."""
@@ -217,10 +224,14 @@ class AdaptiveK:
 
     def rest(self, slots: np.ndarray, batch: int) -> None:
         """No request of these slots gains at `batch` decoding rows: off(batch) holds for the next
-        HOLD - 1 steps, and the slots drift as over HOLD idle steps."""
-        self.idle(slots, HOLD)
-        self.hit_rate += (1 - (1 - HIT_RECOVER) ** HOLD) * (PRIOR_HIT - self.hit_rate)
-        self.resting, self.rest_batch = HOLD - 1, batch
+        steps (HOLD, or twice the last rest's when it was at this batch size too, up to MAX_HOLD),
+        and the slots drift as over those idle steps."""
+        again = batch == self.rest_batch and self.rest_steps > 0
+        steps = min(2 * self.rest_steps, MAX_HOLD) if again else HOLD
+        self.idle(slots, steps)
+        # The engine's hit rate recovers ten times slower still: it is every new request's prior.
+        self.hit_rate += (1 - (1 - HIT_RECOVER / 10) ** steps) * (PRIOR_HIT - self.hit_rate)
+        self.resting, self.rest_batch, self.rest_steps = steps - 1, batch, steps
 
     def record_step(self, tokens: int, verifying: int, seconds: float) -> None:
         self.cost.record(tokens, verifying, seconds)
@@ -231,6 +242,7 @@ class AdaptiveK:
     def record_lookups(self, slots: np.ndarray, hit: np.ndarray, tokens: int, seconds: float) -> None:
         """Proposing for these slots took `seconds` and proposed `tokens` tokens; hit [n] bool: the
         slots that got a proposal."""
+        self.rest_steps = 0
         self.hits[slots] = DECAY * self.hits[slots] + hit
         self.asks[slots] = DECAY * self.asks[slots] + 1
         self.hit_rate += 0.05 * (float(hit.mean()) - self.hit_rate)

@@ -73,19 +73,14 @@ class Speculator:
             self.adaptive.rest(slots, len(decoding))
             return {}, None
         # Tokens past max_tokens or the context are never emitted: no use proposing them.
-        sizes = np.fromiter(
-            (max(0, min(n, s.params.max_tokens - s.num_output - 1, self.max_model_len - s.num_tokens - 1))
-             for s, n in zip(eligible, rule, strict=True)),
-            np.int64,
-            len(eligible),
-        )
-        asked = sizes > 0
-        if not asked.all():
-            self.adaptive.idle(slots[~asked])
+        sizes = [max(0, min(n, s.params.max_tokens - s.num_output - 1, self.max_model_len - s.num_tokens - 1))
+                 for s, n in zip(eligible, rule, strict=True)]
+        if not all(sizes):
+            self.adaptive.idle(slots[np.asarray(sizes) == 0])
         drafts = None
         proposals: dict[Sequence, list[int]] = {}
         if self.ngram is not None:
-            for seq, n in zip(eligible, sizes.tolist(), strict=True):
+            for seq, n in zip(eligible, sizes, strict=True):
                 proposal = self.ngram.propose(seq.token_ids, n) if n else []
                 if proposal:
                     proposals[seq] = proposal
@@ -95,17 +90,18 @@ class Speculator:
             assert self.draft is not None
             sampled = np.fromiter((s.params.temperature >= MIN_TEMPERATURE for s in eligible), bool,
                                   len(eligible))
-            rounds = sizes + sampled
+            rounds = np.asarray(sizes) + sampled
             chosen = [s for s, n in zip(eligible, rounds, strict=True) if n > 0]
             drawn, drafts = self.draft.propose(chosen, rounds[rounds > 0])
-            for seq, n, extra in zip(eligible, sizes.tolist(), sampled.tolist(), strict=True):
+            for seq, n, extra in zip(eligible, sizes, sampled.tolist(), strict=True):
                 tokens = drawn.get(seq)
                 if tokens:
                     proposals[seq] = tokens[: min(n, len(tokens) - extra)]
         self._proposed = list(proposals)
-        if asked.any():
-            hit = np.fromiter((s in proposals for s in eligible), bool, len(eligible))
-            self.adaptive.record_lookups(slots[asked], hit[asked], sum(map(len, proposals.values())),
+        asked = [i for i, n in enumerate(sizes) if n]
+        if asked:
+            hit = np.fromiter((eligible[i] in proposals for i in asked), bool, len(asked))
+            self.adaptive.record_lookups(slots[asked], hit, sum(map(len, proposals.values())),
                                          time.perf_counter() - start)
         return proposals, drafts
 
