@@ -39,7 +39,6 @@ MIN_FIT = 8
 REFIT = 16  # steps between solves of the fit
 RIDGE = 1e-6  # keeps b and c at 0 until steps differ in them
 ROWS_DECAY = 0.1  # per measurement of a row count: the weight of the newest
-MIN_GAIN = 1.05  # proposing must promise this many times the plain step's token rate (the model's error)
 ROWS_CLIP = 1.25  # a measurement above this many times its row count's mean counts as this
 
 
@@ -204,9 +203,7 @@ class AdaptiveK:
             return int(sizes[np.argmin(seconds)])
         # Size 0 is a plain step (rows == batch), without lookups.
         expected = np.where(sizes > 0, hit * seconds + (1 - hit) * (seconds[0] + self.miss_seconds), seconds)
-        rate = (batch + hit * kept) / expected
-        best = int(np.argmax(rate))
-        return int(sizes[best]) if rate[best] > MIN_GAIN * rate[0] else 0
+        return int(sizes[np.argmax((batch + hit * kept) / expected)])
 
     def observe(self, slots: np.ndarray, proposed: np.ndarray, kept: np.ndarray) -> None:
         """Outcome of one verification per slot: kept of proposed tokens (a rejection ends a run)."""
