@@ -63,7 +63,7 @@ def tiny_pool(num_pages: int = 6, page_size: int = 4) -> KVPool:
 
 def test_padding_rows_only_touch_the_scratch_page():
     pool = tiny_pool()
-    compiled = CompiledDecode(None, pool, max_num_seqs=4, mode="inductor")  # type: ignore[arg-type]
+    compiled = CompiledDecode(None, pool, max_rows=4, mode="inductor")  # type: ignore[arg-type]
     assert pool.num_pages == 5 and pool.stats().pages_used == 0  # the scratch page is out of circulation
     scratch = compiled.scratch_page
     assert scratch not in pool._free
@@ -161,15 +161,86 @@ def test_quantized_compiled_equals_eager(tiny_model):
     assert compiled_graphs() > before
 
 
+def count_compiled_verifications(llm: LLM) -> dict[str, int]:
+    """Counts, as the engine runs, steps with verification rows that ran compiled and eager."""
+    runner = llm.engine.runner
+    assert runner.compiled is not None
+    counts = {"compiled": 0, "eager": 0}
+    forward, run = runner.forward, runner.compiled.run
+    state = {"verify": False, "compiled": False}
+
+    def counted_run(*args, **kwargs):
+        state["compiled"] = True
+        return run(*args, **kwargs)
+
+    def counted_forward(batch):
+        state["compiled"] = False
+        out = forward(batch)
+        if batch.verify:
+            counts["compiled" if state["compiled"] else "eager"] += 1
+        return out
+
+    runner.forward, runner.compiled.run = counted_forward, counted_run
+    return counts
+
+
 @pytest.mark.slow
-def test_speculating_engine_mixes_compiled_decode_and_eager_verification(stories_dir):
-    """A speculating engine with compiled decode steps (verification steps run eager) gives the
-    greedy tokens of a plain eager engine."""
-    prompts = ["Once upon a time, there was a little girl. Once upon a time, there", "Lily and Ben"]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_stories_verification_steps_compiled_equal_eager(stories_dir, method):
+    """Verification rows run as compiled decode rows when the step's rows fit a bucket (one request
+    verifying 1 + 4 rows: bucket 5) and eager otherwise (two requests: 10 rows); the greedy tokens
+    are a plain eager engine's."""
+    prompts = ["Once upon a time, there was a little girl. Once upon a time, there",
+               "Lily and Ben went to the park. They saw a dog. Lily and Ben went to"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 30)]
     base = LLM(stories_dir, device="cpu", dtype="float32", compile=False)
     want = [o.token_ids for o in base.generate(prompts, params)]
+    draft = dict(draft_model=stories_dir) if method == "draft" else dict(prompt_lookup_min=1)
     llm = LLM(stories_dir, device="cpu", dtype="float32", compile=True, max_num_seqs=2,
-              speculative_method="ngram", speculative_adaptive=False)
+              speculative_method=method, speculative_adaptive=False, **draft)
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.buckets == (1, 2, 3, 4, 5, 8)
+    counts = count_compiled_verifications(llm)
+    drafted = count_draft_rounds(llm) if method == "draft" else None
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    assert counts["compiled"] > 0 and counts["eager"] > 0
+    assert drafted is None or drafted["rows"] > 0  # the draft's own rounds ran compiled
+
+
+def count_draft_rounds(llm: LLM) -> dict[str, int]:
+    """Counts the draft model's rows that ran through its compiled decode steps."""
+    speculator = llm.engine.speculator
+    assert speculator is not None and speculator.draft is not None
+    compiled = speculator.draft.runner.compiled
+    assert compiled is not None and compiled is not llm.engine.runner.compiled
+    counts, run = {"rows": 0}, compiled.run
+
+    def counted(input_ids, *args):
+        counts["rows"] += input_ids.shape[0]
+        return run(input_ids, *args)
+
+    compiled.run = counted
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,overrides,method", [
+    ("llama", {}, "ngram"),
+    ("llama", {}, "draft"),
+    ("mistral", dict(sliding_window=6), "ngram"),
+], ids=["llama-ngram", "llama-draft", "mistral-window-ngram"])
+def test_tiny_verification_steps_compiled_equal_eager(tiny_model, kind, overrides, method):
+    """Batch 1 (max_num_seqs=1, k=3: buckets 1, 2, 4): every verification step runs compiled, its
+    rows crossing pages (and the sliding window) at their own positions."""
+    model_dir = tiny_model(kind, **overrides)
+    prompts = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 5, 17], [7, 8, 9, 7, 8, 9, 7]]
+    options = dict(page_size=4, max_num_seqs=1)
+    expected = greedy(model_dir, prompts, [16, 16], compile=False, **options)
+    spec = dict(prompt_lookup_min=1) if method == "ngram" else dict(draft_model=model_dir)
+    llm = LLM(model_dir, device="cpu", dtype="float32", compile=True, speculative_method=method,
+              speculative_adaptive=False, num_speculative_tokens=3, **spec, **options)
+    counts = count_compiled_verifications(llm)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 2)
+    assert [o.token_ids for o in outs] == expected
+    assert counts["compiled"] > 0 and counts["eager"] == 0
+    assert llm.engine.stats()["pages_used"] == 0

@@ -14,7 +14,7 @@ from services.engine import LLM, SamplingParams
 from services.engine.kv.pool import KVPool
 from services.engine.process import step_output
 from services.engine.sequence import Sequence, Status, StepUpdate, one_token_updates
-from services.engine.spec.adaptive import AdaptiveK
+from services.engine.spec.adaptive import REFIT, AdaptiveK
 from services.engine.spec.ngram import NgramProposer
 from services.engine.spec.verify import accept_matching
 from services.messages import unpack_ids
@@ -249,6 +249,66 @@ def test_adaptive_rule_stops_at_large_batch_and_for_poor_acceptance():
     assert rule.sizes(slots, 1).tolist() == [0, 0] and rule.off(1)
     rule.adaptive = False  # --no-speculative-adaptive: always the configured size
     assert rule.sizes(slots, 1000).tolist() == [4, 4]
+
+
+def measured_rule(costs: dict[int, float], alpha: float) -> AdaptiveK:
+    """A rule costing steps of up to 8 rows per row count (compiled steps), each count measured 8
+    times (its first measurement is left out), its one request keeping proposals at rate alpha."""
+    rule = AdaptiveK(4, 8, exact_rows=8)
+    for _ in range(8):
+        for rows, seconds in costs.items():
+            rule.record_step(rows, int(rows > 1), seconds)
+            rule.record_rows(rows, seconds)
+    rule.kept[0], rule.trials[0] = 1000 * alpha, 1000
+    return rule
+
+
+def test_adaptive_rule_sizes_compiled_steps_by_their_row_counts():
+    one = np.array([0])
+    # Products of 1-3 rows cost alike, of 4 or more twice as much (the CPU's small-batch GEMMs).
+    cliff = {1: 1.0e-3, 2: 1.02e-3, 3: 1.05e-3, 4: 2.0e-3, 5: 2.05e-3}
+    assert measured_rule(cliff, 0.95).sizes(one, 1).tolist() == [2]
+    # The linear fit through the same steps would rather propose 4.
+    assert AdaptiveK(4, 8).sizes(one, 1).tolist() == [4]
+    flat = {1: 1.0e-3, 2: 1.02e-3, 3: 1.05e-3, 4: 1.07e-3, 5: 1.1e-3}
+    assert measured_rule(flat, 0.95).sizes(one, 1).tolist() == [4]
+    # Poor acceptance: verifying never pays.
+    assert measured_rule(cliff, 0.02).sizes(one, 1).tolist() == [0]
+    # Lookups that rarely find anything: each miss costs its lookup and gains nothing.
+    rare = measured_rule(flat, 0.95)
+    rare.record_lookups(one, np.array([False]), 0, 0.3e-3)
+    assert rare.hits[0] / rare.asks[0] < 1 and rare.miss_seconds > 0
+    rare.hits[0], rare.miss_seconds = 0.05 * rare.asks[0], 0.3e-3
+    assert rare.sizes(one, 1).tolist() == [0]
+    rare.hits[0] = 0.5 * rare.asks[0]
+    rare.cost.count += REFIT  # the next refit decides again
+    assert rare.sizes(one, 1).tolist() == [4]
+    # Row counts not measured yet cost at least the largest smaller one measured: the most
+    # promising of them is tried.
+    assert measured_rule({1: 1e-3, 5: 2.05e-3}, 0.95).sizes(one, 1).tolist() == [3]
+    # At batch 2 only proposals whose rows fit (2 + 2 * 3 = 8) are costed per row count.
+    two = np.array([0, 1])
+    wide = measured_rule({n: 1e-3 for n in range(1, 9)}, 0.95)
+    wide.kept[1], wide.trials[1] = 950, 1000
+    assert wide.sizes(two, 2).tolist() == [3, 3]
+
+
+def test_adaptive_rule_rests_where_nothing_pays():
+    from services.engine.spec.adaptive import HOLD
+
+    rule = measured_rule({1: 1.0e-3, 2: 3e-3, 3: 3e-3, 4: 3e-3, 5: 3e-3}, 0.3)
+    before = rule.alpha(np.array([0]))[0]
+    rule.rest(np.array([0]), 1)
+    assert rule.alpha(np.array([0]))[0] > before  # drifted toward the prior at once
+    assert all(rule.off(1) for _ in range(HOLD - 1))  # no look at the costs meanwhile
+    assert not rule.off(1)  # then sizes decides again
+    rule.rest(np.array([0]), 1)  # a second rest in a row is twice as long
+    assert all(rule.off(1) for _ in range(2 * HOLD - 1)) and not rule.off(1)
+    rule.record_lookups(np.array([0]), np.array([True]), 2, 1e-5)  # proposing again: back to HOLD
+    rule.rest(np.array([0]), 1)
+    assert all(rule.off(1) for _ in range(HOLD - 1)) and not rule.off(1)
+    rule.rest(np.array([0]), 1)
+    assert not rule.off(2)  # another batch size ends the rest
 
 
 def test_pool_shrink_returns_pages_to_the_promise():

@@ -1,7 +1,7 @@
 """Decode-only steps as one compiled unit per batch-size bucket.
 
 A step whose rows are all decode rows (one query token each) is padded up to the smallest bucket
-(1, 2, 4, 8, ... up to max_num_seqs; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run
+(1, 2, 4, 8, ... up to its most rows; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run
 through that bucket's compiled forward pass: embedding, every layer, the final norm and the logits.
 Its inputs are the runner's persistent buffers (same storage every step), refilled in place.
 Padded rows read and write only a scratch KV page reserved for them, and their logits are cut off
@@ -16,7 +16,10 @@ The same bucketing, padding and buffers drive both compilers:
   length) and replayed. Written to the same interface and never run in this repository's history
   (no GPU).
 
-Steps with prefill rows (and speculative verification rows) stay on the eager path.
+A speculative verification chunk (a request's newest token and its k proposals) runs here too, as
+1 + k decode rows sharing the request's block table: row j at position p + j with seq_len p + j + 1.
+Every layer stores all rows' K/V before any row attends, so the seq_len alone makes it causal.
+Steps with prefill rows stay on the eager path.
 Compiled code is cached on disk under services.config.cache_dir(), so a restart is warm.
 """
 
@@ -96,15 +99,19 @@ def use_cache_dir() -> None:
 
 
 class CompiledDecode:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_num_seqs: int, mode: str,
-                 whole_graph: bool = True) -> None:
-        """whole_graph: the forward pass traces as one graph (dense, unquantized models do; the
-        expert dispatch of a mixture of experts breaks it)."""
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_rows: int, mode: str,
+                 whole_graph: bool = True, exact: tuple[int, ...] = ()) -> None:
+        """max_rows: the most decode rows a step can have (max_num_seqs, times 1 + k when each may
+        verify k proposals). whole_graph: the forward pass traces as one graph (dense, unquantized
+        models do; the expert dispatch of a mixture of experts breaks it). exact: row counts that
+        get a bucket of their own (a batch-1 verification step's 1 + j rows: on the CPU a product
+        of 3 rows costs what 1 row does and one of 4 twice that, so padding 3 rows to 4 would
+        double the step)."""
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph
-        self.buckets = batch_buckets(min(max_num_seqs, MAX_INDUCTOR_BATCH) if mode == "inductor"
-                                     else max_num_seqs)
+        top = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
+        self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
         self.scratch_page = pool.reserve_scratch_page()
@@ -114,7 +121,8 @@ class CompiledDecode:
             use_cache_dir()
 
     def covers(self, num_decode: int, num_tokens: int) -> bool:
-        """Whether a step of num_tokens rows, num_decode of them decode rows, runs compiled."""
+        """Whether a step of num_tokens rows, num_decode of them decode rows (one query each,
+        attending up to its own position: verification rows count), runs compiled."""
         return 0 < num_decode == num_tokens <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
@@ -220,10 +228,12 @@ class CompiledDecode:
         entry[0].replay()
         return entry[1]
 
-    def warm_up(self, stage: Stage, every_bucket: bool = False) -> None:
-        """Compile (or capture) the default buckets (every_bucket: all of them) before the engine
-        serves: one step each over the scratch page alone, which no request reads."""
-        for size in self.buckets if every_bucket else WARM_BUCKETS:
+    def warm_up(self, stage: Stage, every_bucket: bool = False, rows: tuple[int, ...] = ()) -> None:
+        """Compile (or capture) the default buckets (every_bucket: all of them) and those of steps of
+        `rows` rows before the engine serves: one step each over the scratch page alone, which no
+        request reads."""
+        extra = {self.bucket(n) for n in rows if n <= self.buckets[-1]}
+        for size in self.buckets if every_bucket else sorted(extra.union(WARM_BUCKETS)):
             if size > self.buckets[-1]:
                 continue
             zeros = np.zeros(size, np.int64)

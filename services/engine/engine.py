@@ -129,8 +129,10 @@ class Engine:
         # A tensor-parallel forward sends the step plan to the other ranks: it runs eager.
         mode = compile_mode(config.compile, backend.name, self.device) if tp is None else None
         whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
-        compiled = None if mode is None else CompiledDecode(
-            self.model, self.pool, config.max_num_seqs, mode, whole_graph)
+        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
+        compiled = None if mode is None else CompiledDecode(  # verification rows run as decode rows
+            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens), mode, whole_graph,
+            tuple(range(2, 2 + spec_tokens)))
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -139,7 +141,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.structured,
-            config.num_speculative_tokens if config.speculative_method != "none" else 0,
+            spec_tokens,
             compiled,
         )
         self.runner.warm_up()  # compiles before the engine reports ready
@@ -266,18 +268,23 @@ class Engine:
                     draft: tuple[LlamaForCausalLM, ModelConfig] | None) -> Speculator | None:
         sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
                   config.speculative_adaptive)
+        compiled = self.runner.compiled
+        exact_rows = 0 if compiled is None else compiled.buckets[-1]
         if config.speculative_method == "ngram":
             lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            return Speculator(*sizing, ngram=lookup)
+            return Speculator(*sizing, ngram=lookup, exact_rows=exact_rows)
         if draft is None:
             return None
         model, draft_cfg = draft
         # As many tokens as the model's pool: every request it holds can be drafted for.
         pool = KVPool(draft_cfg, self.pool.num_pages, self.pool.page_size, self.dtype, self.device,
                       config.max_num_seqs, self.max_model_len)
+        # The draft's one-token rounds run compiled like the model's decode steps (buckets of its own).
+        draft_compiled = None if compiled is None else CompiledDecode(
+            model, pool, config.max_num_seqs, compiled.mode, not any(draft_cfg.moe_layers or ()))
         drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
-                             config.max_num_batched_tokens)
-        return Speculator(*sizing, draft=drafter)
+                             config.max_num_batched_tokens, draft_compiled)
+        return Speculator(*sizing, draft=drafter, exact_rows=exact_rows)
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -286,6 +293,7 @@ class Engine:
     def step(self) -> list[StepUpdate]:
         """Run one step; one update per request it touched: those that sampled a token, in batch
         row order, then those that ended between steps (no token)."""
+        step_start = time.perf_counter()
         if self.structured.waiting:
             self._take_compiled()
         proposals, drafts = self.speculator.propose(self.scheduler.running) if self.speculator else ({}, None)
@@ -311,6 +319,8 @@ class Engine:
             del self.requests[seq.rid]
             self.structured.finish(seq)
         self._ended = []
+        if self.speculator is not None:
+            self.speculator.finish(time.perf_counter() - step_start)
         return updates
 
     def _take_compiled(self) -> None:

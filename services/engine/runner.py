@@ -70,9 +70,12 @@ class ModelRunner:
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.structured = structured
         self.compiled = compiled  # decode-only steps, when set
+        self.spec_tokens = spec_tokens
         self.page_size = pool.page_size
         pin = device.type == "cuda"
         max_tokens = max_num_batched_tokens + max_num_seqs
+        # A compiled step runs each verification row as a decode row of its own.
+        decode_rows = max_num_seqs * (1 + spec_tokens)
 
         def buf(n: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
             return torch.zeros(n, *shape, dtype=dtype, device=device)
@@ -82,9 +85,9 @@ class ModelRunner:
             "input_ids": buf(max_tokens, torch.int64),
             "positions": buf(max_tokens, torch.int64),
             "slot_mapping": buf(max_tokens, torch.int64),
-            "decode_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
+            "decode_block_tables": buf(decode_rows, torch.int32, pool.max_pages_per_seq),
             "prefill_block_tables": buf(max_num_seqs, torch.int32, pool.max_pages_per_seq),
-            "decode_seq_lens": buf(max_num_seqs, torch.int32),
+            "decode_seq_lens": buf(decode_rows, torch.int32),
             "prefill_seq_lens": buf(max_num_seqs, torch.int32),
             "prefill_cu_q_lens": buf(max_num_seqs + 1, torch.int32),
             # Rows read out of the last layer: up to every row of the step (prompt logprobs read
@@ -118,9 +121,11 @@ class ModelRunner:
         return dev
 
     def warm_up(self, every_bucket: bool = False) -> None:
-        """Compile the default decode buckets, or every one (when decode steps are compiled)."""
+        """Compile the default decode buckets (and those of a batch-1 verification step), or every
+        one (when decode steps are compiled)."""
         if self.compiled is not None:
-            self.compiled.warm_up(self._stage, every_bucket)
+            verification = tuple(range(2, 2 + self.spec_tokens))  # a batch-1 verification's rows
+            self.compiled.warm_up(self._stage, every_bucket, verification)
 
     # -- metadata -------------------------------------------------------------------------------
     def build(self, batch: ScheduledBatch) -> FlatBatch:
@@ -222,8 +227,11 @@ class ModelRunner:
         flat = self.build(batch)
         if self.structured is not None:  # bitmask rows fill while the model runs
             self.structured.begin(flat.sample_slots)
-        if self.compiled is not None and self.compiled.covers(flat.num_decode, flat.input_ids.size):
-            table = self.pool.block_table[flat.decode_slots]
+        if self.compiled is not None and self.compiled.covers(flat.num_decode + flat.num_verify_rows,
+                                                              flat.input_ids.size):
+            # Every row samples: decode rows, and verification rows run as decode rows of their own
+            # (each attends up to its own position), so sample_slots is every row's request.
+            table = self.pool.block_table[flat.sample_slots]
             logits = self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
             return flat, logits
         # Prompt logprobs (the target model's runner: the draft's has no structured state) read

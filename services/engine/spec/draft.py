@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from services.engine.compiled_step import CompiledDecode
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
 from services.engine.runner import ModelRunner
@@ -25,10 +26,14 @@ from .verifier import DRAFT_SALT, DraftProposals
 
 class DraftModel:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, sampler: Sampler, device: torch.device,
-                 max_num_seqs: int, max_num_batched_tokens: int) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int,
+                 compiled: CompiledDecode | None = None) -> None:
+        """compiled: the draft's compiled decode steps (its rounds of one token per request)."""
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.runner = ModelRunner(model, pool, sampler, device, max_num_seqs, max_num_batched_tokens, None)
+        self.runner = ModelRunner(model, pool, sampler, device, max_num_seqs, max_num_batched_tokens, None,
+                                  compiled=compiled)
+        self.runner.warm_up()
         self.shadows: dict[int, Sequence] = {}  # by the target request's slot
 
     def _shadow(self, seq: Sequence) -> Sequence:

@@ -36,12 +36,17 @@ def speculates(seq: Sequence) -> bool:
 
 class Speculator:
     def __init__(self, k: int, max_num_seqs: int, max_model_len: int, adaptive: bool = True,
-                 ngram: NgramProposer | None = None, draft: DraftModel | None = None) -> None:
+                 ngram: NgramProposer | None = None, draft: DraftModel | None = None,
+                 exact_rows: int = 0) -> None:
+        """exact_rows: steps of up to this many decode and verification rows run compiled, one unit
+        per row count (the adaptive rule costs them per row count)."""
         assert (ngram is None) != (draft is None), "one proposer"
         self.ngram, self.draft = ngram, draft
         self.max_model_len = max_model_len
-        self.adaptive = AdaptiveK(k, max_num_seqs, adaptive)
+        self.adaptive = AdaptiveK(k, max_num_seqs, adaptive, exact_rows)
         self._proposed: list[Sequence] = []
+        self._proposing = 0.0  # seconds the last propose took
+        self._rows, self._verifying = 0, False  # the step's rows (0: not costed by row count)
         self.num_draft_tokens = 0  # proposed tokens that were verified
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # (request, step) pairs verified: accepted / this = mean run
@@ -49,6 +54,12 @@ class Speculator:
     # -- around the scheduler -------------------------------------------------------------------
     def propose(self, running: list[Sequence]) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         start = time.perf_counter()
+        proposed = self._propose(running, start)
+        self._proposing = time.perf_counter() - start
+        return proposed
+
+    def _propose(self, running: list[Sequence],
+                 start: float) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         decoding = [s for s in running if s.status is Status.RUNNING and s.num_uncomputed == 1]
         self._proposed = []
         if not decoding or self.adaptive.off(len(decoding)):  # the common case at large batch: cheap
@@ -57,21 +68,19 @@ class Speculator:
         if not eligible:
             return {}, None
         slots = np.fromiter((s.slot for s in eligible), np.int64, len(eligible))
-        sizes = self.adaptive.sizes(slots, len(decoding))
+        rule = self.adaptive.sizes(slots, len(decoding)).tolist()
+        if not any(rule):  # no request gains at this batch size: rest there a few steps
+            self.adaptive.rest(slots, len(decoding))
+            return {}, None
         # Tokens past max_tokens or the context are never emitted: no use proposing them.
-        room = np.fromiter(
-            (min(s.params.max_tokens - s.num_output, self.max_model_len - s.num_tokens) - 1
-             for s in eligible),
-            np.int64,
-            len(eligible),
-        )
-        sizes = np.clip(np.minimum(sizes, room), 0, None)
-        if not sizes.all():
-            self.adaptive.idle(slots[sizes == 0])
+        sizes = [max(0, min(n, s.params.max_tokens - s.num_output - 1, self.max_model_len - s.num_tokens - 1))
+                 for s, n in zip(eligible, rule, strict=True)]
+        if not all(sizes):
+            self.adaptive.idle(slots[np.asarray(sizes) == 0])
         drafts = None
         proposals: dict[Sequence, list[int]] = {}
         if self.ngram is not None:
-            for seq, n in zip(eligible, sizes.tolist(), strict=True):
+            for seq, n in zip(eligible, sizes, strict=True):
                 proposal = self.ngram.propose(seq.token_ids, n) if n else []
                 if proposal:
                     proposals[seq] = proposal
@@ -81,22 +90,28 @@ class Speculator:
             assert self.draft is not None
             sampled = np.fromiter((s.params.temperature >= MIN_TEMPERATURE for s in eligible), bool,
                                   len(eligible))
-            rounds = sizes + sampled
+            rounds = np.asarray(sizes) + sampled
             chosen = [s for s, n in zip(eligible, rounds, strict=True) if n > 0]
             drawn, drafts = self.draft.propose(chosen, rounds[rounds > 0])
-            for seq, n, extra in zip(eligible, sizes.tolist(), sampled.tolist(), strict=True):
+            for seq, n, extra in zip(eligible, sizes, sampled.tolist(), strict=True):
                 tokens = drawn.get(seq)
                 if tokens:
                     proposals[seq] = tokens[: min(n, len(tokens) - extra)]
         self._proposed = list(proposals)
-        if proposals:
-            self.adaptive.record_proposing(sum(map(len, proposals.values())), time.perf_counter() - start)
+        asked = [i for i, n in enumerate(sizes) if n]
+        if asked:
+            hit = np.fromiter((eligible[i] in proposals for i in asked), bool, len(asked))
+            self.adaptive.record_lookups(slots[asked], hit, sum(map(len, proposals.values())),
+                                         time.perf_counter() - start)
         return proposals, drafts
 
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
-        """After the runner, before postprocessing (the requests' token lists are still the step's
-        input): learn the step's cost and each verified request's outcome."""
+        """After the runner (`seconds`), before postprocessing (the requests' token lists are still
+        the step's input): learn the runner's cost and each verified request's outcome."""
         self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds)
+        # Row counts are costed by the whole step (finish): verifying steps' bookkeeping included.
+        self._rows = batch.num_tokens if not batch.prefill else 0
+        self._verifying = bool(batch.verify)
         verified: dict[Sequence, int] = {}
         if batch.verify:
             assert accepted is not None
@@ -113,6 +128,13 @@ class Speculator:
             for seq in self._proposed:  # proposals the scheduler dropped kept nothing
                 self.draft.rollback(seq, seq.num_tokens + verified.get(seq, 0))
         self._proposed = []
+
+    def finish(self, seconds: float) -> None:
+        """The whole engine step took `seconds` (proposing to its updates): a verifying step's row
+        count is costed by all of it; a plain step's by all but its proposing (what resting costs)."""
+        if self._rows:
+            self.adaptive.record_rows(self._rows, seconds if self._verifying else seconds - self._proposing)
+        self._rows = 0
 
     # -- per request ----------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
