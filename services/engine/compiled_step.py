@@ -104,9 +104,9 @@ class CompiledDecode:
         """max_rows: the most decode rows a step can have (max_num_seqs, times 1 + k when each may
         verify k proposals). whole_graph: the forward pass traces as one graph (dense, unquantized
         models do; the expert dispatch of a mixture of experts breaks it). exact: row counts that
-        get a bucket of their own (a batch-1 verification step's 1 + j rows: on the CPU a product
-        of 3 rows costs what 1 row does and one of 4 twice that, so padding 3 rows to 4 would
-        double the step)."""
+        get a bucket of their own (a batch-1 verification step's 1 + j rows: on the CPU F.linear
+        over 3 rows costs what 1 row does and over 4 twice that; the cpu backend's native product
+        for 4-8 rows narrows the gap, but padding still adds whole rows of products)."""
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph
