@@ -186,10 +186,11 @@ def count_compiled_verifications(llm: LLM) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_stories_verification_steps_compiled_equal_eager(stories_dir, method):
+def test_stories_verification_steps_compiled_equal_eager(stories_dir, method, monkeypatch):
     """Verification rows run as compiled decode rows when the step's rows fit a bucket (one request
-    verifying 1 + 4 rows: bucket 5) and eager otherwise (two requests: 10 rows); the greedy tokens
-    are a plain eager engine's."""
+    verifying 1 + 4 rows: bucket 5) and eager otherwise (two requests: 10 rows, past a top bucket
+    of 8 here); the greedy tokens are a plain eager engine's."""
+    monkeypatch.setattr("services.engine.compiled_step.MAX_INDUCTOR_BATCH", 8)
     prompts = ["Once upon a time, there was a little girl. Once upon a time, there",
                "Lily and Ben went to the park. They saw a dog. Lily and Ben went to"]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 30)]
