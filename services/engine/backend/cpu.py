@@ -1,6 +1,8 @@
 """The CPU backend: torch tuned for the CPU. Same results as the reference backend (reference.py,
 up to float rounding), different means:
 
+- Decode attention and the KV store run the native kernels (native.py) where they are built; the
+  torch path below serves quantized caches, prefill chunks and hosts without a C++ compiler.
 - Attention gathers whole pages with index_select into persistent workspaces (fresh buffers every
   layer cost as much again in page faults) and runs SDPA with 4-D inputs, the only ones that reach
   the CPU flash kernel: decode as one masked call over the batch, with the query heads that share a
