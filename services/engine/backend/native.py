@@ -6,11 +6,12 @@ Decode attention in torch must first copy every row's pages into one tensor (ind
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
 page, with no copy, no mask and one call per layer. The source is plain C++ (no torch headers), so
 the build takes about a second; the library lands in the project cache, named by a hash of the
-source and flags, and later processes load it directly. Without a compiler (`g++`, or `$CXX`) the
-backend keeps its torch path: `available()` says which.
+source, the flags and the host's CPU features (`-march=native`: a cache shared between machines
+must not hand one host another's instructions), and later processes load it directly. Without a
+compiler (`g++`, or `$CXX`) the backend keeps its torch path: `available()` says which.
 
-Library GEMMs (MKL) stream a weight at full speed for one row but several times slower per byte
-for 2-16 rows; the small-row product reads the weight once for up to 8 rows (model/cpu_linear.py
+Library GEMMs (MKL) stream a weight at full speed for one to three rows but several times slower
+per byte for 4-16; the small-row product reads the weight once for up to 8 rows (model/cpu_linear.py
 decides when it runs).
 
 Every kernel is also a torch op (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`,
@@ -23,6 +24,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -51,10 +53,19 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
+def _host() -> str:
+    """What -march=native compiles for: the CPU's feature flags where Linux lists them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine()
+
+
 def _build(compiler: str) -> Path:
-    """The library for this source and these flags, compiled unless the cache has it."""
+    """The library for these sources, flags and host, compiled unless the cache has it."""
     source = b"".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS, _host())).encode()).hexdigest()[:16]
     target = Path(cache_dir()) / "native" / f"kernels-{digest}.so"
     if target.exists():
         return target
