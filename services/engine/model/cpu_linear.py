@@ -4,7 +4,7 @@ F.linear runs MKL, which streams a weight at full memory speed for one or two ro
 slower per byte for a few more: on the 2-core development machine, over weights too large for the
 caches, 5 rows of a [2816, 512] weight took 4x one row's time. Decode batches of a few requests and
 speculative verification rows (1 + k rows per request) live there. The native product
-(backend/native.py, csrc/small_gemm.cpp) reads the weight once for up to 8 rows: 0.47-0.88x
+(backend/native.py, csrc/small_gemm.cpp) reads the weight once for up to 8 rows: 0.49-0.93x
 F.linear's time at 4-8 rows on weights of half a million elements or more, level at 1-3 rows and
 on smaller weights, slower from 16 rows (`pipeserve bench cpu-ops`; docs/engine.md). So 4-8 rows of
 such weights take it and everything else stays on F.linear. The rule is fixed by
