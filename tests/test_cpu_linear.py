@@ -23,12 +23,14 @@ pytestmark = [
 ]
 
 
-def test_only_plain_fp32_cpu_linears_are_swapped():
-    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(16, 16).to(torch.bfloat16), nn.ReLU())
-    model.add_module("lm_head", nn.Linear(32, 64))
+def test_only_large_plain_fp32_cpu_linears_are_swapped():
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(512, 1024).to(torch.bfloat16), nn.Linear(64, 96),
+                          nn.ReLU())
+    model.add_module("lm_head", nn.Linear(512, 1024))
+    weight = model[0].weight
     assert C.use_cpu_linears(model) == 1
-    assert isinstance(model[0], C.CpuLinear) and model[0].weight is not None
-    assert type(model[1]) is nn.Linear and type(model.lm_head) is nn.Linear
+    assert isinstance(model[0], C.CpuLinear) and model[0].weight is weight
+    assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear and type(model.lm_head) is nn.Linear
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -54,13 +56,12 @@ def test_row_counts_pick_the_path(rows, monkeypatch):
     calls: list[int] = []
     real = native._linear_impl
     monkeypatch.setattr(native, "_linear_impl", lambda *a: calls.append(1) or real(*a))
-    large, small = C.CpuLinear(nn.Linear(512, 1024)), C.CpuLinear(nn.Linear(64, 96))
-    for layer in (large, small):
-        x = torch.randn(rows, layer.weight.shape[1])
-        with torch.inference_mode():
-            got = layer(x)
-        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
-    assert len(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)  # the large layer's only
+    layer = C.CpuLinear(nn.Linear(512, 1024))
+    x = torch.randn(rows, 512)
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    assert bool(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)
 
 
 @pytest.mark.slow  # compiles (Inductor or the library build)

@@ -112,6 +112,7 @@ class CompiledDecode:
         self.whole_graph = whole_graph
         top = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
         self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
+        self.exact = tuple(n for n in exact if n <= self.buckets[-1])  # compiled before serving too
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
         self.scratch_page = pool.reserve_scratch_page()
@@ -228,12 +229,10 @@ class CompiledDecode:
         entry[0].replay()
         return entry[1]
 
-    def warm_up(self, stage: Stage, every_bucket: bool = False, rows: tuple[int, ...] = ()) -> None:
-        """Compile (or capture) the default buckets (every_bucket: all of them) and those of steps of
-        `rows` rows before the engine serves: one step each over the scratch page alone, which no
-        request reads."""
-        extra = {self.bucket(n) for n in rows if n <= self.buckets[-1]}
-        for size in self.buckets if every_bucket else sorted(extra.union(WARM_BUCKETS)):
+    def warm_up(self, stage: Stage, every_bucket: bool = False) -> None:
+        """Compile (or capture) the default buckets and the exact ones (every_bucket: all of them)
+        before the engine serves: one step each over the scratch page alone, which no request reads."""
+        for size in self.buckets if every_bucket else sorted(set(WARM_BUCKETS).union(self.exact)):
             if size > self.buckets[-1]:
                 continue
             zeros = np.zeros(size, np.int64)

@@ -70,7 +70,6 @@ class ModelRunner:
         self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
         self.structured = structured
         self.compiled = compiled  # decode-only steps, when set
-        self.spec_tokens = spec_tokens
         self.page_size = pool.page_size
         pin = device.type == "cuda"
         max_tokens = max_num_batched_tokens + max_num_seqs
@@ -121,11 +120,10 @@ class ModelRunner:
         return dev
 
     def warm_up(self, every_bucket: bool = False) -> None:
-        """Compile the default decode buckets (and those of a batch-1 verification step), or every
+        """Compile the default decode buckets (with those of a batch-1 verification step), or every
         one (when decode steps are compiled)."""
         if self.compiled is not None:
-            verification = tuple(range(2, 2 + self.spec_tokens))  # a batch-1 verification's rows
-            self.compiled.warm_up(self._stage, every_bucket, verification)
+            self.compiled.warm_up(self._stage, every_bucket)
 
     # -- metadata -------------------------------------------------------------------------------
     def build(self, batch: ScheduledBatch) -> FlatBatch:

@@ -24,25 +24,23 @@ MIN_ELEMENTS = 512 * 1024
 
 
 class CpuLinear(nn.Module):
-    """nn.Linear's weight and bias; MIN_ROWS-MAX_ROWS rows of a large weight go through the native
-    product."""
+    """nn.Linear's weight and bias; MIN_ROWS-MAX_ROWS rows go through the native product."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.large = linear.weight.numel() >= MIN_ELEMENTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.large and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS
-                and native.supports_linear(x, self.weight)):
+        if x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS and native.supports_linear(x, self.weight):
             return native.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 def swaps(module: nn.Module) -> bool:
-    """Whether use_cpu_linears swaps this module: a plain fp32 nn.Linear on the CPU."""
+    """Whether use_cpu_linears swaps this module: a plain fp32 nn.Linear on the CPU whose weight is
+    large enough for the native product to gain."""
     return (type(module) is nn.Linear and module.weight.dtype == torch.float32
-            and module.weight.device.type == "cpu")
+            and module.weight.device.type == "cpu" and module.weight.numel() >= MIN_ELEMENTS)
 
 
 def use_cpu_linears(model: nn.Module) -> int:
