@@ -281,7 +281,7 @@ def test_adaptive_rule_sizes_compiled_steps_by_their_row_counts():
     rare.hits[0], rare.miss_seconds = 0.05 * rare.asks[0], 0.3e-3
     assert rare.sizes(one, 1).tolist() == [0]
     rare.hits[0] = 0.5 * rare.asks[0]
-    rare.cost.count += REFIT  # the next refit decides again
+    rare.steps += REFIT  # a later step decides again
     assert rare.sizes(one, 1).tolist() == [4]
     # Row counts not measured yet cost at least the largest smaller one measured: the most
     # promising of them is tried.
@@ -300,15 +300,15 @@ def test_adaptive_rule_rests_where_nothing_pays():
     before = rule.alpha(np.array([0]))[0]
     rule.rest(np.array([0]), 1)
     assert rule.alpha(np.array([0]))[0] > before  # drifted toward the prior at once
-    assert all(rule.off(1) for _ in range(HOLD - 1))  # no look at the costs meanwhile
-    assert not rule.off(1)  # then sizes decides again
+    assert all(rule.rests(1) for _ in range(HOLD - 1))  # no look at the costs meanwhile
+    assert not rule.rests(1)  # then sizes decides again
     rule.rest(np.array([0]), 1)  # a second rest in a row is twice as long
-    assert all(rule.off(1) for _ in range(2 * HOLD - 1)) and not rule.off(1)
+    assert all(rule.rests(1) for _ in range(2 * HOLD - 1)) and not rule.rests(1)
     rule.record_lookups(np.array([0]), np.array([True]), 2, 1e-5)  # proposing again: back to HOLD
     rule.rest(np.array([0]), 1)
-    assert all(rule.off(1) for _ in range(HOLD - 1)) and not rule.off(1)
+    assert all(rule.rests(1) for _ in range(HOLD - 1)) and not rule.rests(1)
     rule.rest(np.array([0]), 1)
-    assert not rule.off(2)  # another batch size ends the rest
+    assert not rule.rests(2)  # another batch size ends the rest
 
 
 def test_pool_shrink_returns_pages_to_the_promise():

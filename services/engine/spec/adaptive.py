@@ -44,7 +44,8 @@ ROWS_CLIP = 1.25  # a measurement above this many times its row count's mean cou
 
 class CostModel:
     """Seconds per step as a + b * tokens + c * verifying requests: decaying least squares (running
-    normal equations, O(1) per step), refitted every REFIT steps."""
+    normal equations), refitted when read and REFIT steps came since. Recording is a list append
+    and a few float operations: it runs every step, resting or not."""
 
     def __init__(self, exact_rows: int = 0) -> None:
         """exact_rows: steps of up to this many rows, all decode or verification rows, are costed
@@ -53,32 +54,41 @@ class CostModel:
         self.xty = np.zeros(3)
         self.count = 0
         self._pending: list[tuple[float, int, int, float]] = []  # (1, tokens, verifying, seconds)
-        self.fit: tuple[float, float, float] | None = None
-        self.by_rows = np.zeros(exact_rows + 1)  # seconds, decaying mean; 0: not measured
-        self.rows_seen = np.zeros(exact_rows + 1, dtype=np.int64)
+        self._fit: tuple[float, float, float] | None = None
+        # Plain lists: a float operation on a list item costs a fraction of one on a numpy scalar.
+        self.by_rows = [0.0] * (exact_rows + 1)  # seconds, decaying mean; 0: not measured
+        self.rows_seen = [0] * (exact_rows + 1)
 
     def record_rows(self, rows: int, seconds: float) -> None:
         """A step of `rows` decode and verification rows (no prefill) took `seconds` in all."""
-        if 0 < rows < self.by_rows.size:
+        if 0 < rows < len(self.by_rows):
             # A row count's first step may have compiled its unit: it is left out.
-            self.rows_seen[rows] += 1
-            if self.rows_seen[rows] == 2:
+            seen = self.rows_seen[rows] = self.rows_seen[rows] + 1
+            mean = self.by_rows[rows]
+            if seen == 2:
                 self.by_rows[rows] = seconds
-            elif self.rows_seen[rows] > 2:
+            elif seen > 2:
                 # A step the host stalled in (another process on the core, a collection) counts as
                 # at most ROWS_CLIP times the mean: rare row counts would otherwise carry it long.
-                seconds = min(seconds, ROWS_CLIP * self.by_rows[rows])
-                self.by_rows[rows] += ROWS_DECAY * (seconds - self.by_rows[rows])
+                self.by_rows[rows] = mean + ROWS_DECAY * (min(seconds, ROWS_CLIP * mean) - mean)
 
     def record(self, tokens: int, verifying: int, seconds: float) -> None:
         """A step of `tokens` rows, `verifying` requests verifying, whose model pass and sampling
         took `seconds` (proposing has its own per-token term)."""
-        # Folded into the normal equations REFIT steps at a time: one batch of array work instead of
-        # a few small operations every step.
         self._pending.append((1.0, tokens, verifying, seconds))
         self.count += 1
-        if len(self._pending) < REFIT:
-            return
+        if len(self._pending) >= WINDOW * 4:  # nobody read the fit for a while: bound the list
+            self._fold()
+
+    @property
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c), None before MIN_FIT steps. Folding the pending steps in is one batch of array
+        work every REFIT steps, and only when the rule looks (a resting rule never does)."""
+        if len(self._pending) >= REFIT:
+            self._fold()
+        return self._fit
+
+    def _fold(self) -> None:
         steps = np.array(self._pending)
         self._pending.clear()
         x, y = steps[:, :3], steps[:, 3]
@@ -89,30 +99,32 @@ class CostModel:
         if self.count >= MIN_FIT:
             ridge = RIDGE * np.diag([0.0, 1.0, 1.0]) * self.xtx[0, 0]
             a, b, c = np.linalg.solve(self.xtx + ridge, self.xty).tolist()
-            self.fit = (max(a, 1e-9), max(b, 0.0), max(c, 0.0))
+            self._fit = (max(a, 1e-9), max(b, 0.0), max(c, 0.0))
 
     def costs(self, batch: int, extra_seconds: float) -> tuple[float, float] | None:
         """(w, v): one more token in a step of `batch` rows (plus extra_seconds per token of
         proposing), and a request's verifying at all, in tokens of that step's output. None before
         anything is measured."""
-        if self.fit is None:
+        fit = self.fit
+        if fit is None:
             return None
-        a, b, c = self.fit
+        a, b, c = fit
         rate = batch / (a + b * batch)
         return (b + extra_seconds) * rate, c * rate
 
     def exact(self, rows: int) -> bool:
-        return rows < self.by_rows.size
+        return rows < len(self.by_rows)
 
     def exact_mask(self, rows: np.ndarray) -> np.ndarray:
-        inside: np.ndarray = rows < self.by_rows.size
+        inside: np.ndarray = rows < len(self.by_rows)
         return inside
 
     def seconds_by_rows(self, rows: np.ndarray) -> np.ndarray:
-        """Measured seconds of compiled steps of these row counts (each < by_rows.size); one not
+        """Measured seconds of compiled steps of these row counts (each < len(by_rows)); one not
         measured yet: the most any smaller count measured (0 when none did: try it)."""
-        floor = np.maximum.accumulate(self.by_rows)
-        measured: np.ndarray = np.where(self.by_rows[rows] > 0, self.by_rows[rows], floor[rows])
+        by_rows = np.asarray(self.by_rows)
+        floor = np.maximum.accumulate(by_rows)
+        measured: np.ndarray = np.where(by_rows[rows] > 0, by_rows[rows], floor[rows])
         return measured
 
 
@@ -129,6 +141,7 @@ class AdaptiveK:
         self.miss_seconds = 0.0  # a lookup that found nothing, running mean
         self.hit_rate = 1.0  # of every request's lookups, running mean: a new request's prior
         self.resting, self.rest_batch = 0, 0  # steps left of a rest, at that batch size
+        self.steps = 0  # steps begun (rests())
         self.rest_steps = 0  # the length of the last rest; 0 once proposals were made since
         self._best: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, requests): (size, epoch)
 
@@ -148,7 +161,7 @@ class AdaptiveK:
             return np.full(len(slots), self.k, dtype=np.int64)
         if self.cost.exact(batch + len(slots)):
             # Decided once per refit of the costs (a step's host work stays small).
-            key, epoch = (batch, len(slots)), self.cost.count // REFIT
+            key, epoch = (batch, len(slots)), self.steps // REFIT
             size, decided = self._best.get(key, (0, -1))
             if decided != epoch:
                 hit = float((self.hits[slots] / self.asks[slots]).mean())
@@ -168,14 +181,7 @@ class AdaptiveK:
     def off(self, batch: int) -> bool:
         """Whether no request could gain in a step of `batch` decoding rows, not even the one with
         the best acceptance (then every request's estimate drifts toward the prior, as idle does).
-        Resting: after finding that, the next steps at the same batch size are off without another
-        look (HOLD of them, doubling with each rest in a row up to MAX_HOLD; the drift of those
-        steps applied at once): a step's host work stays small."""
-        if self.resting:
-            if batch == self.rest_batch:
-                self.resting -= 1
-                return True
-            self.resting = 0
+        Then the rule rests (rests())."""
         costs = self.cost.costs(batch, self.propose_seconds) if self.adaptive else None
         if costs is None:
             return False
@@ -187,6 +193,19 @@ class AdaptiveK:
             return False
         self.rest(np.arange(self.kept.size), batch)
         return True
+
+    def rests(self, batch: int) -> bool:
+        """A step of `batch` decoding rows begins: whether it falls in a rest, where there is
+        nothing to decide, propose or learn from. After finding that no request gains at a batch
+        size, the next steps at that size rest (HOLD of them, doubling with each rest in a row up to
+        MAX_HOLD; the drift of those steps applied at once): a step's host work stays small."""
+        self.steps += 1
+        if self.resting:
+            if batch == self.rest_batch:
+                self.resting -= 1
+                return True
+            self.resting = 0
+        return False
 
     def best_size(self, alpha: np.ndarray, batch: int, hit: float) -> int:
         """The one proposal size j (0..k) for requests of acceptance alpha [n] in a step of `batch`
@@ -220,7 +239,7 @@ class AdaptiveK:
         self.hits[slots] += share * (PRIOR_HIT * self.asks[slots] - self.hits[slots])
 
     def rest(self, slots: np.ndarray, batch: int) -> None:
-        """No request of these slots gains at `batch` decoding rows: off(batch) holds for the next
+        """No request of these slots gains at `batch` decoding rows: rests(batch) holds for the next
         steps (HOLD, or twice the last rest's when it was at this batch size too, up to MAX_HOLD),
         and the slots drift as over those idle steps."""
         again = batch == self.rest_batch and self.rest_steps > 0

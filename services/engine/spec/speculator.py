@@ -47,6 +47,7 @@ class Speculator:
         self._proposed: list[Sequence] = []
         self._proposing = 0.0  # seconds the last propose took
         self._rows, self._verifying = 0, False  # the step's rows (0: not costed by row count)
+        self._resting = False  # the step falls in a rest of the rule: nothing to learn from it
         self.num_draft_tokens = 0  # proposed tokens that were verified
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # (request, step) pairs verified: accepted / this = mean run
@@ -62,7 +63,11 @@ class Speculator:
                  start: float) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         decoding = [s for s in running if s.status is Status.RUNNING and s.num_uncomputed == 1]
         self._proposed = []
-        if not decoding or self.adaptive.off(len(decoding)):  # the common case at large batch: cheap
+        if not decoding:
+            return {}, None
+        # Most steps where speculation does not pay: a rest costs a few attribute reads per step.
+        self._resting = self.adaptive.rests(len(decoding))
+        if self._resting or self.adaptive.off(len(decoding)):
             return {}, None
         eligible = [s for s in decoding if speculates(s)]
         if not eligible:
@@ -107,11 +112,17 @@ class Speculator:
 
     def observe(self, batch: ScheduledBatch, accepted: list[list[int]] | None, seconds: float) -> None:
         """After the runner (`seconds`), before postprocessing (the requests' token lists are still
-        the step's input): learn the runner's cost and each verified request's outcome."""
-        self.adaptive.record_step(batch.num_tokens, len(batch.verify), seconds)
+        the step's input): learn the runner's cost and each verified request's outcome. A step in
+        a rest is left out (the plain steps measured between rests are enough)."""
+        if self._resting:
+            return
+        tokens = batch.num_tokens
+        self.adaptive.record_step(tokens, len(batch.verify), seconds)
         # Row counts are costed by the whole step (finish): verifying steps' bookkeeping included.
-        self._rows = batch.num_tokens if not batch.prefill else 0
+        self._rows = 0 if batch.prefill else tokens
         self._verifying = bool(batch.verify)
+        if not self._verifying and not self._proposed:  # a plain step: nothing more to learn
+            return
         verified: dict[Sequence, int] = {}
         if batch.verify:
             assert accepted is not None
@@ -132,7 +143,7 @@ class Speculator:
     def finish(self, seconds: float) -> None:
         """The whole engine step took `seconds` (proposing to its updates): a verifying step's row
         count is costed by all of it; a plain step's by all but its proposing (what resting costs)."""
-        if self._rows:
+        if self._rows:  # 0 in a rest (observe left it out)
             self.adaptive.record_rows(self._rows, seconds if self._verifying else seconds - self._proposing)
         self._rows = 0
 
