@@ -26,10 +26,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     PIPESERVE_CACHE=/home/pipeserve/.cache/pipeserve
 
-# gcc, libc headers and Python's headers: Triton compiles a small C driver the first time it
-# launches a kernel, and a slim image has no compiler.
+# A C and C++ compiler, libc and Python's headers: Triton compiles a small C driver the first time it
+# launches a kernel; on the CPU, Inductor builds the compiled decode steps in C++ and the engine its
+# native kernels (services/engine/backend/native.py). Without g++ a CPU engine runs eager torch ops.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && if [ -n "$EXTRA_CA_CERTS" ]; then \
          printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/extra.crt && update-ca-certificates; \
@@ -48,6 +49,8 @@ COPY . .
 RUN pip install --no-deps . \
     && useradd --create-home --uid 1000 pipeserve
 USER pipeserve
+# Owned by the user, so a named volume mounted here (compose.yaml's `cache`) starts out writable.
+RUN mkdir -p "$PIPESERVE_CACHE"
 
 EXPOSE 50051
 ENTRYPOINT ["pipeserve"]

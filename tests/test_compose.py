@@ -112,12 +112,16 @@ def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
     assert engine["command"][-2:] == ["--device", "cuda"]
     # The gateway reads only the tokenizer (HTTP /tokenize and /detokenize), from the same mount.
     for name in ("tokenizer", "engine", "detokenizer", "gateway"):
-        (volume,) = compose["services"][name]["volumes"]
+        volume, *others = compose["services"][name]["volumes"]
         assert (volume["source"], volume["target"], volume["read_only"]) == (
             compose["model_dir"],
             "/model",
             True,
         )
+        # The engine's compiler caches on a named volume, where the image's PIPESERVE_CACHE points.
+        assert others == (["cache:/home/pipeserve/.cache/pipeserve:rw"] if name == "engine" else [])
+    assert "PIPESERVE_CACHE=/home/pipeserve/.cache/pipeserve" in (ROOT / "Dockerfile").read_text()
+    assert set(compose["volumes"]) == {"cache"}
 
 
 def test_healthchecks(compose):

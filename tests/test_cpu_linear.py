@@ -35,7 +35,8 @@ def test_only_large_plain_fp32_cpu_linears_are_swapped():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "n", "k"), [(2, 64, 32), (3, 37, 50), (5, 130, 517), (8, 4, 16),
-                                              (9, 70, 33), (17, 256, 128), (32, 3, 1000)])
+                                              (9, 70, 33), (17, 256, 128), (32, 3, 1000),
+                                              (70, 20, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_product_matches_f_linear(threads, rows, n, k, bias):
     before = torch.get_num_threads()
