@@ -1,10 +1,10 @@
 """`pipeserve bench cpu-ops`: the cpu backend's own kernels against the torch ops they replace, one
 thread, alternated, medians:
 
-- linear: the native small-row product (services/engine/backend/native.py, used by
-  services/engine/model/cpu_linear.py) vs F.linear (MKL), by row count, on the ~18M Llama's weight
-  shapes by default, each over copies of the weight totalling 64 MB (a model's weights are not in
-  the core's caches when its step reaches them);
+- linear: the native packed product (services/engine/backend/native.py, used by
+  services/engine/model/cpu_linear.py; the weight packed once beforehand) vs F.linear (MKL), by row
+  count, on the ~18M Llama's weight shapes by default, each over copies of the weight totalling 64
+  MB (a model's weights are not in the core's caches when its step reaches them);
 - decode attention: the native kernel (services/engine/backend/native.py) vs the torch path (pages
   gathered, one masked SDPA call), on stories260K's and the ~18M Llama's head shapes by default.
 
@@ -62,6 +62,7 @@ def linear_rows(shapes: list[tuple[int, int]], rows: list[int], repeats: int) ->
     out = []
     for n, k in shapes:
         weights = [torch.randn(n, k) for _ in range(max(1, (64 << 20) // (n * k * 4)))]
+        packed = [native.pack_weight(w) for w in weights]
         for m in rows:
             x = torch.randn(m, k)
 
@@ -69,11 +70,11 @@ def linear_rows(shapes: list[tuple[int, int]], rows: list[int], repeats: int) ->
                 for w in ws:
                     F.linear(x, w)
 
-            def small(x: torch.Tensor = x, ws: list[torch.Tensor] = weights) -> None:
+            def native_packed(x: torch.Tensor = x, ws: list[torch.Tensor] = packed, n: int = n) -> None:
                 for w in ws:
-                    native.linear(x, w, None)
+                    native.packed_linear(x, w, None, n)
 
-            t_mkl, t_native = (t / len(weights) for t in _alternate(mkl, small, repeats))
+            t_mkl, t_native = (t / len(weights) for t in _alternate(mkl, native_packed, repeats))
             out.append({"n": n, "k": k, "rows": m, "f_linear_us": t_mkl, "native_us": t_native,
                         "native_over_f_linear": t_native / t_mkl,
                         "native_GBps": n * k * 4 / t_native / 1e3, "f_linear_GBps": n * k * 4 / t_mkl / 1e3})
@@ -125,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
         results["decode_attention"] = decode_attention(args.repeats)
     results |= {"machine": machine_info(), "loadavg_after": open("/proc/loadavg").read().split()[:3],
                 "repeats": args.repeats}
-    print_table("linear: native small-row product / F.linear (MKL) time, by rows (1 thread, cold weights)",
+    print_table("linear: native packed product / F.linear (MKL) time, by rows (1 thread, cold weights)",
                 ["weight", *map(str, rows)],
                 [[f"{n}x{k}", *(r["native_over_f_linear"] for r in results["linear"]
                                 if (r["n"], r["k"]) == (n, k))] for n, k in shapes])

@@ -1,6 +1,6 @@
-"""The CPU's linear layers (services/engine/model/cpu_linear.py) and the native small-row product
-behind them: which layers are swapped, which row counts take the native product, its numbers
-against F.linear (tails of K and N, bias, strided rows, one and two threads, in and out of the
+"""The CPU's linear layers (services/engine/model/cpu_linear.py) and the native packed product
+behind them: which layers are swapped (and that only the packed weight is kept), its numbers against
+F.linear (row counts, tails of K and N, bias, strided rows, one and two threads, in and out of the
 compiler), and an engine's greedy tokens with the native kernels on and off."""
 
 from __future__ import annotations
@@ -27,18 +27,33 @@ def test_only_large_plain_fp32_cpu_linears_are_swapped():
     model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(512, 1024).to(torch.bfloat16), nn.Linear(64, 96),
                           nn.ReLU())
     model.add_module("lm_head", nn.Linear(512, 1024))
-    weight = model[0].weight
+    first = model[0]
     assert C.use_cpu_linears(model) == 1
-    assert isinstance(model[0], C.CpuLinear) and model[0].weight is weight
+    swapped = model[0]
+    assert isinstance(swapped, C.CpuLinear) and not hasattr(swapped, "weight")  # the packed copy only
+    assert swapped.packed.numel() == first.weight.numel() and swapped.bias is not None
     assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear and type(model.lm_head) is nn.Linear
+    x = torch.randn(3, 512)
+    with torch.inference_mode():
+        torch.testing.assert_close(model[0](x), first(x), atol=1e-4, rtol=1e-4)
+
+
+def test_nothing_is_swapped_without_the_native_kernels():
+    native.set_enabled(False)
+    try:
+        assert C.use_cpu_linears(nn.Sequential(nn.Linear(512, 1024))) == 0
+    finally:
+        native.set_enabled(True)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("rows", "n", "k"), [(2, 64, 32), (3, 37, 50), (5, 130, 517), (8, 4, 16),
-                                              (9, 70, 33), (17, 256, 128), (32, 3, 1000),
-                                              (70, 20, 40)])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 64, 32), (2, 64, 32), (3, 37, 50), (5, 130, 517),
+                                              (8, 4, 16), (9, 70, 33), (17, 256, 128), (32, 3, 1000),
+                                              (70, 20, 40), (200, 100, 24), (400, 33, 7)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_native_product_matches_f_linear(threads, rows, n, k, bias):
+def test_packed_product_matches_f_linear(threads, rows, n, k, bias):
+    """Every row count (full tiles of 6 and each remainder, blocks of 192 rows), panel tails (n not a
+    multiple of 16, groups of fewer than 4 panels), strided rows."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -46,23 +61,20 @@ def test_native_product_matches_f_linear(threads, rows, n, k, bias):
         wide = torch.randn(rows, k + 7, generator=gen)
         x = wide[:, 3 : 3 + k]  # strided rows, as a slice of a fused projection's output
         w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if bias else None
-        assert native.supports_linear(x, w)
-        torch.testing.assert_close(native.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        packed = native.pack_weight(w)
+        assert packed.numel() == -(-n // native.PANEL) * native.PANEL * k
+        got = native.packed_linear(x, packed, b, n)
+        torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 200])
-def test_row_counts_pick_the_path(rows, monkeypatch):
-    calls: list[int] = []
-    real = native._linear_impl
-    monkeypatch.setattr(native, "_linear_impl", lambda *a: calls.append(1) or real(*a))
-    layer = C.CpuLinear(nn.Linear(512, 1024))
-    x = torch.randn(rows, 512)
+def test_leading_dimensions_are_kept():
+    linear = nn.Linear(512, 1024)
+    layer = C.CpuLinear(linear)
+    x = torch.randn(2, 3, 512)
     with torch.inference_mode():
-        got = layer(x)
-    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
-    assert bool(calls) == (C.MIN_ROWS <= rows <= C.MAX_ROWS)
+        torch.testing.assert_close(layer(x), linear(x), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # compiles (Inductor or the library build)

@@ -1,6 +1,6 @@
 """The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
 through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), and the fp32
-product of a few rows with a weight (csrc/small_gemm.cpp).
+product with a weight packed at load time (csrc/packed_gemm.cpp).
 
 Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
@@ -10,12 +10,12 @@ source, the flags and the host's CPU features (`-march=native`: a cache shared b
 must not hand one host another's instructions), and later processes load it directly. Without a
 compiler (`g++`, or `$CXX`) the backend keeps its torch path: `available()` says which.
 
-Library GEMMs (MKL) stream a weight at full speed for one to three rows but several times slower
-per byte for 4-16; the small-row product reads the weight once for up to 8 rows (model/cpu_linear.py
-decides when it runs).
+Library GEMMs (MKL) repack the weight on every call, which for the few to a few dozen rows of a
+decode step costs more than the product; the packed product takes the weight packed once
+(model/cpu_linear.py packs the model's linear layers).
 
 Every kernel is also a torch op (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`,
-`pipeserve::native_linear`) so a compiled step calls them as opaque ops.
+`pipeserve::native_packed_linear`) so a compiled step calls them as opaque ops.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from services.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_gemm.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "packed_gemm.cpp"))
+PANEL = 16  # output columns per panel of a packed weight (packed_gemm.cpp's kLanes)
 # The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
 # -ffast-math: a library linked with it switches the whole process to flush denormals to zero.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -101,8 +102,10 @@ def _load() -> ctypes.CDLL | None:
     lib.pipeserve_decode_attention.restype = None
     lib.pipeserve_store_kv.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i64]
     lib.pipeserve_store_kv.restype = None
-    lib.pipeserve_small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i64, i64, i32]
-    lib.pipeserve_small_gemm.restype = None
+    lib.pipeserve_pack_weight.argtypes = [ptr, i64, i64, ptr]
+    lib.pipeserve_pack_weight.restype = None
+    lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.pipeserve_packed_linear.restype = None
     _lib = lib
     return lib
 
@@ -136,33 +139,39 @@ def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             and _rows_packed(k) and _rows_packed(v) and available())
 
 
-def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear takes these: fp32 rows on the CPU (x's last dimension packed), a contiguous
-    fp32 weight."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
-            and weight.is_contiguous() and available())
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU weight [N, K] in packed_linear's layout: ceil(N / 16) panels of [K, 16] (zeros
+    past N), flat. Call when available()."""
+    lib = _lib
+    assert lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
+    lib.pipeserve_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
 
 
-def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                        n: int) -> torch.Tensor:
     lib = _lib
     assert lib is not None
     if x.stride(1) != 1:
         x = x.contiguous()
-    rows, n = x.shape[0], weight.shape[0]
+    rows, k = x.shape
     out = torch.empty((rows, n), dtype=torch.float32)
-    b = None if bias is None else bias.contiguous()  # held: its pointer must outlive the call
-    lib.pipeserve_small_gemm(x.data_ptr(), x.stride(0), weight.data_ptr(),
-                             None if b is None else b.data_ptr(), out.data_ptr(), rows, n, weight.shape[1],
-                             torch.get_num_threads())
+    lib.pipeserve_packed_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,
+                                torch.get_num_threads())
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a few fp32 rows [M, K] with weight [N, K]. Call when supports_linear()."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """F.linear of fp32 rows x [M, K] with the weight [n, K] that pack_weight packed; bias [n],
+    contiguous, or None."""
     if torch.compiler.is_compiling():
-        out: torch.Tensor = torch.ops.pipeserve.native_linear(x, weight, bias)
+        out: torch.Tensor = torch.ops.pipeserve.native_packed_linear(x, packed, bias, n)
         return out
-    return _linear_impl(x, weight, bias)
+    return _packed_linear_impl(x, packed, bias, n)
 
 
 def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -226,9 +235,9 @@ _OPS.define("native_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, T
             "Tensor seq_lens, float scale, int window) -> Tensor")
 _OPS.define("native_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "  # type: ignore[no-untyped-call]
             "Tensor slot_mapping) -> ()")
-_OPS.define("native_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
+_OPS.define("native_packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")  # type: ignore[no-untyped-call]
 _OPS.impl("native_decode_attention", _decode_impl, "CPU")  # type: ignore[no-untyped-call]
-_OPS.impl("native_linear", _linear_impl, "CPU")  # type: ignore[no-untyped-call]
+_OPS.impl("native_packed_linear", _packed_linear_impl, "CPU")  # type: ignore[no-untyped-call]
 _OPS.impl("native_store_kv", _store_impl, "CPU")  # type: ignore[no-untyped-call]
 
 
@@ -238,9 +247,9 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("pipeserve::native_linear")  # type: ignore[untyped-decorator]
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]))
+@torch.library.register_fake("pipeserve::native_packed_linear")  # type: ignore[untyped-decorator]
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
 
 
 @torch.library.register_fake("pipeserve::native_store_kv")  # type: ignore[untyped-decorator]

@@ -1,51 +1,59 @@
-"""fp32 linear layers on the CPU: 4-8 rows at a time through the native small-row product.
+"""fp32 linear layers on the CPU through the native packed product.
 
-F.linear runs MKL, which streams a weight at full memory speed for one or two rows but several times
-slower per byte for a few more: on the 2-core development machine, over weights too large for the
-caches, 5 rows of a [2816, 512] weight took 4x one row's time. Decode batches of a few requests and
-speculative verification rows (1 + k rows per request) live there. The native product
-(backend/native.py, csrc/small_gemm.cpp) reads the weight once for up to 8 rows: 0.49-0.93x
-F.linear's time at 4-8 rows on weights of half a million elements or more, level at 1-3 rows and
-on smaller weights, slower from 16 rows (`pipeserve bench cpu-ops`; docs/engine.md). So 4-8 rows of
-such weights take it and everything else stays on F.linear. The rule is fixed by
-row count, so a step's numbers never depend on timing.
+F.linear runs MKL, which takes the weight as it lies ([N, K]) and repacks it on every call. For one
+row it streams the weight at memory speed; for the few to few dozen rows of a decode step it is
+several times slower per byte (on the 2-core development machine, over weights too large for the
+caches, 8 rows of a [2816, 512] weight took about 1.8x one row's time and 32 rows 2.3x). Packed once
+at load time into panels of 16 output columns (backend/native.py, csrc/packed_gemm.cpp), the product
+needs no repacking and no horizontal sums: 0.4-0.8x F.linear's time at 4-32 rows, 0.65-1.0x at one
+to three, level from a few hundred rows on (`pipeserve bench cpu-ops`; docs/engine.md). So every
+row count takes it, and the layer keeps only the packed copy (the same bytes as the weight, rounded up
+to 16 output rows): no second copy of the model.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine.backend import native
 
-MIN_ROWS, MAX_ROWS = 4, 8
-MIN_ELEMENTS = 512 * 1024
+MIN_ELEMENTS = 256 * 1024  # smaller weights: the call's own cost outweighs what packing gains
 
 
 class CpuLinear(nn.Module):
-    """nn.Linear's weight and bias; MIN_ROWS-MAX_ROWS rows go through the native product."""
+    """nn.Linear with its weight packed for the native product (the [N, K] weight is not kept)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed: torch.Tensor
+        self.register_buffer("packed", native.pack_weight(linear.weight))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(),
+                                                                 requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS and native.supports_linear(x, self.weight):
-            return native.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        out = native.packed_linear(rows, self.packed, self.bias, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
 def swaps(module: nn.Module) -> bool:
     """Whether use_cpu_linears swaps this module: a plain fp32 nn.Linear on the CPU whose weight is
-    large enough for the native product to gain."""
+    large enough for the native product to gain, on a host where the native kernels run."""
     return (type(module) is nn.Linear and module.weight.dtype == torch.float32
-            and module.weight.device.type == "cpu" and module.weight.numel() >= MIN_ELEMENTS)
+            and module.weight.device.type == "cpu" and module.weight.numel() >= MIN_ELEMENTS
+            and native.available())
 
 
 def use_cpu_linears(model: nn.Module) -> int:
-    """Swap every layer swaps() accepts for a CpuLinear (same parameters); the number swapped. The LM
-    head is left: compute_logits reads its weight directly (it may be the tied embedding)."""
+    """Swap every layer swaps() accepts for a CpuLinear (the weight packed; the original freed); the
+    number swapped. The LM head is left: compute_logits reads its weight directly (it may be the
+    tied embedding)."""
     targets = [(name, m) for name, m in model.named_modules() if swaps(m) and not name.endswith("lm_head")]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
