@@ -104,9 +104,9 @@ class CompiledDecode:
         """max_rows: the most decode rows a step can have (max_num_seqs, times 1 + k when each may
         verify k proposals). whole_graph: the forward pass traces as one graph (dense, unquantized
         models do; the expert dispatch of a mixture of experts breaks it). exact: row counts that
-        get a bucket of their own (a batch-1 verification step's 1 + j rows: on the CPU F.linear
-        over 3 rows costs what 1 row does and over 4 twice that; the cpu backend's native product
-        for 4-8 rows narrows the gap, but padding still adds whole rows of products)."""
+        get a bucket of their own (a batch-1 verification step's 1 + j rows: padding them up to a
+        power of two adds whole rows of products, and on the CPU MKL's F.linear over 4 rows cost
+        twice its 3; the cpu backend's packed product narrows that gap)."""
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph

@@ -3,12 +3,12 @@
 F.linear runs MKL, which takes the weight as it lies ([N, K]) and repacks it on every call. For one
 row it streams the weight at memory speed; for the few to few dozen rows of a decode step it is
 several times slower per byte (on the 2-core development machine, over weights too large for the
-caches, 8 rows of a [2816, 512] weight took about 1.8x one row's time and 32 rows 2.3x). Packed once
-at load time into panels of 16 output columns (backend/native.py, csrc/packed_gemm.cpp), the product
-needs no repacking and no horizontal sums: 0.4-0.8x F.linear's time at 4-32 rows, 0.65-1.0x at one
-to three, level from a few hundred rows on (`pipeserve bench cpu-ops`; docs/engine.md). So every
-row count takes it, and the layer keeps only the packed copy (the same bytes as the weight, rounded up
-to 16 output rows): no second copy of the model.
+caches, a [2816, 512] weight took 248 µs for one row, 933 for 8 and 1,118 for 32). Packed once at
+load time into panels of 16 output columns (backend/native.py, csrc/packed_gemm.cpp), the product
+needs no repacking and no horizontal sums: 375 and 642 µs there, 0.4-0.8x F.linear's time at 4-32
+rows, 0.6-1.0x at one to three, level from a few hundred rows on (`pipeserve bench cpu-ops`;
+docs/engine.md). So every row count takes it, and the layer keeps only the packed copy (the
+weight's bytes, rounded up to 16 output rows): no second copy of the model.
 """
 
 from __future__ import annotations
