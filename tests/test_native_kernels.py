@@ -2,11 +2,14 @@
 backend: decode attention over every cache dtype, head size (the small-head and generic paths),
 query-head grouping, sliding windows and page boundaries, strided query rows, one and two threads;
 the KV store; the torch path they replace; the compiled step's view of them as opaque ops; and the
-build: cached by source hash, and a host without a compiler falls back to torch."""
+build: cached by source hash, and a host without a compiler falls back to torch; and the portable
+loops a host without AVX-512 runs."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -129,3 +132,33 @@ def test_build_is_cached_and_a_missing_compiler_falls_back(tmp_path, monkeypatch
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.35, None)
     torch.testing.assert_close(cpu.decode_attention(*args), reference.decode_attention(*args),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def portable_lib():
+    """The kernels built without AVX-512: the portable loops a host without it (or not x86) runs."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512f is an x86 flag (other hosts run the portable loops anyway)")
+    compiler = native._compiler()
+    assert compiler is not None
+    return native._declare(ctypes.CDLL(str(native._build(compiler, (*native.FLAGS, "-mno-avx512f")))))
+
+
+@pytest.mark.slow  # builds a second library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_kernels_match_the_reference(portable_lib, monkeypatch, dtype):
+    monkeypatch.setattr(native, "_lib", portable_lib)
+    gen = seeded(5)
+    lens = [1, 17, 150]
+    for hkv, group, dim in ((2, 2, 8), (1, 2, 80)):
+        kv = paged_kv(lens, 16, hkv, dim, dtype, None, gen).clean()
+        q = torch.randn(len(lens), hkv * group, dim, generator=gen).to(dtype)
+        got = native.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, 7)
+        want = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, 7)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for rows, n, k in ((1, 37, 50), (7, 70, 33), (13, 130, 517)):
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        got = native.packed_linear(x, native.pack_weight(w), b, n)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)

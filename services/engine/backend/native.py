@@ -63,10 +63,10 @@ def _host() -> str:
         return platform.machine()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The library for these sources, flags and host, compiled unless the cache has it."""
     source = b"".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS, _host())).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *flags, _host())).encode()).hexdigest()[:16]
     target = Path(cache_dir()) / "native" / f"kernels-{digest}.so"
     if target.exists():
         return target
@@ -74,7 +74,7 @@ def _build(compiler: str) -> Path:
     # Built beside the target and renamed into place: concurrent engines never load a partial file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES)], check=True,
+        subprocess.run([compiler, *flags, "-o", str(partial), *map(str, SOURCES)], check=True,
                        capture_output=True, text=True)
         os.replace(partial, target)
     return target
@@ -96,6 +96,12 @@ def _load() -> ctypes.CDLL | None:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("building the native CPU kernels failed; attention runs on torch ops: %s", detail)
         return None
+    _lib = _declare(lib)
+    return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library's functions with their C signatures."""
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.pipeserve_decode_attention.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, ptr, i64, ptr, i32,
                                                i32, f32, i32, ptr, i32]
@@ -106,7 +112,6 @@ def _load() -> ctypes.CDLL | None:
     lib.pipeserve_pack_weight.restype = None
     lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.pipeserve_packed_linear.restype = None
-    _lib = lib
     return lib
 
 
