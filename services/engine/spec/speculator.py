@@ -63,11 +63,9 @@ class Speculator:
                  start: float) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
         decoding = [s for s in running if s.status is Status.RUNNING and s.num_uncomputed == 1]
         self._proposed = []
-        if not decoding:
-            return {}, None
         # Most steps where speculation does not pay: a rest costs a few attribute reads per step.
-        self._resting = self.adaptive.rests(len(decoding))
-        if self._resting or self.adaptive.off(len(decoding)):
+        self._resting = bool(decoding) and self.adaptive.rests(len(decoding))
+        if not decoding or self._resting or self.adaptive.off(len(decoding)):
             return {}, None
         eligible = [s for s in decoding if speculates(s)]
         if not eligible:
