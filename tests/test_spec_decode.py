@@ -304,7 +304,10 @@ def test_adaptive_rule_rests_where_nothing_pays():
     assert not rule.rests(1)  # then sizes decides again
     rule.rest(np.array([0]), 1)  # a second rest in a row is twice as long
     assert all(rule.rests(1) for _ in range(2 * HOLD - 1)) and not rule.rests(1)
-    rule.record_lookups(np.array([0]), np.array([True]), 2, 1e-5)  # proposing again: back to HOLD
+    rule.record_lookups(np.array([0]), np.array([False]), 0, 1e-5)  # a lookup that found nothing
+    rule.rest(np.array([0]), 1)  # the rests keep growing
+    assert all(rule.rests(1) for _ in range(4 * HOLD - 1)) and not rule.rests(1)
+    rule.observe(np.array([0]), np.array([2]), np.array([1]))  # a kept proposal: back to HOLD
     rule.rest(np.array([0]), 1)
     assert all(rule.rests(1) for _ in range(HOLD - 1)) and not rule.rests(1)
     rule.rest(np.array([0]), 1)

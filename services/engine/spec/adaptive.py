@@ -142,7 +142,7 @@ class AdaptiveK:
         self.hit_rate = 1.0  # of every request's lookups, running mean: a new request's prior
         self.resting, self.rest_batch = 0, 0  # steps left of a rest, at that batch size
         self.steps = 0  # steps begun (rests())
-        self.rest_steps = 0  # the length of the last rest; 0 once proposals were made since
+        self.rest_steps = 0  # the length of the last rest; 0 once a proposal was kept since
         self._best: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, requests): (size, epoch)
 
     def admit(self, slot: int) -> None:
@@ -227,6 +227,8 @@ class AdaptiveK:
     def observe(self, slots: np.ndarray, proposed: np.ndarray, kept: np.ndarray) -> None:
         """Outcome of one verification per slot: kept of proposed tokens (a rejection ends a run)."""
         rejected = (kept < proposed).astype(np.float64)
+        if kept.any():  # speculation paid somewhere: rests start short again
+            self.rest_steps = 0
         self.kept[slots] = DECAY * self.kept[slots] + kept
         self.trials[slots] = DECAY * self.trials[slots] + kept + rejected
 
@@ -258,7 +260,6 @@ class AdaptiveK:
     def record_lookups(self, slots: np.ndarray, hit: np.ndarray, tokens: int, seconds: float) -> None:
         """Proposing for these slots took `seconds` and proposed `tokens` tokens; hit [n] bool: the
         slots that got a proposal."""
-        self.rest_steps = 0
         self.hits[slots] = DECAY * self.hits[slots] + hit
         self.asks[slots] = DECAY * self.asks[slots] + 1
         self.hit_rate += 0.05 * (float(hit.mean()) - self.hit_rate)
