@@ -45,7 +45,7 @@ ROWS_CLIP = 1.25  # a measurement above this many times its row count's mean cou
 class CostModel:
     """Seconds per step as a + b * tokens + c * verifying requests: decaying least squares (running
     normal equations), refitted when read and REFIT steps came since. Recording is a list append
-    and a few float operations: it runs every step, resting or not."""
+    and a few float operations: it runs on every step outside the rule's rests."""
 
     def __init__(self, exact_rows: int = 0) -> None:
         """exact_rows: steps of up to this many rows, all decode or verification rows, are costed
@@ -160,7 +160,7 @@ class AdaptiveK:
         if costs is None:  # nothing measured yet: speculate, and measure
             return np.full(len(slots), self.k, dtype=np.int64)
         if self.cost.exact(batch + len(slots)):
-            # Decided once per refit of the costs (a step's host work stays small).
+            # Decided once every REFIT steps (a step's host work stays small).
             key, epoch = (batch, len(slots)), self.steps // REFIT
             size, decided = self._best.get(key, (0, -1))
             if decided != epoch:
