@@ -29,8 +29,7 @@ class CpuLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed: torch.Tensor
         self.register_buffer("packed", native.pack_weight(linear.weight))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(),
-                                                                 requires_grad=False)
+        self.bias = linear.bias  # [N], contiguous as nn.Linear makes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
