@@ -1,6 +1,9 @@
 """Compiled decode steps (services/engine/compiled_step.py): buckets, padding onto the scratch page,
 when the compiler is chosen, and greedy outputs token-identical to eager steps on stories260K and on
-every architecture the parity tests cover (the compiling tests are marked slow: Inductor builds C++)."""
+every architecture the parity tests cover (the compiling tests are marked slow: Inductor builds C++).
+
+Dense fp32 models would take the native step here (tests/test_native_step.py covers it): these tests
+switch it off, so that Inductor's step is what they compile."""
 
 from __future__ import annotations
 
@@ -14,6 +17,11 @@ from services.engine.compiled_step import CompiledDecode, batch_buckets, compile
 from services.engine.kv.pool import KVPool
 from services.model_config import ModelConfig
 from tests.test_engine_parity import STORY_PROMPTS
+
+
+@pytest.fixture(autouse=True)
+def inductor_steps(monkeypatch):
+    monkeypatch.setenv("PIPESERVE_NATIVE_STEP", "0")
 
 
 def test_buckets_are_powers_of_two_up_to_max_num_seqs():

@@ -7,10 +7,13 @@ Its inputs are the runner's persistent buffers (same storage every step), refill
 Padded rows read and write only a scratch KV page reserved for them, and their logits are cut off
 before the sampler, so they never touch a request's cache or sampling state.
 
-The same bucketing, padding and buffers drive both compilers:
-- "inductor" (CPU): torch.compile per bucket. Inductor fuses the elementwise work around the
-  GEMVs into generated C++ and removes the per-op Python dispatch. The attention's gather width
-  (KV pages read per row) is a dynamic dimension, so one bucket serves every context length.
+The same buffers drive three kinds of step:
+- "native" (CPU, dense fp32 models): one native call runs the whole forward pass for any row count
+  (native_step.py), so nothing is padded and there is nothing to compile beyond the kernels' C++.
+- "inductor" (CPU, every other model the cpu backend runs): torch.compile per bucket. Inductor
+  fuses the elementwise work around the GEMVs into generated C++ and removes the per-op Python
+  dispatch. The attention's gather width (KV pages read per row) is a dynamic dimension, so one
+  bucket serves every context length.
 - "cuda-graph" (CUDA, Triton backend): the eager forward pass captured once per bucket as a
   torch.cuda.CUDAGraph over the full page-table width (the decode kernels stop at each row's
   length) and replayed. Written to the same interface and never run in this repository's history
@@ -37,13 +40,14 @@ import numpy as np
 import torch
 
 from services.config import cache_dir
+from services.engine import native_step
 from services.engine.kv.metadata import AttentionMetadata
 from services.engine.kv.pool import KVPool
 from services.engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-MODES = ("inductor", "cuda-graph")
+MODES = ("native", "inductor", "cuda-graph")
 # Larger decode batches run eager on the CPU: there the step's GEMMs dominate, and every bucket is
 # one more compile (docs/engine.md has the measurements). CUDA graphs cover every batch size.
 MAX_INDUCTOR_BATCH = 64
@@ -81,6 +85,16 @@ def compile_mode(enabled: bool, backend: str, device: torch.device) -> str | Non
     return None
 
 
+def step_mode(mode: str, model: LlamaForCausalLM, pool: KVPool) -> str:
+    """compile_mode's choice for this model: on the CPU, the native step where it runs the model
+    (unless $PIPESERVE_NATIVE_STEP is 0, for comparisons), else Inductor."""
+    if mode not in ("native", "inductor"):
+        return mode
+    if os.environ.get("PIPESERVE_NATIVE_STEP", "1") != "0" and native_step.unsupported(model, pool) is None:
+        return "native"
+    return "inductor"
+
+
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Powers of two below max_num_seqs, then max_num_seqs itself."""
     sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
@@ -110,14 +124,18 @@ class CompiledDecode:
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph
-        top = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
-        self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
+        if mode == "native":  # every row count runs as itself
+            self.buckets: tuple[int, ...] = tuple(range(1, max_rows + 1))
+        else:
+            top = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
+            self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
         self.exact = tuple(n for n in exact if n <= self.buckets[-1])  # compiled before serving too
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
         self.scratch_page = pool.reserve_scratch_page()
         self._steps: dict[int, StepFn] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._native = native_step.NativeStep(model, pool, max_rows) if mode == "native" else None
         if mode == "inductor":
             use_cache_dir()
 
@@ -127,7 +145,7 @@ class CompiledDecode:
         return 0 < num_decode == num_tokens <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+        return n if self.mode == "native" else next(b for b in self.buckets if b >= n)
 
     # -- the forward pass ------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -178,7 +196,9 @@ class CompiledDecode:
         """The step's host arrays padded to its bucket; tables: its rows of the block table."""
         n = input_ids.shape[0]
         size = self.bucket(n)
-        width = tables.shape[1] if self.mode == "cuda-graph" else self.gather_width(positions)
+        width = self.gather_width(positions) if self.mode == "inductor" else tables.shape[1]
+        if size == n:
+            return input_ids, positions, slot_mapping, tables[:, :width], positions + 1
         ids = np.zeros(size, np.int64)
         pos = np.zeros(size, np.int64)
         slots = np.full(size, self.scratch_page * self.page_size, np.int64)
@@ -209,6 +229,8 @@ class CompiledDecode:
         )
         size = ids.shape[0]
         with torch.inference_mode():
+            if self._native is not None:
+                return self._native(*args)
             if self.mode == "cuda-graph":
                 return self._replay(size, args)[:n]
             if table.shape[1] > 1:

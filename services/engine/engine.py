@@ -16,7 +16,7 @@ import torch
 from services import hub
 from services.config import EngineConfig
 from services.engine.backend import Backend, get_backend, resolve_backend
-from services.engine.compiled_step import CompiledDecode, compile_mode
+from services.engine.compiled_step import CompiledDecode, compile_mode, step_mode
 from services.engine.kv.policy import make_policy
 from services.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from services.engine.kv.predicted import PredictedPolicy
@@ -131,8 +131,8 @@ class Engine:
         whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
         spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         compiled = None if mode is None else CompiledDecode(  # verification rows run as decode rows
-            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens), mode, whole_graph,
-            tuple(range(2, 2 + spec_tokens)))
+            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens),
+            step_mode(mode, self.model, self.pool), whole_graph, tuple(range(2, 2 + spec_tokens)))
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -281,7 +281,8 @@ class Engine:
                       config.max_num_seqs, self.max_model_len)
         # The draft's one-token rounds run compiled like the model's decode steps (buckets of its own).
         draft_compiled = None if compiled is None else CompiledDecode(
-            model, pool, config.max_num_seqs, compiled.mode, not any(draft_cfg.moe_layers or ()))
+            model, pool, config.max_num_seqs, step_mode(compiled.mode, model, pool),
+            not any(draft_cfg.moe_layers or ()))
         drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
                              config.max_num_batched_tokens, draft_compiled)
         return Speculator(*sizing, draft=drafter, exact_rows=exact_rows)

@@ -1,6 +1,7 @@
 """The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
-through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), and the fp32
-product with a weight packed at load time (csrc/packed_gemm.cpp).
+through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), the fp32
+product with a weight packed at load time (csrc/packed_gemm.cpp), and a whole decode step of a dense
+fp32 model built from them (csrc/decode_step.cpp, driven by engine/native_step.py).
 
 Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
@@ -36,7 +37,9 @@ from services.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "packed_gemm.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "decode_step.cpp"))
+HEADERS = (CSRC / "vec_math.h",)
 PANEL = 16  # output columns per panel of a packed weight (packed_gemm.cpp's kLanes)
 # The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
 # -ffast-math: a library linked with it switches the whole process to flush denormals to zero.
@@ -65,7 +68,7 @@ def _host() -> str:
 
 def _build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The library for these sources, flags and host, compiled unless the cache has it."""
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(source + " ".join((compiler, *flags, _host())).encode()).hexdigest()[:16]
     target = Path(cache_dir()) / "native" / f"kernels-{digest}.so"
     if target.exists():
@@ -112,6 +115,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_pack_weight.restype = None
     lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.pipeserve_packed_linear.restype = None
+    lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                          i32, ptr, i32]
+    lib.pipeserve_decode_step.restype = None
     return lib
 
 

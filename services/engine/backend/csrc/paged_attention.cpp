@@ -11,6 +11,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -32,27 +34,7 @@ inline float to_float(bf16 x) {
   return f;
 }
 
-// One (row, KV head): the scores of its group's query heads against every key, softmax, then the
-// weighted values; each key and value row is read once, for the whole group. D > 0 fixes head_dim
-// at compile time.
-// e^x for the softmax's x <= 0 (Cephes' expf: a degree-6 polynomial around the nearest power of
-// two, within 2 ulp): unlike std::exp it vectorizes in the loops below.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using pipeserve::exp_nonpositive;
 
 // Each of the group's score rows (n apiece) becomes exp(score - its max), in place; inv[g] gets 1 /
 // row g's sum. max_of[g]: the row's maximum when the caller tracked it, else nullptr.
@@ -77,6 +59,9 @@ inline void softmax_rows(float* __restrict scores, int group, int n, const float
   }
 }
 
+// One (row, KV head): the scores of its group's query heads against every key, softmax, then the
+// weighted values; each key and value row is read once, for the whole group. D > 0 fixes head_dim
+// at compile time.
 template <typename T, int D>
 void decode_head(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
                  const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,

@@ -1,0 +1,141 @@
+"""The native decode step (services/engine/native_step.py, backend/csrc/decode_step.cpp): its logits
+and KV writes against the per-op forward pass on the same inputs, which models it takes, and greedy
+outputs token-identical to eager steps through the engine (no Inductor build: these run fast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.engine.backend import native
+from services.engine.compiled_step import CompiledDecode, step_mode
+from services.engine.native_step import NativeStep, unsupported
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need a C++ compiler")
+
+DENSE = [
+    ("llama", {}),
+    ("llama", dict(num_key_value_heads=1)),
+    ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    ("qwen2", {}),
+    ("mistral", dict(sliding_window=6)),
+]
+IDS = ["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mistral-window"]
+
+
+def engine_parts(model_dir: str, **options):
+    llm = LLM(model_dir, device="cpu", dtype="float32", compile=False, page_size=4, max_num_seqs=4, **options)
+    return llm, llm.engine.model, llm.engine.pool
+
+
+@pytest.mark.parametrize("kind,overrides", DENSE, ids=IDS)
+def test_native_step_matches_the_per_op_forward(tiny_model, kind, overrides):
+    """Rows at different lengths over pages of random K/V, and two rows of one request sharing its
+    table (a verification chunk: the second attends to the K/V the first writes in the same step)."""
+    _, model, pool = engine_parts(tiny_model(kind, **overrides))
+    assert pool.kv is not None
+    g = torch.Generator().manual_seed(0)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
+    per_op = CompiledDecode(model, pool, 8, "inductor")  # its _forward, called eagerly
+    native_step = NativeStep(model, pool, 8)
+    width = pool.max_pages_per_seq
+    tables = np.zeros((4, width), np.int32)
+    tables[0, :1] = [1]
+    tables[1, :2] = [2, 3]
+    tables[2:, :4] = [4, 5, 6, 7]  # one request, two rows
+    positions = np.array([0, 6, 12, 13])
+    slots = tables[np.arange(4), positions // 4].astype(np.int64) * 4 + positions % 4
+    args = [torch.randint(3, 300, (4,), generator=g), torch.from_numpy(positions),
+            torch.from_numpy(slots), torch.from_numpy(tables), torch.from_numpy(positions + 1).int()]
+    kv_before = pool.kv.clone()
+    with torch.inference_mode():
+        want = per_op._forward(*args)
+        kv_want = pool.kv.clone()
+        pool.kv.copy_(kv_before)  # the native step writes the same K/V into the same slots
+        got = native_step(*args)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.kv, kv_want, rtol=1e-5, atol=1e-5)
+
+
+def test_which_models_the_native_step_takes(tiny_model):
+    llm, model, pool = engine_parts(tiny_model("llama"))
+    assert unsupported(model, pool) is None
+    assert step_mode("inductor", model, pool) == "native"
+    assert step_mode("cuda-graph", model, pool) == "cuda-graph"
+    _, moe, moe_pool = engine_parts(tiny_model("mixtral"))
+    assert "MLP" in (unsupported(moe, moe_pool) or "")
+    assert step_mode("native", moe, moe_pool) == "inductor"  # a draft of another kind than its target
+    _, quant, quant_pool = engine_parts(tiny_model("llama"), quantization="w8a8-int8")
+    assert unsupported(quant, quant_pool) is not None
+    _, _, int8_pool = engine_parts(tiny_model("llama"), kv_cache_dtype="int8")
+    assert "KV cache" in (unsupported(model, int8_pool) or "")
+    bf16 = LLM(tiny_model("llama"), device="cpu", dtype="bfloat16", compile=False, max_num_seqs=2).engine
+    assert unsupported(bf16.model, bf16.pool) is not None
+
+
+def test_native_steps_can_be_switched_off_for_comparisons(tiny_model, monkeypatch):
+    _, model, pool = engine_parts(tiny_model("llama"))
+    monkeypatch.setenv("PIPESERVE_NATIVE_STEP", "0")
+    assert step_mode("inductor", model, pool) == "inductor"
+
+
+def greedy(model_dir: str, prompts: list[list[int]], n: int, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, **options)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0)] * len(prompts))
+    assert llm.engine.stats()["pages_used"] == 0
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("kind,overrides", DENSE, ids=IDS)
+def test_every_dense_architecture_native_equals_eager(tiny_model, kind, overrides):
+    model_dir = tiny_model(kind, **overrides)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 11, 3)]
+    expected, _ = greedy(model_dir, prompts, 14, compile=False, max_num_seqs=3)
+    got, llm = greedy(model_dir, prompts, 14, compile=True, max_num_seqs=3)
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and compiled.mode == "native"
+    assert compiled.buckets == (1, 2, 3)  # every row count runs as itself: no padding
+    assert got == expected
+
+
+def test_stories_native_equals_eager(stories_dir):
+    from transformers import AutoTokenizer
+
+    from tests.test_engine_parity import STORY_PROMPTS
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    prompts = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
+    expected, _ = greedy(stories_dir, prompts, 24, compile=False, max_num_seqs=4)
+    got, llm = greedy(stories_dir, prompts, 24, compile=True, max_num_seqs=4)
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.mode == "native"
+    assert got == expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_verification_rows_run_native_and_equal_eager(tiny_model, method):
+    """Verification chunks (1 + k rows of one request) and the draft's one-token rounds run as
+    native decode rows; the greedy tokens are a plain eager engine's."""
+    from tests.test_compiled_step import count_compiled_verifications
+
+    model_dir = tiny_model("llama")
+    prompts = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 5, 17], [7, 8, 9, 7, 8, 9, 7]]
+    expected, _ = greedy(model_dir, prompts, 16, compile=False, max_num_seqs=2)
+    spec = dict(prompt_lookup_min=1) if method == "ngram" else dict(draft_model=model_dir)
+    llm = LLM(model_dir, device="cpu", dtype="float32", compile=True, page_size=4, max_num_seqs=2,
+              speculative_method=method, speculative_adaptive=False, num_speculative_tokens=3, **spec)
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.mode == "native"
+    counts = count_compiled_verifications(llm)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 2)
+    assert [o.token_ids for o in outs] == expected
+    assert counts["compiled"] > 0 and counts["eager"] == 0
+    if method == "draft":
+        speculator = llm.engine.speculator
+        assert speculator is not None and speculator.draft is not None
+        draft_compiled = speculator.draft.runner.compiled
+        assert draft_compiled is not None and draft_compiled.mode == "native"
