@@ -26,13 +26,13 @@ pytestmark = [
 def test_only_large_plain_fp32_cpu_linears_are_swapped():
     model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(512, 1024).to(torch.bfloat16), nn.Linear(64, 96),
                           nn.ReLU())
-    model.add_module("lm_head", nn.Linear(512, 1024))
+    model.add_module("lm_head", nn.Linear(512, 1024, bias=False))  # an untied head: packed too
     first = model[0]
-    assert C.use_cpu_linears(model) == 1
+    assert C.use_cpu_linears(model) == 2
     swapped = model[0]
     assert isinstance(swapped, C.CpuLinear) and not hasattr(swapped, "weight")  # the packed copy only
     assert swapped.packed.numel() == first.weight.numel() and swapped.bias is not None
-    assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear and type(model.lm_head) is nn.Linear
+    assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear and type(model.lm_head) is C.CpuLinear
     x = torch.randn(3, 512)
     with torch.inference_mode():
         torch.testing.assert_close(model[0](x), first(x), atol=1e-4, rtol=1e-4)

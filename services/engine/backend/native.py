@@ -115,8 +115,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_pack_weight.restype = None
     lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.pipeserve_packed_linear.restype = None
-    lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
-                                          i32, ptr, i32]
+    lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
+                                          i64, ptr, i32, ptr, ptr, i32]
     lib.pipeserve_decode_step.restype = None
     return lib
 

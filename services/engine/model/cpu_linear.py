@@ -51,9 +51,8 @@ def swaps(module: nn.Module) -> bool:
 
 def use_cpu_linears(model: nn.Module) -> int:
     """Swap every layer swaps() accepts for a CpuLinear (the weight packed; the original freed); the
-    number swapped. The LM head is left: compute_logits reads its weight directly (it may be the
-    tied embedding)."""
-    targets = [(name, m) for name, m in model.named_modules() if swaps(m) and not name.endswith("lm_head")]
+    number swapped. An untied LM head is one of them; a tied one is the embedding, which stays."""
+    targets = [(name, m) for name, m in model.named_modules() if swaps(m)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         assert isinstance(module, nn.Linear)

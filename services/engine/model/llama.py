@@ -212,5 +212,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        # Through the head module when there is one: on the CPU it may be a packed CpuLinear.
+        logits = (torch.nn.functional.linear(hidden, self.embed_tokens.weight) if self.lm_head is None
+                  else self.lm_head(hidden))
+        return logits.float()

@@ -1,7 +1,8 @@
 // A whole decode step of a dense Llama-family model (Llama, Mistral, Qwen2) in fp32, in one call:
 // embedding, every layer (norms, fused qkv with its bias, rotary embedding, the paged KV store,
 // decode attention, o, gate/up, SiLU-and-mul, down) and the final norm, for any number of decode
-// rows. The logits stay with torch.
+// rows, and the logits where the LM head is packed (an untied head; a tied one is the embedding,
+// whose product stays with torch).
 //
 // At batch 1 the products are most of the step; what a per-op forward pass adds around them (one
 // dispatch per op, each through Python) is what this removes. The kernels are the ones the per-op
@@ -102,12 +103,14 @@ void silu_and_mul(const float* __restrict gate_up, float* __restrict out, int64_
 // rows decode rows: token ids, positions, KV slots, block tables [rows, table_stride] and sequence
 // lengths (position + 1; a verification chunk's rows share a table and attend causally by length).
 // layers: dims[kLayers] rows of kLayerFields; rope_table [positions, rot_dim]; out [rows, hidden]
-// gets the final norm's output. Threads split each product and the attention.
+// gets the final norm's output and, with lm_head (packed, vocab outputs), logits [rows, vocab] the
+// head's. Threads split each product and the attention.
 extern "C" void pipeserve_decode_step(const int64_t* dims, float eps, float scale, const int64_t* layers,
                                       const float* embed, const float* final_norm, const float* rope_table,
-                                      const int64_t* ids, const int64_t* positions, const int64_t* slots,
-                                      const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
-                                      int rows, float* out, int threads) {
+                                      const float* lm_head, int64_t vocab, const int64_t* ids,
+                                      const int64_t* positions, const int64_t* slots, const int32_t* tables,
+                                      int64_t table_stride, const int32_t* seq_lens, int rows, float* out,
+                                      float* logits, int threads) {
   const int64_t hidden = dims[kHidden], inter = dims[kInter], head_dim = dims[kHeadDim];
   const int q_heads = static_cast<int>(dims[kQHeads]), kv_heads = static_cast<int>(dims[kKvHeads]);
   const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
@@ -154,4 +157,5 @@ extern "C" void pipeserve_decode_step(const int64_t* dims, float eps, float scal
     sublayer = sub;
   }
   add_norm(resid, sublayer, final_norm, eps, out, rows, hidden);
+  if (lm_head != nullptr) pipeserve_packed_linear(out, hidden, lm_head, nullptr, logits, rows, vocab, hidden, threads);
 }
