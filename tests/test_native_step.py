@@ -56,7 +56,7 @@ def test_native_step_matches_the_per_op_forward(tiny_model, kind, overrides):
         want = per_op._forward(*args)
         kv_want = pool.kv.clone()
         pool.kv.copy_(kv_before)  # the native step writes the same K/V into the same slots
-        got = native_step(*args)
+        got = native_step(*(a.numpy() for a in args))  # host arrays, as the runner passes them
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool.kv, kv_want, rtol=1e-5, atol=1e-5)

@@ -197,8 +197,6 @@ class CompiledDecode:
         n = input_ids.shape[0]
         size = self.bucket(n)
         width = self.gather_width(positions) if self.mode == "inductor" else tables.shape[1]
-        if size == n:
-            return input_ids, positions, slot_mapping, tables[:, :width], positions + 1
         ids = np.zeros(size, np.int64)
         pos = np.zeros(size, np.int64)
         slots = np.full(size, self.scratch_page * self.page_size, np.int64)
@@ -219,6 +217,8 @@ class CompiledDecode:
         """Logits [n, V] of a decode-only step of n rows (n <= the largest bucket). stage copies a
         host array into the runner's persistent device buffer of that name."""
         n = input_ids.shape[0]
+        if self._native is not None:  # reads the host arrays directly: no padding, no staging
+            return self._native(input_ids, positions, slot_mapping, tables, positions + 1)
         ids, pos, slots, table, lens = self.pad(input_ids, positions, slot_mapping, tables)
         args = (
             stage("input_ids", ids),
@@ -229,8 +229,6 @@ class CompiledDecode:
         )
         size = ids.shape[0]
         with torch.inference_mode():
-            if self._native is not None:
-                return self._native(*args)
             if self.mode == "cuda-graph":
                 return self._replay(size, args)[:n]
             if table.shape[1] > 1:

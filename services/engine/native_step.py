@@ -22,6 +22,7 @@ import ctypes
 import inspect
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -151,19 +152,22 @@ class NativeStep:
         self._packed.append(packed)
         return packed
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Logits [n, V] of n decode rows: int64 ids, positions and slots, int32 tables [n, W] (rows
-        contiguous) and lengths, every one contiguous."""
+    def __call__(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                 block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
+        """Logits [n, V] of n decode rows, from host arrays (on the CPU the step reads them where they
+        lie: nothing is staged): ids, positions and slots, block tables [n, W] and lengths."""
         lib = native._lib
         assert lib is not None
-        n = input_ids.shape[0]
+        ids, pos, slots = (np.ascontiguousarray(a, dtype=np.int64)
+                           for a in (input_ids, positions, slot_mapping))
+        tables, lens = (np.ascontiguousarray(a, dtype=np.int32) for a in (block_tables, seq_lens))
+        n = ids.shape[0]
         dims, layers, embed, norm, rope, eps, scale, head, vocab, hidden, logits = self._fixed
-        lib.pipeserve_decode_step(dims, eps, scale, layers, embed, norm, rope, head, vocab,
-                                  input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-                                  block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n,
-                                  hidden, logits, torch.get_num_threads())
+        lib.pipeserve_decode_step(dims, eps, scale, layers, embed, norm, rope, head, vocab, ids.ctypes.data,
+                                  pos.ctypes.data, slots.ctypes.data, tables.ctypes.data, tables.shape[1],
+                                  lens.ctypes.data, n, hidden, logits, torch.get_num_threads())
         if self.logits is not None:
             return self.logits[:n]
-        out: torch.Tensor = _LOGITS(self.model, self.hidden[:n])
+        with torch.inference_mode():
+            out: torch.Tensor = _LOGITS(self.model, self.hidden[:n])
         return out

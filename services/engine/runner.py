@@ -54,6 +54,10 @@ class FlatBatch:
     sample_offsets: np.ndarray | None = None  # with verification: each sample row's output index
 
 
+_NO_ROWS = np.zeros(0, np.int64)  # read only
+_NO_CHUNKS = np.zeros(1, np.int64)  # cumulative query lengths of no prefill chunks
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -132,6 +136,10 @@ class ModelRunner:
         d_slots = np.fromiter((s.slot for s in batch.decode), np.int64, nd)
         d_pos = np.fromiter((s.num_computed for s in batch.decode), np.int64, nd)
         d_ids = np.fromiter((s.token_ids[-1] for s in batch.decode), np.int64, nd)
+        if not batch.verify and not batch.prefill:  # decode rows only: most steps, a few numpy ops
+            slot_mapping = table[d_slots, d_pos // size].astype(np.int64) * size + d_pos % size
+            return FlatBatch(d_ids, d_pos, slot_mapping, nd, d_slots, _NO_ROWS, _NO_CHUNKS, _NO_ROWS,
+                             np.arange(nd), d_slots, d_pos + 1)
 
         # Verification rows are chunks against the cache, like prefill chunks, and go first there.
         nv = len(batch.verify)
@@ -268,7 +276,9 @@ class ModelRunner:
         flat, logits = self.forward(batch)
         if logits is None:
             return StepResult([])
-        slots_t = self._stage("sample_slots", flat.sample_slots)
+        # The sampler runs eager: on the CPU it reads the host array as it is.
+        slots_t = (torch.from_numpy(flat.sample_slots) if self.staging is None
+                   else self._stage("sample_slots", flat.sample_slots))
         if flat.sample_offsets is not None:
             offsets = (flat.sample_offsets, self._stage("sample_offsets", flat.sample_offsets))
             out = self.sampler.sample(logits, flat.sample_slots, slots_t, structured.mask(), offsets)

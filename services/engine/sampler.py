@@ -222,7 +222,9 @@ class Sampler:
         row i stands at output index generated + offsets[i]: its noise and min_tokens mask are that
         index's, and nothing advances (the caller calls `advance` with the tokens it accepts). Rows
         of penalized slots must have offset 0 (their counts would need the proposals)."""
-        x = logits.float()  # never modified in place: logits may be float32 already
+        # Never modified in place: logits may be float32 already. Each op here is a few microseconds
+        # of a small model's step, so the common cases (greedy, no penalties) take as few as they can.
+        x = logits if logits.dtype == torch.float32 else logits.float()
         if mask is not None:
             if x.data_ptr() == logits.data_ptr():
                 x = x.clone()
@@ -230,14 +232,15 @@ class Sampler:
         penalized = self.output_counts is not None and bool(self._penalized[slots].any())
         if penalized:
             x = self._apply_penalties(x, slots_t)
-        steps = self.generated[slots_t] if offsets is None else self.generated[slots_t] + offsets[1]
         host_steps = self._generated[slots] if offsets is None else self._generated[slots] + offsets[0]
-        if (self._min_tokens[slots] > host_steps).any():
-            x = self._mask_stop_ids(x, slots_t, steps)
+        blocked = self._min_tokens[slots] > host_steps  # rows before their min_tokens: stops masked
+        if blocked.any():
+            x = self._mask_stop_ids(x, slots_t, blocked)
         greedy = self._greedy[slots]
         if greedy.all():
             tokens = x.argmax(-1)
         else:
+            steps = self.generated[slots_t] if offsets is None else self.generated[slots_t] + offsets[1]
             tokens = self._race(self.filtered_logits(x, slots, slots_t), slots_t, steps)
             if greedy.any():
                 tokens = torch.where(self.greedy[slots_t], x.argmax(-1), tokens)
@@ -270,7 +273,7 @@ class Sampler:
         speculative rejection sampling compares. Slots must not be penalized or constrained."""
         x = logits.float()
         if (self._min_tokens[slots] > 0).any():  # rows at or past min_tokens pass unchanged
-            x = self._mask_stop_ids(x, slots_t, steps)
+            x = self._mask_stop_ids(x, slots_t, steps < self.min_tokens[slots_t])
         return self.filtered_logits(x, slots, slots_t)
 
     def noise(self, slots_t: torch.Tensor, steps: torch.Tensor, salt: int = 0) -> torch.Tensor:
@@ -293,10 +296,15 @@ class Sampler:
         )
         return penalized
 
-    def _mask_stop_ids(self, x: torch.Tensor, slots_t: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    def _mask_stop_ids(self, x: torch.Tensor, slots_t: torch.Tensor,
+                       blocked: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """The rows' stop ids at -inf where blocked [B] (known on the host, or on the device)."""
         ids = self.stop_ids[slots_t]
-        blocked = (steps < self.min_tokens[slots_t])[:, None]
-        return x.scatter(1, ids, x.gather(1, ids).masked_fill(blocked, float("-inf")))
+        if isinstance(blocked, np.ndarray):
+            if blocked.all():  # one op
+                return x.scatter(1, ids, float("-inf"))
+            blocked = torch.as_tensor(blocked, device=x.device)
+        return x.scatter(1, ids, x.gather(1, ids).masked_fill(blocked[:, None], float("-inf")))
 
     def filtered_logits(self, x: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p as -inf: what the race samples from."""
