@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import time
 from typing import cast
 
 import numpy as np
@@ -112,6 +113,7 @@ class NativeStep:
                  "rot_dim": model.cos_sin.shape[-1], "page_size": pool.page_size}
         self.dims = torch.tensor([sizes[name] for name in DIMS], dtype=torch.int64)
         self.hidden = torch.empty(max_rows, cfg.hidden_size)  # the final norm's output
+        self.seconds = 0.0  # spent inside the native call (a profiler sees no operator there)
         # The head's product runs in the step too, into this persistent buffer (valid until the next
         # step), where it is packed: an untied head that use_cpu_linears packed, or a tied one (the
         # embedding) packed here as a copy when that costs little memory. Otherwise compute_logits
@@ -163,9 +165,11 @@ class NativeStep:
         tables, lens = (np.ascontiguousarray(a, dtype=np.int32) for a in (block_tables, seq_lens))
         n = ids.shape[0]
         dims, layers, embed, norm, rope, eps, scale, head, vocab, hidden, logits = self._fixed
+        start = time.perf_counter()
         lib.pipeserve_decode_step(dims, eps, scale, layers, embed, norm, rope, head, vocab, ids.ctypes.data,
                                   pos.ctypes.data, slots.ctypes.data, tables.ctypes.data, tables.shape[1],
                                   lens.ctypes.data, n, hidden, logits, torch.get_num_threads())
+        self.seconds += time.perf_counter() - start
         if self.logits is not None:
             return self.logits[:n]
         with torch.inference_mode():
