@@ -10,7 +10,7 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.backend import native
-from services.engine.compiled_step import CompiledDecode, step_mode
+from services.engine.compiled_step import NATIVE_MERGED_ROWS, CompiledDecode, step_mode
 from services.engine.native_step import NativeStep, unsupported
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need a C++ compiler")
@@ -91,17 +91,50 @@ def greedy(model_dir: str, prompts: list[list[int]], n: int, **options) -> tuple
     return [o.token_ids for o in outs], llm
 
 
+def counted_rows(llm: LLM) -> list[int]:
+    """The row count of every step the engine runs through its native step, appended as it runs."""
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and compiled.mode == "native"
+    rows, run = [], compiled.run
+
+    def counted(input_ids, *args):
+        rows.append(input_ids.shape[0])
+        return run(input_ids, *args)
+
+    compiled.run = counted  # type: ignore[method-assign]
+    return rows
+
+
 @pytest.mark.parametrize("kind,overrides", DENSE, ids=IDS)
 def test_every_dense_architecture_native_equals_eager(tiny_model, kind, overrides):
+    """Two prompts prefilled in one step of 16 rows, decode steps of 2 rows, and once the first
+    request ends the third prompt prefilled beside the second's decode row (a merged step of 4
+    rows): every step native."""
     model_dir = tiny_model(kind, **overrides)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 11, 3)]
-    expected, _ = greedy(model_dir, prompts, 14, compile=False, max_num_seqs=3)
-    got, llm = greedy(model_dir, prompts, 14, compile=True, max_num_seqs=3)
+    lengths = [4, 14, 10]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    eager = LLM(model_dir, device="cpu", dtype="float32", page_size=4, compile=False, max_num_seqs=2)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, compile=True, max_num_seqs=2)
     compiled = llm.engine.runner.compiled
-    assert compiled is not None and compiled.mode == "native"
-    assert compiled.buckets == (1, 2, 3)  # every row count runs as itself: no padding
-    assert got == expected
+    assert compiled is not None and compiled.buckets == tuple(range(1, NATIVE_MERGED_ROWS + 1))  # no padding
+    rows = counted_rows(llm)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert rows[:2] == [16, 2] and 4 in rows and llm.engine.stats()["pages_used"] == 0
+
+
+def test_long_chunks_stay_eager(tiny_model):
+    """A prompt longer than a native step's rows is prefilled eager, then decodes native."""
+    model_dir = tiny_model("llama")
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 320, (NATIVE_MERGED_ROWS + 9,), generator=g).tolist()
+    expected, _ = greedy(model_dir, [prompt], 6, compile=False, max_num_seqs=1)
+    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, compile=True, max_num_seqs=1)
+    rows = counted_rows(llm)
+    assert llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids == expected[0]
+    assert rows == [1] * 5
 
 
 def test_stories_native_equals_eager(stories_dir):

@@ -51,6 +51,10 @@ MODES = ("native", "inductor", "cuda-graph")
 # Larger decode batches run eager on the CPU: there the step's GEMMs dominate, and every bucket is
 # one more compile (docs/engine.md has the measurements). CUDA graphs cover every batch size.
 MAX_INDUCTOR_BATCH = 64
+# Rows a native step takes at least, so that merged steps (decode rows beside a short prompt or a
+# chunk of one) run native too; a longer chunk runs eager, where prefill attention reads each page
+# once per chunk instead of once per row (docs/engine.md has the measurements).
+NATIVE_MERGED_ROWS = 64
 # Compiled before the engine reports ready; larger buckets compile on first use.
 WARM_BUCKETS = (1,)
 
@@ -124,24 +128,30 @@ class CompiledDecode:
         assert mode in MODES, mode
         self.model, self.pool, self.mode = model, pool, mode
         self.whole_graph = whole_graph
-        if mode == "native":  # every row count runs as itself
-            self.buckets: tuple[int, ...] = tuple(range(1, max_rows + 1))
+        if mode == "native":  # every row count runs as itself, merged steps' prefill rows too
+            self.buckets: tuple[int, ...] = tuple(range(1, max(max_rows, NATIVE_MERGED_ROWS) + 1))
         else:
             top = batch_buckets(min(max_rows, MAX_INDUCTOR_BATCH) if mode == "inductor" else max_rows)
             self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
         self.exact = tuple(n for n in exact if n <= self.buckets[-1])  # compiled before serving too
         self.page_size = pool.page_size
         # Padded rows write their K/V here and attend to it alone.
-        self.scratch_page = pool.reserve_scratch_page()
+        # Padded rows (and warm-up steps) write their K/V here; a native step pads nothing and has
+        # nothing to warm up, so it takes no page from the pool.
+        self.scratch_page = -1 if mode == "native" else pool.reserve_scratch_page()
         self._steps: dict[int, StepFn] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._native = native_step.NativeStep(model, pool, max_rows) if mode == "native" else None
+        self._native = native_step.NativeStep(model, pool, self.buckets[-1]) if mode == "native" else None
         if mode == "inductor":
             use_cache_dir()
 
     def covers(self, num_decode: int, num_tokens: int) -> bool:
         """Whether a step of num_tokens rows, num_decode of them decode rows (one query each,
-        attending up to its own position: verification rows count), runs compiled."""
+        attending up to its own position: verification rows count), runs compiled. A native step
+        takes prefill chunks' rows too (merged steps): the same per-row attention, and no shape to
+        compile for."""
+        if self.mode == "native":
+            return 0 < num_tokens <= self.buckets[-1]
         return 0 < num_decode == num_tokens <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
@@ -254,7 +264,10 @@ class CompiledDecode:
 
     def warm_up(self, stage: Stage, every_bucket: bool = False) -> None:
         """Compile (or capture) the default buckets and the exact ones (every_bucket: all of them)
-        before the engine serves: one step each over the scratch page alone, which no request reads."""
+        before the engine serves: one step each over the scratch page alone, which no request reads.
+        A native step compiles nothing here (its library is built when the backend loads)."""
+        if self.mode == "native":
+            return
         for size in self.buckets if every_bucket else sorted(set(WARM_BUCKETS).union(self.exact)):
             if size > self.buckets[-1]:
                 continue

@@ -42,6 +42,7 @@ class FlatBatch:
     input_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
+    row_slots: np.ndarray  # each row's request slot
     num_decode: int
     decode_slots: np.ndarray
     prefill_slots: np.ndarray
@@ -138,7 +139,7 @@ class ModelRunner:
         d_ids = np.fromiter((s.token_ids[-1] for s in batch.decode), np.int64, nd)
         if not batch.verify and not batch.prefill:  # decode rows only: most steps, a few numpy ops
             slot_mapping = table[d_slots, d_pos // size].astype(np.int64) * size + d_pos % size
-            return FlatBatch(d_ids, d_pos, slot_mapping, nd, d_slots, _NO_ROWS, _NO_CHUNKS, _NO_ROWS,
+            return FlatBatch(d_ids, d_pos, slot_mapping, d_slots, nd, d_slots, _NO_ROWS, _NO_CHUNKS, _NO_ROWS,
                              np.arange(nd), d_slots, d_pos + 1)
 
         # Verification rows are chunks against the cache, like prefill chunks, and go first there.
@@ -189,6 +190,7 @@ class ModelRunner:
             np.concatenate([d_ids, p_ids]),
             positions,
             slot_mapping,
+            row_slots,
             nd,
             d_slots,
             p_slots,
@@ -233,19 +235,25 @@ class ModelRunner:
         flat = self.build(batch)
         if self.structured is not None:  # bitmask rows fill while the model runs
             self.structured.begin(flat.sample_slots)
-        if self.compiled is not None and self.compiled.covers(flat.num_decode + flat.num_verify_rows,
-                                                              flat.input_ids.size):
-            # Every row samples: decode rows, and verification rows run as decode rows of their own
-            # (each attends up to its own position), so sample_slots is every row's request.
-            table = self.pool.block_table[flat.sample_slots]
-            logits = self.compiled.run(flat.input_ids, flat.positions, flat.slot_mapping, table, self._stage)
-            return flat, logits
         # Prompt logprobs (the target model's runner: the draft's has no structured state) read
         # their rows out too.
         extra = None
-        if self.structured is not None:
+        if self.structured is not None and batch.prefill:
             # The chunks are the verification rows, then the prefills: skip the former's offsets.
             extra = prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
+        rows, compiled = flat.input_ids.size, self.compiled
+        if compiled is not None and extra is None and compiled.covers(flat.num_decode + flat.num_verify_rows,
+                                                                      rows):
+            # Each row runs as a decode row of its own, attending up to its own position: decode and
+            # verification rows, and (native steps) prefill chunks' rows, whose K/V every layer
+            # stores before any row attends.
+            logits = compiled.run(flat.input_ids, flat.positions, flat.slot_mapping,
+                                  self.pool.block_table[flat.row_slots], self._stage)
+            if flat.sample_rows.size == rows:  # every row samples, in row order
+                return flat, logits
+            if flat.sample_rows.size == 0:  # only partial prefill chunks this step
+                return flat, None
+            return flat, logits.index_select(0, torch.from_numpy(flat.sample_rows))
         read = flat if extra is None else replace(
             flat,
             sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
