@@ -121,6 +121,8 @@ class Sampler:
         self._logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs
         self._min_tokens = np.zeros(n, dtype=np.int64)
         self._generated = np.zeros(n, dtype=np.int64)
+        if dev.type == "cpu":  # one counter: the device tensor is a view of the host mirror
+            self.generated = torch.from_numpy(self._generated)
         self._rng = np.random.default_rng(seed)
 
     def set_request(
@@ -299,7 +301,7 @@ class Sampler:
     def _mask_stop_ids(self, x: torch.Tensor, slots_t: torch.Tensor,
                        blocked: np.ndarray | torch.Tensor) -> torch.Tensor:
         """The rows' stop ids at -inf where blocked [B] (known on the host, or on the device)."""
-        ids = self.stop_ids[slots_t]
+        ids = self.stop_ids.index_select(0, slots_t)
         if isinstance(blocked, np.ndarray):
             if blocked.all():  # one op
                 return x.scatter(1, ids, float("-inf"))
@@ -347,5 +349,6 @@ class Sampler:
             assert self.output_counts is not None
             flat = slots_t * self.vocab_size + tokens
             self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        self.generated.index_add_(0, slots_t, torch.ones_like(slots_t))
         np.add.at(self._generated, slots, 1)  # slots repeat after speculative verification
+        if self.generated.device.type != "cpu":  # on the CPU the line above counted both
+            self.generated.index_add_(0, slots_t, torch.ones_like(slots_t))

@@ -32,6 +32,11 @@ inline void tile(const float* __restrict x, int64_t x_stride, const float* __res
     __m512 w[NP];
     for (int j = 0; j < NP; ++j) w[j] = _mm512_loadu_ps(panels + j * panel_stride + k * kLanes);
     if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * kLanes), _MM_HINT_T1);
+    // One row (batch-1 decode) streams each panel once with little work per line: ask for each
+    // panel's line 2 KB ahead (docs/engine.md has the measurement).
+    if constexpr (MR == 1)
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(panels + j * panel_stride + (k + 32) * kLanes), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);
       for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
