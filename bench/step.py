@@ -218,10 +218,11 @@ def host_overhead_ms(llm: Any, prompts: list[list[int]], steps: int) -> dict[str
         for _ in range(steps):
             engine.step()
         wall = (time.perf_counter() - start) / steps * 1e3
+    native_ms = 0.0 if native is None else (native.seconds - native_before) * 1e3 / steps
     while engine.has_work():
         engine.step()
     if native is not None:
-        compute = (native.seconds - native_before) * 1e3 / steps
+        compute = native_ms
     else:  # self times of operators, minus those nested in the compiled graph (already in its total)
         compute = sum(e.self_cpu_time_total for e in prof.key_averages()
                       if e.key.startswith(COMPUTE_PREFIXES)) / 1e3 / steps

@@ -12,18 +12,11 @@ from services.engine import LLM, SamplingParams
 from services.engine.backend import native
 from services.engine.compiled_step import NATIVE_MERGED_ROWS, CompiledDecode, step_mode
 from services.engine.native_step import NativeStep, unsupported
+from tests.test_compiled_step import ARCHITECTURES
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need a C++ compiler")
 
-DENSE = [
-    ("llama", {}),
-    ("llama", dict(num_key_value_heads=1)),
-    ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),
-    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    ("qwen2", {}),
-    ("mistral", dict(sliding_window=6)),
-]
+DENSE = [a for a in ARCHITECTURES if a[0] in ("llama", "qwen2", "mistral")]  # experts take Inductor
 IDS = ["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mistral-window"]
 
 

@@ -1,11 +1,11 @@
-"""Decode-only steps as one compiled unit per batch-size bucket.
+"""Steps as one unit: the native step, or one compiled unit per batch-size bucket.
 
-A step whose rows are all decode rows (one query token each) is padded up to the smallest bucket
-(1, 2, 4, 8, ... up to its most rows; on the CPU up to MAX_INDUCTOR_BATCH) that holds it and run
-through that bucket's compiled forward pass: embedding, every layer, the final norm and the logits.
-Its inputs are the runner's persistent buffers (same storage every step), refilled in place.
-Padded rows read and write only a scratch KV page reserved for them, and their logits are cut off
-before the sampler, so they never touch a request's cache or sampling state.
+For Inductor and CUDA graphs, a step whose rows are all decode rows (one query token each) is padded
+up to the smallest bucket (1, 2, 4, 8, ... up to its most rows; on the CPU up to MAX_INDUCTOR_BATCH)
+that holds it and run through that bucket's compiled forward pass: embedding, every layer, the final
+norm and the logits. Its inputs are the runner's persistent buffers (same storage every step),
+refilled in place. Padded rows read and write only a scratch KV page reserved for them, and their
+logits are cut off before the sampler, so they never touch a request's cache or sampling state.
 
 The same buffers drive three kinds of step:
 - "native" (CPU, dense fp32 models): one native call runs the whole forward pass for any row count
@@ -22,7 +22,8 @@ The same buffers drive three kinds of step:
 A speculative verification chunk (a request's newest token and its k proposals) runs here too, as
 1 + k decode rows sharing the request's block table: row j at position p + j with seq_len p + j + 1.
 Every layer stores all rows' K/V before any row attends, so the seq_len alone makes it causal.
-Steps with prefill rows stay on the eager path.
+The native step runs prefill chunks' rows the same way, in steps of up to NATIVE_MERGED_ROWS rows;
+other steps with prefill rows stay on the eager path.
 Compiled code is cached on disk under services.config.cache_dir(), so a restart is warm.
 """
 

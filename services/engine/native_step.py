@@ -1,10 +1,12 @@
 """A decode step of a dense fp32 Llama-family model on the CPU as one native call.
 
-backend/csrc/decode_step.cpp runs the whole forward pass of a batch of decode rows (embedding,
-every layer, the final norm) over the model's own packed weights and the pool's cache; only the
-logits product stays with torch. A compiled per-op step still pays, per op, the dispatcher and a
-Python call into each native kernel, plus the compiled wrapper and its guards: at batch 1 on a
-small model that was a quarter of the step (docs/engine.md). Here one ctypes call replaces them.
+backend/csrc/decode_step.cpp runs the whole forward pass of a batch of rows (embedding, every
+layer, the final norm, and the logits where the LM head is packed) over the model's own packed
+weights and the pool's cache. Each row is a query at its own position attending to its own first
+seq_len keys once every row's K/V of the layer is stored: a decode row, a verification row, or a row
+of a prefill chunk. A compiled per-op step still pays, per op, the dispatcher and a Python call into
+each native kernel, plus the compiled wrapper and its guards: at batch 1 on a small model that was a
+quarter of the step (docs/engine.md). Here one ctypes call replaces them.
 
 It covers what the per-op forward pass computes for the dense models (Llama, Mistral, Qwen2): fused
 qkv with its bias, rotate-half rotary embedding over the model's table (any scaling), sliding
@@ -130,9 +132,9 @@ class NativeStep:
 
     def _head_panels(self, model: LlamaForCausalLM) -> torch.Tensor | None:
         """The LM head packed, or None (its product stays with torch). A tied head is copied packed
-        when the copy adds at most TIED_HEAD_COPY of the model's weight bytes: cold in the cache after
-        the layers' weights stream past, MKL's product over the embedding as it lies took ~90 µs for
-        a 512 x 512 head, against ~40 for the packed one."""
+        when the copy adds at most TIED_HEAD_COPY of the model's weight bytes: the embedding is cold
+        in the caches once the layers' weights have streamed past, and MKL reads it as it lies about
+        half as fast as the packed product does (docs/engine.md)."""
         if isinstance(model.lm_head, CpuLinear):
             return model.lm_head.packed
         if model.lm_head is not None:
