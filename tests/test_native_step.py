@@ -21,7 +21,8 @@ IDS = ["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mis
 
 
 def engine_parts(model_dir: str, **options):
-    llm = LLM(model_dir, device="cpu", dtype="float32", compile=False, page_size=4, max_num_seqs=4, **options)
+    llm = LLM(model_dir, device="cpu", dtype="float32", compile=False, page_size=4, max_num_seqs=4,
+              num_pages=24, **options)
     return llm, llm.engine.model, llm.engine.pool
 
 
