@@ -83,9 +83,10 @@ class EngineConfig:
     chat_template: str | None = opt(None, "chat template for `messages` requests: a Jinja file or the "
                                     "template itself; unset: the tokenizer's")
     # The env default lets a test harness turn compilation off for every engine it starts.
-    compile: bool = opt(help="decode-only steps run as one compiled unit per batch-size bucket "
-                        "(Inductor on CPU, CUDA graphs on CUDA); the default follows $PIPESERVE_COMPILE "
-                        "(0: off), else on", factory=lambda: os.environ.get("PIPESERVE_COMPILE", "1") != "0")
+    compile: bool = opt(help="steps run as one unit: on the CPU one native call for dense fp32 models "
+                        "(merged steps of up to 64 rows too), else Inductor per decode batch-size bucket; "
+                        "CUDA graphs on CUDA; the default follows $PIPESERVE_COMPILE (0: off), else on",
+                        factory=lambda: os.environ.get("PIPESERVE_COMPILE", "1") != "0")
     generation_config: str = opt("auto", "auto: the checkpoint's generation_config.json sampling defaults "
                                  "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests "
                                  "that leave them unset; none: pipeserve's defaults",
