@@ -16,6 +16,7 @@ from services.engine.process import step_output
 from services.engine.sequence import Sequence, Status, StepUpdate, one_token_updates
 from services.engine.spec.adaptive import REFIT, AdaptiveK
 from services.engine.spec.ngram import NgramProposer
+from services.engine.spec.speculator import Speculator
 from services.engine.spec.verify import accept_matching
 from services.messages import unpack_ids
 
@@ -312,6 +313,32 @@ def test_adaptive_rule_rests_where_nothing_pays():
     assert all(rule.rests(1) for _ in range(HOLD - 1)) and not rule.rests(1)
     rule.rest(np.array([0]), 1)
     assert not rule.rests(2)  # another batch size ends the rest
+
+
+def test_rests_grow_past_max_hold_when_steps_are_cheap():
+    """Rests double up to MAX_HOLD steps or REST_SECONDS of plain steps, whichever is longer: a
+    decision's host work stays a small share of a rest of cheap steps too."""
+    from services.engine.spec.adaptive import HOLD, MAX_HOLD, REST_SECONDS
+
+    def longest(step_seconds: float) -> int:
+        rule = measured_rule({1: step_seconds, 2: 3 * step_seconds}, 0.3)
+        for _ in range(12):
+            rule.rest(np.array([0]), 1)
+        return rule.rest_steps
+
+    assert longest(1e-3) == MAX_HOLD  # 64 steps of 1 ms: longer than REST_SECONDS
+    cheap = longest(1e-4)
+    assert cheap > MAX_HOLD and cheap <= REST_SECONDS / 1e-4 and cheap >= HOLD * 2**5
+
+
+def test_a_rest_skips_the_proposer_entirely():
+    """Inside a rest at the running batch size, propose() returns before looking at a request."""
+    spec = Speculator(4, 2, 256, ngram=NgramProposer(1, 3), exact_rows=8)
+    spec.adaptive.rest(np.array([0]), 1)
+    seq = Sequence("r", [1, 2, 1, 2, 1], 5, SamplingParams(), 0.0, status=Status.RUNNING, slot=0)
+    seq.num_computed = 4
+    steps = spec.adaptive.steps
+    assert spec.propose([seq]) == ({}, None) and spec._resting and spec.adaptive.steps == steps + 1
 
 
 def test_pool_shrink_returns_pages_to_the_promise():

@@ -33,7 +33,10 @@ DECAY = 0.9  # per verification: older outcomes weigh less
 RECOVER = 0.02  # per step without proposals: share of the way back to the prior
 HIT_RECOVER = 0.002  # the same for the hit rate: a failed lookup costs more than a rejected token
 HOLD = 8  # steps the rule rests at a batch size after finding that no request there gains
-MAX_HOLD = 64  # consecutive rests at one batch size double, up to this
+MAX_HOLD = 64  # consecutive rests at one batch size double, up to this many steps, or
+REST_SECONDS = 0.05  # this long in plain steps, when more: a decision's host work (lookups, the
+# rule, a trial verification) is a fixed cost, a small share of a rest only if the rest is long
+# enough in time, and a step may be a tenth of a millisecond
 WINDOW = 64  # steps: a step's weight in the cost fit decays by 1 - 1 / WINDOW per later step
 MIN_FIT = 8
 REFIT = 16  # steps between solves of the fit
@@ -118,6 +121,14 @@ class CostModel:
     def exact_mask(self, rows: np.ndarray) -> np.ndarray:
         inside: np.ndarray = rows < len(self.by_rows)
         return inside
+
+    def plain_seconds(self, batch: int) -> float | None:
+        """Seconds of a plain step of `batch` decoding rows: its row count's measurement, else the
+        fit; None before either."""
+        if batch < len(self.by_rows) and self.by_rows[batch] > 0:
+            return self.by_rows[batch]
+        fit = self.fit
+        return None if fit is None else fit[0] + fit[1] * batch
 
     def seconds_by_rows(self, rows: np.ndarray) -> np.ndarray:
         """Measured seconds of compiled steps of these row counts (each < len(by_rows)); one not
@@ -242,10 +253,13 @@ class AdaptiveK:
 
     def rest(self, slots: np.ndarray, batch: int) -> None:
         """No request of these slots gains at `batch` decoding rows: rests(batch) holds for the next
-        steps (HOLD, or twice the last rest's when it was at this batch size too, up to MAX_HOLD),
-        and the slots drift as over those idle steps."""
+        steps (HOLD, or twice the last rest's when it was at this batch size too, up to MAX_HOLD
+        steps or REST_SECONDS of plain steps, the longer), and the slots drift as over those idle
+        steps."""
         again = batch == self.rest_batch and self.rest_steps > 0
-        steps = min(2 * self.rest_steps, MAX_HOLD) if again else HOLD
+        plain = self.cost.plain_seconds(batch)
+        longest = MAX_HOLD if not plain else max(MAX_HOLD, int(REST_SECONDS / plain))
+        steps = min(2 * self.rest_steps, longest) if again else HOLD
         self.idle(slots, steps)
         # The engine's hit rate recovers ten times slower still: it is every new request's prior.
         self.hit_rate += (1 - (1 - HIT_RECOVER / 10) ** steps) * (PRIOR_HIT - self.hit_rate)

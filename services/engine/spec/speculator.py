@@ -54,6 +54,11 @@ class Speculator:
 
     # -- around the scheduler -------------------------------------------------------------------
     def propose(self, running: list[Sequence]) -> tuple[dict[Sequence, list[int]], DraftProposals | None]:
+        # Inside a rest at this many running requests (decoding ones, unless one is prefilling,
+        # which a rest may count too): nothing more. A step may be a tenth of a millisecond.
+        if self.adaptive.resting and len(running) == self.adaptive.rest_batch:
+            self._resting, self._proposed, self._proposing = self.adaptive.rests(len(running)), [], 0.0
+            return {}, None
         start = time.perf_counter()
         proposed = self._propose(running, start)
         self._proposing = time.perf_counter() - start
