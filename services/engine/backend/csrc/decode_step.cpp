@@ -1,8 +1,8 @@
 // A whole decode step of a dense Llama-family model (Llama, Mistral, Qwen2) in fp32, in one call:
 // embedding, every layer (norms, fused qkv with its bias, rotary embedding, the paged KV store,
-// decode attention, o, gate/up, SiLU-and-mul, down) and the final norm, for any number of decode
-// rows, and the logits where the LM head is packed (an untied head; a tied one is the embedding,
-// whose product stays with torch).
+// decode attention, o, gate/up, SiLU-and-mul, down) and the final norm, for any number of rows
+// (each a query at its own position: decode, verification or prefill rows), and the logits when
+// native_step.py passes a packed LM head (an untied head, or a packed copy of a small tied one).
 //
 // At batch 1 the products are most of the step; what a per-op forward pass adds around them (one
 // dispatch per op, each through Python) is what this removes. The kernels are the ones the per-op
