@@ -136,7 +136,6 @@ class CompiledDecode:
             self.buckets = tuple(sorted(set(top).union(n for n in exact if n < top[-1])))
         self.exact = tuple(n for n in exact if n <= self.buckets[-1])  # compiled before serving too
         self.page_size = pool.page_size
-        # Padded rows write their K/V here and attend to it alone.
         # Padded rows (and warm-up steps) write their K/V here; a native step pads nothing and has
         # nothing to warm up, so it takes no page from the pool.
         self.scratch_page = -1 if mode == "native" else pool.reserve_scratch_page()
@@ -156,7 +155,7 @@ class CompiledDecode:
         return 0 < num_decode == num_tokens <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
-        return n if self.mode == "native" else next(b for b in self.buckets if b >= n)
+        return next(b for b in self.buckets if b >= n)
 
     # -- the forward pass ------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -207,7 +206,7 @@ class CompiledDecode:
         """The step's host arrays padded to its bucket; tables: its rows of the block table."""
         n = input_ids.shape[0]
         size = self.bucket(n)
-        width = self.gather_width(positions) if self.mode == "inductor" else tables.shape[1]
+        width = tables.shape[1] if self.mode == "cuda-graph" else self.gather_width(positions)
         ids = np.zeros(size, np.int64)
         pos = np.zeros(size, np.int64)
         slots = np.full(size, self.scratch_page * self.page_size, np.int64)
@@ -225,8 +224,9 @@ class CompiledDecode:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
             tables: np.ndarray, stage: Stage) -> torch.Tensor:
-        """Logits [n, V] of a decode-only step of n rows (n <= the largest bucket). stage copies a
-        host array into the runner's persistent device buffer of that name."""
+        """Logits [n, V] of a step of n rows (n <= the largest bucket; decode and verification rows,
+        and for a native step prefill rows too). stage copies a host array into the runner's
+        persistent device buffer of that name."""
         n = input_ids.shape[0]
         if self._native is not None:  # reads the host arrays directly: no padding, no staging
             return self._native(input_ids, positions, slot_mapping, tables, positions + 1)

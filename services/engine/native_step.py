@@ -158,7 +158,7 @@ class NativeStep:
 
     def __call__(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
-        """Logits [n, V] of n decode rows, from host arrays (on the CPU the step reads them where they
+        """Logits [n, V] of n rows, from host arrays (on the CPU the step reads them where they
         lie: nothing is staged): ids, positions and slots, block tables [n, W] and lengths."""
         lib = native._lib
         assert lib is not None
