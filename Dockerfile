@@ -28,7 +28,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 # A C and C++ compiler, libc and Python's headers: Triton compiles a small C driver the first time it
 # launches a kernel; on the CPU, Inductor builds the compiled decode steps in C++ and the engine its
-# native kernels (services/engine/backend/native.py). Without g++ a CPU engine runs eager torch ops.
+# native kernels (pipeserve/engine/backend/native.py). Without g++ a CPU engine runs eager torch ops.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/* \

@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 proto: $(STAMP)
-	$(BIN)/python -m services.gateway.proto
+	$(BIN)/python -m pipeserve.gateway.proto
 
 serve: $(STAMP)
 	$(BIN)/pipeserve up $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --tokenizer-workers $(WORKERS)
@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy services bench
+	$(BIN)/mypy pipeserve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -30,7 +30,7 @@ TRACES = SHARED / "data" / "traces"
 def png_panels(path: pathlib.Path) -> int:
     """How many panels bench.report.plot_panels drew into this PNG, from its IHDR size (each panel is
     PANEL_INCHES x DPI pixels); fails when it is not a PNG of whole panels."""
-    from bench.report import DPI, PANEL_INCHES
+    from pipeserve.bench.report import DPI, PANEL_INCHES
 
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"

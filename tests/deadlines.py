@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from services.gateway.client import Client
+from pipeserve.gateway.client import Client
 
 
 def mid_generation_deadline(client: Client, prompt: str, max_tokens: int) -> float:

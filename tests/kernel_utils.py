@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.engine.backend import reference
+from pipeserve.engine.backend import reference
 
 # Bound on max|out - ref| / max|ref| per output dtype. bf16 is loose: the interpreter truncates
 # fp32 -> bf16 instead of rounding, so one bf16 step (2**-7 relative) can separate out from ref.

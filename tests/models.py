@@ -47,7 +47,7 @@ def build_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides)
         Qwen3MoeForCausalLM,
     )
 
-    from services.engine.model.demo import save_byte_tokenizer
+    from pipeserve.engine.model.demo import save_byte_tokenizer
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),

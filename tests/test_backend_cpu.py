@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.backend import cpu as A
-from services.engine.backend import reference
-from services.engine.backend.cpu import apply_rope
-from services.engine.backend.step_memo import StepMemo
-from services.engine.model.rope import rope_cache
+from pipeserve.engine.backend import cpu as A
+from pipeserve.engine.backend import reference
+from pipeserve.engine.backend.cpu import apply_rope
+from pipeserve.engine.backend.step_memo import StepMemo
+from pipeserve.engine.model.rope import rope_cache
 from tests.kernel_utils import paged_kv, seeded
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from bench import cpu_ops
+from pipeserve.bench import cpu_ops
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler")

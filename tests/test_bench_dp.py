@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services import cli
+from pipeserve import cli
 from tests.conftest import STORIES
 
 pytestmark = [

@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench import latency, machine, throughput
-from bench.harness import preset_config, resolve_model
-from bench.machine import MachineRates, floor_cost, measure
-from bench.roofline import PRESETS, ModelShape, cost_model
+from pipeserve.bench import latency, machine, throughput
+from pipeserve.bench.harness import preset_config, resolve_model
+from pipeserve.bench.machine import MachineRates, floor_cost, measure
+from pipeserve.bench.roofline import PRESETS, ModelShape, cost_model
 from tests.conftest import png_panels
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,8 +85,8 @@ def test_preset_config_round_trips(name: str) -> None:
     ids=lambda s: s.name,
 )
 def test_random_checkpoint_of_a_shape_loads(shape: ModelShape, tmp_path) -> None:
-    from services.engine import LLM, SamplingParams
-    from services.engine.model.demo import save_random_checkpoint
+    from pipeserve.engine import LLM, SamplingParams
+    from pipeserve.engine.model.demo import save_random_checkpoint
 
     path = save_random_checkpoint(str(tmp_path / shape.name), preset_config(shape))
     assert replace(ModelShape.from_path(path), name=shape.name) == shape

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
+from pipeserve import cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,14 +29,14 @@ sys.meta_path.insert(0, Block())
 """
 
 SERVING = [
-    "services.launcher",
-    "services.local_cluster",
-    "services.gateway.server",
-    "services.gateway.client",
-    "services.tokenizer.worker",
-    "services.detokenizer.worker",
-    "services.engine.process",
-    "services.engine",
+    "pipeserve.launcher",
+    "pipeserve.local_cluster",
+    "pipeserve.gateway.server",
+    "pipeserve.gateway.client",
+    "pipeserve.tokenizer.worker",
+    "pipeserve.detokenizer.worker",
+    "pipeserve.engine.process",
+    "pipeserve.engine",
 ]
 
 
@@ -52,7 +52,7 @@ def test_bench_commands_without_the_extra_say_how_to_install_it(
 
 def test_pipeserve_bench_without_the_extra_in_a_fresh_interpreter() -> None:
     code = BLOCK.format(blocked=list(cli.BENCH_EXTRA)) + """
-from services.cli import main
+from pipeserve.cli import main
 sys.exit(main(["bench", "serve", "--target", "127.0.0.1:1"]))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -86,9 +86,9 @@ def test_serving_modules_import_and_serve_without_matplotlib_or_rich() -> None:
 import importlib, tempfile
 for name in {SERVING!r}:
     importlib.import_module(name)
-from services.config import Addresses, GatewayConfig
-from services.gateway.client import Client
-from services.gateway.server import Gateway
+from pipeserve.config import Addresses, GatewayConfig
+from pipeserve.gateway.client import Client
+from pipeserve.gateway.server import Gateway
 import asyncio
 
 async def main():

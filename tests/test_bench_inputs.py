@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import offline, quant
-from bench.workload import checkpoint, trace_paths
+from pipeserve.bench import offline, quant
+from pipeserve.bench.workload import checkpoint, trace_paths
 
 TRACE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
     f"2023-11-16 18:15:{i:02d}.000,{20 + 3 * i},{4 + i % 5}\n" for i in range(12)

@@ -18,7 +18,7 @@ GPU = Path("/dev/nvidia0").exists()
 def run(*args: str, out: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script decides
     return subprocess.run(
-        [sys.executable, "-m", "bench.kernels", *args, "--out", str(out)],
+        [sys.executable, "-m", "pipeserve.bench.kernels", *args, "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,

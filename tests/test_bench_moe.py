@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_bench_moe_tiny(tmp_path):
     out = tmp_path / "moe.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "moe", "--hidden", "64", "--layers", "2",
+        [sys.executable, "-m", "pipeserve.cli", "bench", "moe", "--hidden", "64", "--layers", "2",
          "--experts", "4", "--top-k", "2", "--expert-size", "32", "--batch", "1", "3",
          "--input-len", "4", "--output-len", "3", "--repeats", "2", "--threads", "1", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=280,

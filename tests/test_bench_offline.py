@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from bench.offline import Workload
-from services.cli import main
-from services.config import EngineConfig
-from services.cpus import engine_core_count
+from pipeserve.bench.offline import Workload
+from pipeserve.cli import main
+from pipeserve.config import EngineConfig
+from pipeserve.cpus import engine_core_count
 
 pytestmark = pytest.mark.timeout(120)
 

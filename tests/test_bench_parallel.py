@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from bench.gpus import GPU
-from bench.parallel import (
+from pipeserve import cli
+from pipeserve.bench.gpus import GPU
+from pipeserve.bench.parallel import (
     INTERCONNECTS,
     TensorParallelStepTime,
     parse_layouts,
     replay_data_parallel,
     sharded,
 )
-from bench.roofline import ModelShape, cost_model
-from bench.simulate import RooflineStepTime, ServeSpec, at_rate, policy_factory
-from services import cli
+from pipeserve.bench.roofline import ModelShape, cost_model
+from pipeserve.bench.simulate import RooflineStepTime, ServeSpec, at_rate, policy_factory
 from tests.test_simulate import two_apps
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_short_run_prints_every_figure_and_writes_json(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "pipeline", "--num-layers", "1", "--requests", "3",
+        [sys.executable, "-m", "pipeserve.cli", "bench", "pipeline", "--num-layers", "1", "--requests", "3",
          "--concurrency", "2", "--input-len", "4", "--output-len", "3", "--rounds", "1",
          "--ttft-requests", "2",
          "--ttft-output-len", "2", "--capacity-streams", "1", "4", "--capacity-output-len", "8",

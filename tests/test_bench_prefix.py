@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import prefix
+from pipeserve.bench import prefix
 from tests.conftest import png_panels
 
 

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from bench import serve
-from bench.workload import gamma_arrivals, load_trace
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.local_cluster import LocalCluster, free_port
+from pipeserve.bench import serve
+from pipeserve.bench.workload import gamma_arrivals, load_trace
+from pipeserve.gateway.pb import generation_pb2 as pb
+from pipeserve.gateway.pb import generation_pb2_grpc as pb_grpc
+from pipeserve.local_cluster import LocalCluster, free_port
 from tests.conftest import png_panels
 
 pytestmark = pytest.mark.timeout(120)

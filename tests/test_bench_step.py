@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from bench import step
+from pipeserve.bench import step
 from tests.conftest import png_panels
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import structured
+from pipeserve.bench import structured
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from bench import tp
+from pipeserve.bench import tp
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Every flag of every command says what it does, its choices and its default, generated from the one
-config definition (services/config.py opt()); `--version` everywhere."""
+config definition (pipeserve/config.py opt()); `--version` everywhere."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import fields
 
 import pytest
 
-from services import cli
-from services.config import Addresses, EngineConfig, GatewayConfig
-from services.sampling_params import SamplingParams
+from pipeserve import cli
+from pipeserve.config import Addresses, EngineConfig, GatewayConfig
+from pipeserve.sampling_params import SamplingParams
 
 TABLES = [(cli.COMMANDS, "pipeserve"), (cli.BENCH_COMMANDS, "pipeserve bench")]
 COMMANDS = [(table, prog, name) for table, prog in TABLES for name in table if table[name][0]]

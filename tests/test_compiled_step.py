@@ -1,4 +1,4 @@
-"""Compiled decode steps (services/engine/compiled_step.py): buckets, padding onto the scratch page,
+"""Compiled decode steps (pipeserve/engine/compiled_step.py): buckets, padding onto the scratch page,
 when the compiler is chosen, and greedy outputs token-identical to eager steps on stories260K and on
 every architecture the parity tests cover (the compiling tests are marked slow: Inductor builds C++).
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.config import EngineConfig
-from services.engine import LLM, SamplingParams
-from services.engine.compiled_step import CompiledDecode, batch_buckets, compile_mode
-from services.engine.kv.pool import KVPool
-from services.model_config import ModelConfig
+from pipeserve.config import EngineConfig
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.compiled_step import CompiledDecode, batch_buckets, compile_mode
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.model_config import ModelConfig
 from tests.test_engine_parity import STORY_PROMPTS
 
 
@@ -198,7 +198,7 @@ def test_stories_verification_steps_compiled_equal_eager(stories_dir, method, mo
     """Verification rows run as compiled decode rows when the step's rows fit a bucket (one request
     verifying 1 + 4 rows: bucket 5) and eager otherwise (two requests: 10 rows, past a top bucket
     of 8 here); the greedy tokens are a plain eager engine's."""
-    monkeypatch.setattr("services.engine.compiled_step.MAX_INDUCTOR_BATCH", 8)
+    monkeypatch.setattr("pipeserve.engine.compiled_step.MAX_INDUCTOR_BATCH", 8)
     prompts = ["Once upon a time, there was a little girl. Once upon a time, there",
                "Lily and Ben went to the park. They saw a dog. Lily and Ben went to"]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 30)]

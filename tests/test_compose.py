@@ -18,7 +18,7 @@ import grpc
 import pytest
 import yaml
 
-from services.cli import COMMANDS
+from pipeserve.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 BINDERS = {
@@ -127,7 +127,7 @@ def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
 def test_healthchecks(compose):
     for name in ("gateway", "engine", "detokenizer"):
         test = compose["services"][name]["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "services.gateway.healthcheck"], name
+        assert test[:4] == ["CMD", "python", "-m", "pipeserve.gateway.healthcheck"], name
     assert compose["services"]["gateway"]["healthcheck"]["test"][4:] == ["grpc", "127.0.0.1:50051"]
 
 
@@ -147,8 +147,8 @@ def test_compose_cpu_deployment_really_runs(tmp_path, stories_dir) -> None:
     """Build the image, `up --scale tokenizer=3` with stories260K, stream a greedy request through the
     published port, see all three tokenizers serve, SIGKILL the engine and see it restart and serve
     again; `down` leaves nothing."""
-    from services.gateway.client import Client
-    from services.local_cluster import free_port
+    from pipeserve.gateway.client import Client
+    from pipeserve.local_cluster import free_port
     from tests import docker_env
 
     problem = docker_env.docker_problem()

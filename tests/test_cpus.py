@@ -1,4 +1,4 @@
-"""services/cpus.py: the engine's own cores on a CPU-only host, and children pinned from the env."""
+"""pipeserve/cpus.py: the engine's own cores on a CPU-only host, and children pinned from the env."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from services.config import EngineConfig, GatewayConfig
-from services.cpus import ENV, CpuSplit, cpu_split
-from services.launcher import plan
+from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.cpus import ENV, CpuSplit, cpu_split
+from pipeserve.launcher import plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +38,7 @@ def test_plan_pins_children_and_sizes_the_engine_threads(monkeypatch):
 
 
 def test_a_child_pins_itself_before_anything_else():
-    code = "import os, services.cpus as c; c.apply_from_env(); print(sorted(os.sched_getaffinity(0)))"
+    code = "import os, pipeserve.cpus as c; c.apply_from_env(); print(sorted(os.sched_getaffinity(0)))"
     first = min(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", code], env=os.environ | {ENV: str(first)},
                          capture_output=True, text=True, timeout=30, check=True)

@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
-from services.config import Addresses, EngineConfig, GatewayConfig, engine_endpoint, engine_endpoints
-from services.cpus import CpuSplit, engine_core_sets
-from services.detokenizer.worker import Detokenizer, Row
-from services.gateway.router import BLOCK_CHARS, Router, prefix_blocks
-from services.gateway.server import engine_index
-from services.launcher import plan
-from services.messages import ProcessStatus, StepOutput, encode, pack_ids
+from pipeserve.config import Addresses, EngineConfig, GatewayConfig, engine_endpoint, engine_endpoints
+from pipeserve.cpus import CpuSplit, engine_core_sets
+from pipeserve.detokenizer.worker import Detokenizer, Row
+from pipeserve.gateway.router import BLOCK_CHARS, Router, prefix_blocks
+from pipeserve.gateway.server import engine_index
+from pipeserve.launcher import plan
+from pipeserve.messages import ProcessStatus, StepOutput, encode, pack_ids
 from tests.test_detokenizer import new
 from tests.test_gateway import FakePipeline, rpc_error
 
@@ -128,7 +128,7 @@ def test_detokenizer_sends_stop_aborts_to_the_engine_and_forgets_only_a_restarte
 
 @pytest.fixture
 def stories(stories_dir):
-    from services.tokenizer.load import load_tokenizer
+    from pipeserve.tokenizer.load import load_tokenizer
 
     return load_tokenizer(stories_dir)
 
@@ -232,8 +232,8 @@ def test_launch_flags_are_checked_before_anything_starts(monkeypatch) -> None:
     import argparse
     import importlib.util
 
-    from services.launcher import add_arguments, launch_config
-    from services.preflight import StartupError
+    from pipeserve.launcher import add_arguments, launch_config
+    from pipeserve.preflight import StartupError
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -247,7 +247,7 @@ def test_launch_flags_are_checked_before_anything_starts(monkeypatch) -> None:
 
 
 def test_output_for_no_stream_is_aborted_in_the_engine_running_it(fake2) -> None:
-    from services.messages import TextDeltas
+    from pipeserve.messages import TextDeltas
 
     fake2.deltas.send(encode(TextDeltas(rids=["ghost"], text=["x"], tokens=pack_ids([1]), offsets=[0, 1],
                                         finish=[""], prompt_tokens=[1], completion_tokens=[1],

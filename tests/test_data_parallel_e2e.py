@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.gateway.client import Completion
-from services.local_cluster import LocalCluster
+from pipeserve.gateway.client import Completion
+from pipeserve.local_cluster import LocalCluster
 from tests.conftest import STORIES
 from tests.test_pipeline import BASES, stream_all
 
@@ -51,7 +51,7 @@ def routed(cluster: LocalCluster) -> list[float]:
 
 
 def test_200_concurrent_requests_complete_on_both_engines_with_the_single_engine_output(dp2) -> None:
-    from services.engine import LLM, SamplingParams
+    from pipeserve.engine import LLM, SamplingParams
 
     info = dp2.client.model_info()
     assert (info.data_parallel_size, info.tensor_parallel_size, len(info.engines)) == (2, 1, 2)

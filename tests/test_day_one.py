@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.local_cluster import LocalCluster
-from services.sampling_params import SamplingParams
-from services.tokenizer.load import load_tokenizer
+from pipeserve.local_cluster import LocalCluster
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.tokenizer.load import load_tokenizer
 from tests.conftest import STORIES
 from tests.hf_cache import add_snapshot
 
@@ -44,7 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClus
 
 @pytest.fixture(scope="module")
 def llm():
-    from services.engine import LLM
+    from pipeserve.engine import LLM
 
     return LLM(str(STORIES), device="cpu")
 

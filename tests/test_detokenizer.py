@@ -15,7 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.detokenizer.incremental import (
+from pipeserve.detokenizer.incremental import (
     FFFD,
     HOLD_TOKENS,
     MAX_CONTEXT,
@@ -25,8 +25,8 @@ from services.detokenizer.incremental import (
     StopMatcher,
     skipped_ids,
 )
-from services.detokenizer.worker import Detokenizer, Row
-from services.messages import (
+from pipeserve.detokenizer.worker import Detokenizer, Row
+from pipeserve.messages import (
     PROMPT_TAIL,
     Abort,
     MessageError,
@@ -42,8 +42,8 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.sampling_params import SamplingParams
-from services.tokenizer.load import load_tokenizer
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.tokenizer.load import load_tokenizer
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -325,8 +325,8 @@ def test_llm_generate_and_the_detokenizer_process_give_the_same_text(stories_dir
     """Both ends of the pipeline drive RequestText: the offline LLM from the engine's updates, the
     detokenizer from their wire form. Stop strings (within and across tokens) and random byte-fallback
     output (UTF-8 held and released) come out identical, finish reasons and token ids too."""
-    from services.engine.llm import LLM
-    from services.engine.process import step_output
+    from pipeserve.engine.llm import LLM
+    from pipeserve.engine.process import step_output
 
     llm = LLM(stories_dir, device="cpu", num_pages=64, max_num_seqs=8)
     prompts = ["Once upon a time", "Lily and Tom", "One day", "The cat"]
@@ -457,7 +457,7 @@ def detok_process(stories_dir: str, tmp_path):
     deltas.bind(addr["deltas"])
     control.bind(addr["control"])
     steps.connect(addr["steps"])
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "detokenizer", "--model", stories_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "pipeserve.cli", "detokenizer", "--model", stories_dir,
                              *[f"--{k}={v}" for k, v in addr.items()]], cwd=REPO,
                             env=os.environ | {"PYTHONPATH": str(REPO)})
     try:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.engine import Engine
-from services.engine.llm import LLM
-from services.engine.sequence import StepUpdate, TokenLogprobs
-from services.sampling_params import SamplingParams
+from pipeserve.engine.engine import Engine
+from pipeserve.engine.llm import LLM
+from pipeserve.engine.sequence import StepUpdate, TokenLogprobs
+from pipeserve.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,8 +258,8 @@ def test_last_layer_for_sampled_rows_only_matches_the_full_forward(stories_dir):
     torch.testing.assert_close(sampled, full.index_select(0, rows), atol=1e-5, rtol=1e-5)
 
 
-ENGINE_CORE = ["services/engine/engine.py", "services/engine/scheduler.py", "services/engine/runner.py",
-               "services/engine/sampler.py", "services/engine/sequence.py"]
+ENGINE_CORE = ["pipeserve/engine/engine.py", "pipeserve/engine/scheduler.py", "pipeserve/engine/runner.py",
+               "pipeserve/engine/sampler.py", "pipeserve/engine/sequence.py"]
 
 
 def _imports(path: Path) -> set[str]:
@@ -280,11 +280,11 @@ def _imports(path: Path) -> set[str]:
 
 def test_the_engine_core_does_not_know_the_wire_format():
     files = [REPO / f for f in ENGINE_CORE]
-    for folder in ("services/engine/kv", "services/engine/model", "services/engine/parallel",
-                   "services/engine/spec"):
+    for folder in ("pipeserve/engine/kv", "pipeserve/engine/model", "pipeserve/engine/parallel",
+                   "pipeserve/engine/spec"):
         files += sorted((REPO / folder).rglob("*.py"))
     assert len(files) > len(ENGINE_CORE)
     for path in files:
-        wire = {name for name in _imports(path) if name == "services.messages" or name.startswith(
-            ("services.messages.", "msgpack", "zmq"))}
+        wire = {name for name in _imports(path) if name == "pipeserve.messages" or name.startswith(
+            ("pipeserve.messages.", "msgpack", "zmq"))}
         assert not wire, f"{path.relative_to(REPO)} imports {sorted(wire)}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
+from pipeserve.engine import LLM, SamplingParams
 
 STORY_PROMPTS = [
     "Once upon a time",

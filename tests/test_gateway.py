@@ -17,12 +17,12 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.config import Addresses, GatewayConfig, engine_endpoints
-from services.gateway.client import AsyncClient, Client, build_request
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.server import Gateway
-from services.local_cluster import scrape
-from services.messages import (
+from pipeserve.config import Addresses, GatewayConfig, engine_endpoints
+from pipeserve.gateway.client import AsyncClient, Client, build_request
+from pipeserve.gateway.pb import generation_pb2 as pb
+from pipeserve.gateway.server import Gateway
+from pipeserve.local_cluster import scrape
+from pipeserve.messages import (
     Abort,
     ChatMessage,
     EngineInfo,
@@ -38,7 +38,7 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.sampling_params import MAX_STOP_STRINGS
+from pipeserve.sampling_params import MAX_STOP_STRINGS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -551,7 +551,7 @@ def test_build_request_shapes():
 
 
 def test_healthcheck_probe(fake):
-    from services.gateway import healthcheck
+    from pipeserve.gateway import healthcheck
 
     assert healthcheck.main(["grpc", fake.target]) == 0
     assert healthcheck.main(["tcp", fake.target]) == 0
@@ -565,7 +565,7 @@ def test_committed_pb_modules_match_the_proto(tmp_path):
     from google.protobuf import descriptor_pb2
     from grpc_tools import protoc
 
-    from services.gateway.proto import PROTO_ROOT, PROTOS
+    from pipeserve.gateway.proto import PROTO_ROOT, PROTOS
 
     out = tmp_path / "set.pb"
     assert protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--descriptor_set_out={out}", *PROTOS]) == 0

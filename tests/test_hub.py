@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import hub
-from services.tokenizer.load import fast_tokenizer_dir, load_tokenizer, read_chat_template
+from pipeserve import hub
+from pipeserve.tokenizer.load import fast_tokenizer_dir, load_tokenizer, read_chat_template
 from tests.hf_cache import add_snapshot
 
 MAIN, V1 = "a" * 40, "b" * 40

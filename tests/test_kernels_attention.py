@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.backend import reference as ref
-from services.engine.kv.quant import dequantize_kv, quantize_kv
-from services.engine.triton_kernels import decode_attention as dk
-from services.engine.triton_kernels import kv_cache
-from services.engine.triton_kernels import prefill_attention as pk
+from pipeserve.engine.backend import reference as ref
+from pipeserve.engine.kv.quant import dequantize_kv, quantize_kv
+from pipeserve.engine.triton_kernels import decode_attention as dk
+from pipeserve.engine.triton_kernels import kv_cache
+from pipeserve.engine.triton_kernels import prefill_attention as pk
 from tests.kernel_utils import (
     INT8_POISON,
     assert_close,

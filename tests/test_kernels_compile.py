@@ -73,8 +73,8 @@ def _compile_everything() -> dict:  # runs in the child process
     JITFunction.run = compile_only
     Autotuner.run = every_config
 
-    from services.engine.model.rope import rope_cache
-    from services.engine.triton_kernels import (
+    from pipeserve.engine.model.rope import rope_cache
+    from pipeserve.engine.triton_kernels import (
         activation,
         decode_attention,
         fused_moe,

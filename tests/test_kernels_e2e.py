@@ -9,8 +9,8 @@ import inspect
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.backend import Backend, get_backend
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.backend import Backend, get_backend
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,7 +24,7 @@ def test_triton_ops_keep_the_reference_signatures():
         if name == "name":
             continue
         kernel, ref = getattr(ops, name), getattr(reference, name)
-        assert kernel is not ref and kernel.__module__.startswith("services.engine.triton_kernels")
+        assert kernel is not ref and kernel.__module__.startswith("pipeserve.engine.triton_kernels")
         want = list(inspect.signature(ref).parameters.items())
         got = list(inspect.signature(kernel).parameters.items())
         assert [(p, v.kind, v.default) for p, v in got[: len(want)]] == [

@@ -8,11 +8,11 @@ import pytest
 import torch
 import triton
 
-from services.engine import quant_formats
-from services.engine.backend import reference as ref
-from services.engine.quantization.weights import quantize_int4, quantize_nf4, quantize_per_channel
-from services.engine.triton_kernels import gemm_w4a16, gemm_w8a8
-from services.engine.triton_kernels.common import Fixed, interpreting
+from pipeserve.engine import quant_formats
+from pipeserve.engine.backend import reference as ref
+from pipeserve.engine.quantization.weights import quantize_int4, quantize_nf4, quantize_per_channel
+from pipeserve.engine.triton_kernels import gemm_w4a16, gemm_w8a8
+from pipeserve.engine.triton_kernels.common import Fixed, interpreting
 from tests.kernel_utils import (
     assert_close,
     poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)

@@ -1,4 +1,4 @@
-"""The fused MoE Triton kernels (services/engine/triton_kernels/fused_moe.py) under the interpreter
+"""The fused MoE Triton kernels (pipeserve/engine/triton_kernels/fused_moe.py) under the interpreter
 against the torch reference: routing (softmax top-k, renormalized or not), the block alignment of
 token/expert pairs, and the whole fused_moe, over several expert counts, top-k 1/2/8, token counts
 below and above the block size, and experts no token picks. Outputs poisoned before each run. The
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.backend import cpu
-from services.engine.backend import reference as ref
-from services.engine.triton_kernels import fused_moe as fm
+from pipeserve.engine.backend import cpu
+from pipeserve.engine.backend import reference as ref
+from pipeserve.engine.triton_kernels import fused_moe as fm
 from tests.kernel_utils import (
     assert_close,
     poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)
@@ -115,7 +115,7 @@ def test_cpu_backend_moe_matches_reference(experts, top_k, tokens):
 
 def quantized_experts(method: str, experts: int, hidden: int, inter: int, gen: torch.Generator):
     """Float experts and their quantized form (quantization/experts.py) on the reference backend."""
-    from services.engine.quantization.experts import W4A16Experts, W8A8Experts
+    from pipeserve.engine.quantization.experts import W4A16Experts, W8A8Experts
 
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
     w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.2
@@ -156,9 +156,9 @@ def test_quantized_fused_moe_matches_reference(method, experts, top_k, tokens):
 
 @pytest.mark.slow
 def test_quantize_model_quantizes_the_experts(tiny_model):
-    from services.engine import LLM, SamplingParams
-    from services.engine.model.moe import MoE
-    from services.engine.quantization.experts import W4A16Experts, W8A8Experts
+    from pipeserve.engine import LLM, SamplingParams
+    from pipeserve.engine.model.moe import MoE
+    from pipeserve.engine.quantization.experts import W4A16Experts, W8A8Experts
 
     for method, cls in (("w8a8-int8", W8A8Experts), ("w4a16", W4A16Experts)):
         llm = LLM(tiny_model("qwen2_moe"), device="cpu", dtype="float32", quantization=method, page_size=4)

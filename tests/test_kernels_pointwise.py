@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.backend import reference as ref
-from services.engine.model.rope import rope_cache
-from services.engine.quant_formats import QMAX
-from services.engine.triton_kernels import activation, norm, quantize, rope
+from pipeserve.engine.backend import reference as ref
+from pipeserve.engine.model.rope import rope_cache
+from pipeserve.engine.quant_formats import QMAX
+from pipeserve.engine.triton_kernels import activation, norm, quantize, rope
 from tests.kernel_utils import (
     INT8_POISON,
     REL_TOL,

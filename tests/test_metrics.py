@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.metrics import SLO, RequestRecord, stats, summarize
-from bench.workload import default_trace_paths, gamma_arrivals, load_trace
+from pipeserve.bench.metrics import SLO, RequestRecord, stats, summarize
+from pipeserve.bench.workload import default_trace_paths, gamma_arrivals, load_trace
 
 pytestmark = pytest.mark.timeout(60)
 

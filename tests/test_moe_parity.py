@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.model_config import ModelConfig
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.model_config import ModelConfig
 from tests.models import write_fused_experts
 from tests.test_engine_parity import hf_greedy, run_llm
 

@@ -1,4 +1,4 @@
-"""The CPU backend's native kernels (services/engine/backend/native.py) against the reference
+"""The CPU backend's native kernels (pipeserve/engine/backend/native.py) against the reference
 backend: decode attention over every cache dtype, head size (the small-head and generic paths),
 query-head grouping, sliding windows and page boundaries, strided query rows, one and two threads;
 the KV store; the torch path they replace; the compiled step's view of them as opaque ops; and the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.backend import cpu, native, reference
+from pipeserve.engine.backend import cpu, native, reference
 from tests.kernel_utils import paged_kv, seeded
 
 pytestmark = [

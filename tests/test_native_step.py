@@ -1,4 +1,4 @@
-"""The native decode step (services/engine/native_step.py, backend/csrc/decode_step.cpp): its logits
+"""The native decode step (pipeserve/engine/native_step.py, backend/csrc/decode_step.cpp): its logits
 and KV writes against the per-op forward pass on the same inputs, which models it takes, and greedy
 outputs token-identical to eager steps through the engine (no Inductor build: these run fast)."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.engine.backend import native
-from services.engine.compiled_step import NATIVE_MERGED_ROWS, CompiledDecode, step_mode
-from services.engine.native_step import NativeStep, unsupported
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.backend import native
+from pipeserve.engine.compiled_step import NATIVE_MERGED_ROWS, CompiledDecode, step_mode
+from pipeserve.engine.native_step import NativeStep, unsupported
 from tests.test_compiled_step import ARCHITECTURES
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need a C++ compiler")

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from services.local_cluster import scrape
-from services.messages import (
+from pipeserve.local_cluster import scrape
+from pipeserve.messages import (
     ChatMessage,
     ProcessStatus,
     RequestError,
@@ -26,7 +26,7 @@ from services.messages import (
     encode,
     unpack_ids,
 )
-from services.sampling_params import MAX_STOP_STRINGS
+from pipeserve.sampling_params import MAX_STOP_STRINGS
 from tests.test_gateway import FakePipeline
 
 pytestmark = pytest.mark.timeout(60)

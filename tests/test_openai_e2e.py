@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from services.local_cluster import LocalCluster
+from pipeserve.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

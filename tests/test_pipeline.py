@@ -19,11 +19,11 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.config import Addresses
-from services.gateway.client import AsyncClient, Completion
-from services.gateway.pb import generation_pb2 as pb
-from services.local_cluster import ROOT, LocalCluster
-from services.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from pipeserve.config import Addresses
+from pipeserve.gateway.client import AsyncClient, Completion
+from pipeserve.gateway.pb import generation_pb2 as pb
+from pipeserve.local_cluster import ROOT, LocalCluster
+from pipeserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from tests.conftest import STORIES
 from tests.deadlines import mid_generation_deadline
 
@@ -58,7 +58,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def llm():
-    from services.engine import LLM
+    from pipeserve.engine import LLM
 
     return LLM(str(MODEL), device="cpu")
 
@@ -109,7 +109,7 @@ def test_model_info_and_reflection(server):
 
 
 def test_64_concurrent_streams_equal_in_process_generate(server, llm):
-    from services.engine import SamplingParams
+    from pipeserve.engine import SamplingParams
 
     prompts = [BASES[i % 8] + SUFFIXES[i // 8] for i in range(64)]
     max_tokens = [4 + (i * 5) % 24 for i in range(64)]
@@ -257,7 +257,7 @@ def test_prefix_cache_reports_cached_prompt_tokens_per_salt_and_in_metrics(serve
 def test_pipeserve_generate_cli(server):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", *args, "--target", server.target],
+            [sys.executable, "-m", "pipeserve.cli", "generate", *args, "--target", server.target],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -274,7 +274,7 @@ def test_pipeserve_generate_cli(server):
 def test_generate_cli_logprobs_and_json(server, llm):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", *args, "--target", server.target],
+            [sys.executable, "-m", "pipeserve.cli", "generate", *args, "--target", server.target],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )
 
@@ -311,13 +311,13 @@ def test_processes_are_named(server):
 
 def test_a_second_server_on_the_port_exits_and_the_first_serves_every_call(server, llm, tmp_path):
     port = str(server.port)
-    second = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", port],
+    second = subprocess.run([sys.executable, "-m", "pipeserve.cli", "up", "--port", port],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
     assert f"port {port} on 127.0.0.1 is in use" in second.stderr
     # The gateway alone (no start-up checks): it cannot bind the port either (no SO_REUSEPORT).
     env = os.environ | Addresses.under(str(tmp_path)).to_env()
-    gateway = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--port", port],
+    gateway = subprocess.run([sys.executable, "-m", "pipeserve.cli", "gateway", "--port", port],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert gateway.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in gateway.stderr, gateway.stderr
     expected = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=0.0))[0].text

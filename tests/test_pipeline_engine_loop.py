@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import zmq
 
-from services.config import ABORTED_HOLD, TOMBSTONE_TTL
-from services.engine import process
-from services.engine.process import EngineLoop, step_output
-from services.engine.sequence import Sequence, StepUpdate, TokenLogprobs
-from services.messages import (
+from pipeserve.config import ABORTED_HOLD, TOMBSTONE_TTL
+from pipeserve.engine import process
+from pipeserve.engine.process import EngineLoop, step_output
+from pipeserve.engine.sequence import Sequence, StepUpdate, TokenLogprobs
+from pipeserve.messages import (
     PROMPT_TAIL,
     Abort,
     EngineInfo,
@@ -28,7 +28,7 @@ from services.messages import (
     unpack_floats,
     unpack_ids,
 )
-from services.sampling_params import SamplingParams
+from pipeserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -311,8 +311,8 @@ def test_step_output_is_the_wire_form_of_the_updates():
 
 
 def test_engine_threads_leave_a_core_for_the_other_processes(monkeypatch):
-    from services.config import EngineConfig
-    from services.engine.process import engine_threads
+    from pipeserve.config import EngineConfig
+    from pipeserve.engine.process import engine_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(2)))
     assert engine_threads(EngineConfig(device="cpu")) == 1

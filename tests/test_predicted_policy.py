@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.kv.policy import make_policy
-from services.engine.kv.pool import KVPool
-from services.engine.kv.predicted import PredictedPolicy
-from services.engine.kv.predictor import Features, OutputLengthPredictor
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence, Status
-from services.sampling_params import SamplingParams
+from pipeserve.engine.kv.policy import make_policy
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.kv.predicted import PredictedPolicy
+from pipeserve.engine.kv.predictor import Features, OutputLengthPredictor
+from pipeserve.engine.scheduler import Scheduler
+from pipeserve.engine.sequence import Sequence, Status
+from pipeserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -219,7 +219,7 @@ def test_learns_from_natural_ends_only_and_persists(tmp_path):
 
 
 def test_engine_tokens_identical_to_max_and_optimistic_under_forced_preemption(stories_dir, tmp_path):
-    from services.engine import LLM
+    from pipeserve.engine import LLM
 
     path = tmp_path / "predictor.json"
     pred = OutputLengthPredictor()
@@ -245,7 +245,7 @@ def test_engine_tokens_identical_to_max_and_optimistic_under_forced_preemption(s
 
 
 def test_engine_close_saves_what_the_predictor_learned_and_mode_is_configurable(stories_dir, tmp_path):
-    from services.engine import LLM
+    from pipeserve.engine import LLM
 
     path = tmp_path / "predictor.json"
     llm = LLM(stories_dir, device="cpu", num_pages=64, admission="predicted", predictor_path=str(path),

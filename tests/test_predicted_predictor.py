@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.kv.predictor import (
+from pipeserve.engine.kv.predictor import (
     EDGES,
     PREFIX_TOKENS,
     Features,
@@ -19,8 +19,8 @@ from services.engine.kv.predictor import (
     bin_of,
     prefix_hash,
 )
-from services.engine.sequence import Sequence
-from services.sampling_params import SamplingParams
+from pipeserve.engine.sequence import Sequence
+from pipeserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

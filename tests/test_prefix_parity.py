@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
+from pipeserve.engine import LLM, SamplingParams
 
 PAGE = 4
 MAX_NEW = 6

@@ -10,12 +10,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.engine.kv.policy import MaxPolicy, OptimisticPolicy
-from services.engine.kv.pool import KVPool
-from services.engine.kv.prefix import page_hash, root_hash
-from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import Sequence, Status
-from services.sampling_params import SamplingParams
+from pipeserve.engine.kv.policy import MaxPolicy, OptimisticPolicy
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.kv.prefix import page_hash, root_hash
+from pipeserve.engine.scheduler import ScheduledBatch, Scheduler
+from pipeserve.engine.sequence import Sequence, Status
+from pipeserve.sampling_params import SamplingParams
 
 TOKEN = 7
 PAGE = 4

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services.config import EngineConfig, GatewayConfig
-from services.local_cluster import ROOT, free_port
-from services.preflight import StartupError, check_ports, resolve
+from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.local_cluster import ROOT, free_port
+from pipeserve.preflight import StartupError, check_ports, resolve
 
 
 def test_a_port_in_use_is_one_line() -> None:
@@ -84,7 +84,7 @@ def test_tokenizer_and_chat_template_problems(tmp_path: Path, stories_dir: str) 
 def test_up_with_a_wrong_model_prints_one_line_and_starts_nothing(tmp_path: Path) -> None:
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(tmp_path / "nope"), "--port",
+        [sys.executable, "-m", "pipeserve.cli", "up", "--model", str(tmp_path / "nope"), "--port",
          str(free_port())],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )

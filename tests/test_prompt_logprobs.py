@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.engine import Engine
-from services.sampling_params import SamplingParams
+from pipeserve.engine.engine import Engine
+from pipeserve.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # builds and runs a Hugging Face reference
 
@@ -90,7 +90,7 @@ def test_a_request_alone_reads_every_row(reference):
 
 
 def test_offline_llm_returns_prompt_logprobs(reference):
-    from services.engine.llm import LLM
+    from pipeserve.engine.llm import LLM
 
     model_dir, expected = reference
     llm = LLM(model_dir, device="cpu", dtype="float32")

@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from services.engine.backend import get_backend, reference
-from services.engine.kv.pool import kv_bytes_per_page, kv_bytes_per_token
-from services.engine.model.accuracy import logits_error, teacher_forced_logits
-from services.engine.model.llama import RMSNorm
-from services.engine.model.loader import load_model
-from services.engine.model.quantize import quantize_model, weight_bytes
-from services.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
-from services.engine.quantization.linear import QuantAct, W4A16Linear, W8A8Linear
-from services.engine.quantization.weights import group_size, padded_in_features, quantize_4bit
+from pipeserve.engine.backend import get_backend, reference
+from pipeserve.engine.kv.pool import kv_bytes_per_page, kv_bytes_per_token
+from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
+from pipeserve.engine.model.llama import RMSNorm
+from pipeserve.engine.model.loader import load_model
+from pipeserve.engine.model.quantize import quantize_model, weight_bytes
+from pipeserve.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
+from pipeserve.engine.quantization.linear import QuantAct, W4A16Linear, W8A8Linear
+from pipeserve.engine.quantization.weights import group_size, padded_in_features, quantize_4bit
 
 pytestmark = pytest.mark.timeout(120)
 TORCH = get_backend("cpu")
@@ -155,7 +155,7 @@ def test_quantize_model_rejects_unknown_methods_and_bad_ablations(stories_model)
 
 
 def test_engine_applies_quantization_and_kv_dtype_and_fits_more_tokens(stories_dir):
-    from services.engine import LLM, SamplingParams
+    from pipeserve.engine import LLM, SamplingParams
 
     budget = 0.002  # GiB
     tokens = {}
@@ -216,7 +216,7 @@ def test_per_token_and_per_channel_scales_beat_per_tensor_under_activation_outli
 
 
 def test_bench_quant_writes_json_and_markdown(stories_dir, tmp_path):
-    from services.cli import main
+    from pipeserve.cli import main
 
     rc = main(["bench", "quant", "--model", stories_dir, "--setups", "none", "kv-int8", "w4a16",
                "--stories", "3", "--window", "64", "--greedy-tokens", "4", "--decode-batch", "2",
@@ -236,7 +236,7 @@ def test_bench_quant_gpu_section_dry_run_on_the_cpu(stories_dir):
     """The GPU table's code path (engine step times, roofline floors, ratios to bf16) on a CPU."""
     import argparse
 
-    from bench import quant
+    from pipeserve.bench import quant
 
     parser = argparse.ArgumentParser()
     quant.add_arguments(parser)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.engine.backend import get_backend
-from services.engine.model.accuracy import logits_error, teacher_forced_logits
-from services.engine.model.loader import load_model
-from services.engine.model.quantize import quantize_model
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.backend import get_backend
+from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
+from pipeserve.engine.model.loader import load_model
+from pipeserve.engine.model.quantize import quantize_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.client import Completion
-from services.local_cluster import LocalCluster
+from pipeserve.gateway.client import Completion
+from pipeserve.local_cluster import LocalCluster
 from tests.conftest import STORIES
 from tests.test_pipeline import stream_all
 

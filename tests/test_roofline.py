@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpus import GIB, GPU, GPUS, TB
-from bench.roofline import (
+from pipeserve import cli
+from pipeserve.bench.gpus import GIB, GPU, GPUS, TB
+from pipeserve.bench.roofline import (
     PRESETS,
     ModelShape,
     cost_model,
@@ -19,7 +20,6 @@ from bench.roofline import (
     roofline,
     step_time,
 )
-from services import cli
 from tests.conftest import STORIES, png_panels
 
 pytestmark = pytest.mark.timeout(60)
@@ -262,7 +262,16 @@ def test_report_helpers(tmp_path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from bench.report import Panel, Series, cdf_series, figure, fmt, machine_info, plot_panels, write_json
+    from pipeserve.bench.report import (
+        Panel,
+        Series,
+        cdf_series,
+        figure,
+        fmt,
+        machine_info,
+        plot_panels,
+        write_json,
+    )
 
     step = decode_step_cost(LLAMA2, H200, 1, 1)
     values = {"x": np.float32(0.5), "inf": math.inf, "arr": np.arange(3), "step": step, "p": tmp_path}

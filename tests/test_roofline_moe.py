@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from bench.gpus import GPU
-from bench.roofline import PRESETS, ModelShape, cost_model
+from pipeserve.bench.gpus import GPU
+from pipeserve.bench.roofline import PRESETS, ModelShape, cost_model
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
 QWEN3 = PRESETS["qwen3-30b-a3b"]
@@ -97,7 +97,7 @@ def test_decode_reads_only_the_touched_experts():
 def test_roofline_cli_prints_moe_presets(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "roofline", "--model", "mixtral-8x7b", "--gpu", "H100-SXM",
+        [sys.executable, "-m", "pipeserve.cli", "roofline", "--model", "mixtral-8x7b", "--gpu", "H100-SXM",
          "--batch", "1", "64", "--json", str(out)], capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -111,7 +111,7 @@ def test_roofline_cli_prints_moe_presets(tmp_path):
 def test_simulator_runs_an_moe_preset(traces_dir, tmp_path):
     out = tmp_path / "sim.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "simulate", "--model", "qwen3-30b-a3b", "--gpu", "H200",
+        [sys.executable, "-m", "pipeserve.cli", "simulate", "--model", "qwen3-30b-a3b", "--gpu", "H200",
          "--policy", "max", "--requests", "200", "--json", str(out)], capture_output=True, text=True,
         timeout=240,
     )

@@ -1,4 +1,4 @@
-"""The on-device sampler (services/engine/sampler.py), on the CPU.
+"""The on-device sampler (pipeserve/engine/sampler.py), on the CPU.
 
 Statistical tests use fixed seeds, so they are deterministic; their thresholds are chi-square
 critical values at alpha = 1e-4 (Wilson-Hilferty), generous enough for any healthy RNG."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, mix32, uniform, vocab_keys
-from services.sampling_params import SamplingParams
+from pipeserve.engine.sampler import Sampler, mix32, uniform, vocab_keys
+from pipeserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

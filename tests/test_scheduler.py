@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from services.engine.kv.policy import AdmissionPolicy, MaxPolicy, OptimisticPolicy
-from services.engine.kv.pool import KVPool
-from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import Sequence, Status
-from services.sampling_params import SamplingParams
+from pipeserve.engine.kv.policy import AdmissionPolicy, MaxPolicy, OptimisticPolicy
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.scheduler import ScheduledBatch, Scheduler
+from pipeserve.engine.sequence import Sequence, Status
+from pipeserve.sampling_params import SamplingParams
 
 TOKEN = 7  # what every step samples; no request stops on it
 

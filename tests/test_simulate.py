@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from bench.gpus import GPU
-from bench.roofline import ModelShape, cost_model
-from bench.simulate import (
+from pipeserve import cli
+from pipeserve.bench.gpus import GPU
+from pipeserve.bench.roofline import ModelShape, cost_model
+from pipeserve.bench.simulate import (
     LinearStepTime,
     RooflineStepTime,
     ServeSpec,
@@ -22,8 +23,7 @@ from bench.simulate import (
     simulate,
     train,
 )
-from bench.workload import TraceRequest
-from services import cli
+from pipeserve.bench.workload import TraceRequest
 from tests.conftest import png_panels
 
 pytestmark = pytest.mark.timeout(60)

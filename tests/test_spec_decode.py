@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.engine.kv.pool import KVPool
-from services.engine.process import step_output
-from services.engine.sequence import Sequence, Status, StepUpdate, one_token_updates
-from services.engine.spec.adaptive import REFIT, AdaptiveK
-from services.engine.spec.ngram import NgramProposer
-from services.engine.spec.speculator import Speculator
-from services.engine.spec.verify import accept_matching
-from services.messages import unpack_ids
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.process import step_output
+from pipeserve.engine.sequence import Sequence, Status, StepUpdate, one_token_updates
+from pipeserve.engine.spec.adaptive import REFIT, AdaptiveK
+from pipeserve.engine.spec.ngram import NgramProposer
+from pipeserve.engine.spec.speculator import Speculator
+from pipeserve.engine.spec.verify import accept_matching
+from pipeserve.messages import unpack_ids
 
 # Repetitive prompts, so n-gram lookup finds matches in random models too (whose greedy outputs loop).
 PROMPTS = [
@@ -295,7 +295,7 @@ def test_adaptive_rule_sizes_compiled_steps_by_their_row_counts():
 
 
 def test_adaptive_rule_rests_where_nothing_pays():
-    from services.engine.spec.adaptive import HOLD
+    from pipeserve.engine.spec.adaptive import HOLD
 
     rule = measured_rule({1: 1.0e-3, 2: 3e-3, 3: 3e-3, 4: 3e-3, 5: 3e-3}, 0.3)
     before = rule.alpha(np.array([0]))[0]
@@ -318,7 +318,7 @@ def test_adaptive_rule_rests_where_nothing_pays():
 def test_rests_grow_past_max_hold_when_steps_are_cheap():
     """Rests double up to MAX_HOLD steps or REST_SECONDS of plain steps, whichever is longer: a
     decision's host work stays a small share of a rest of cheap steps too."""
-    from services.engine.spec.adaptive import HOLD, MAX_HOLD, REST_SECONDS
+    from pipeserve.engine.spec.adaptive import HOLD, MAX_HOLD, REST_SECONDS
 
     def longest(step_seconds: float) -> int:
         rule = measured_rule({1: step_seconds, 2: 3 * step_seconds}, 0.3)
@@ -367,7 +367,7 @@ def test_several_tokens_become_one_row_each():
 def test_sampler_rows_at_offsets_draw_the_later_steps():
     """A verification row at output index g + j samples exactly what plain decoding draws at step
     g + j: same noise, same min_tokens mask."""
-    from services.engine.sampler import Sampler
+    from pipeserve.engine.sampler import Sampler
 
     sampler = Sampler(2, 50, torch.device("cpu"))
     params = SamplingParams(temperature=1.0, seed=3, min_tokens=2)
@@ -390,8 +390,8 @@ def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
     stop and usage as plain decoding gives, and the counters are exported."""
     import asyncio
 
-    from services.gateway.client import AsyncClient
-    from services.local_cluster import LocalCluster
+    from pipeserve.gateway.client import AsyncClient
+    from pipeserve.local_cluster import LocalCluster
 
     model, _ = stories
     text = "Lily and Tom went to the park. They saw a big dog. The dog was happy. Lily and Tom went to"
@@ -418,8 +418,8 @@ def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
 def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
     """Proposals become a verification chunk; the pages grown for them shrink back to the kept
     tokens; max_tokens met inside the kept run ends the request there."""
-    from services.engine.kv.policy import OptimisticPolicy
-    from services.engine.scheduler import Scheduler
+    from pipeserve.engine.kv.policy import OptimisticPolicy
+    from pipeserve.engine.scheduler import Scheduler
 
     pool = KVPool.accounting_only(32, 4, 2, 64)
     sched = Scheduler(pool, OptimisticPolicy(), 2, 16, 64, lambda s: None, lambda s: None)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, race
-from services.engine.spec.verifier import ACCEPT_SALT, DRAFT_SALT
-from services.engine.spec.verify import accept_matching, rejection_sample
-from services.sampling_params import SamplingParams
+from pipeserve.engine.sampler import Sampler, race
+from pipeserve.engine.spec.verifier import ACCEPT_SALT, DRAFT_SALT
+from pipeserve.engine.spec.verify import accept_matching, rejection_sample
+from pipeserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 V, L, K, N = 5, 3, 3, 12_000

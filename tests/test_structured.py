@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.engine import Engine
-from services.engine.llm import LLM
-from services.engine.sampler import Sampler
-from services.engine.structured import TokenMask
-from services.grammar import build_grammar, check_constraint
-from services.messages import EngineRequest, TokenizeRequest, decode, encode
-from services.sampling_params import SamplingParams
-from services.tokenizer.load import load_tokenizer
-from services.tokenizer.worker import Tokenizer
+from pipeserve.engine.engine import Engine
+from pipeserve.engine.llm import LLM
+from pipeserve.engine.sampler import Sampler
+from pipeserve.engine.structured import TokenMask
+from pipeserve.grammar import build_grammar, check_constraint
+from pipeserve.messages import EngineRequest, TokenizeRequest, decode, encode
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.tokenizer.load import load_tokenizer
+from pipeserve.tokenizer.worker import Tokenizer
 
 SCHEMAS = {
     "nested-enums-ranges-optional": {

@@ -11,10 +11,10 @@ import re
 import grpc
 import pytest
 
-from services.gateway.client import Client, build_request
-from services.gateway.pb import generation_pb2 as pb
-from services.local_cluster import LocalCluster
-from services.sampling_params import SamplingParams
+from pipeserve.gateway.client import Client, build_request
+from pipeserve.gateway.pb import generation_pb2 as pb
+from pipeserve.local_cluster import LocalCluster
+from pipeserve.sampling_params import SamplingParams
 from tests.test_gateway import FakePipeline, rpc_error
 
 SCHEMA = {
@@ -120,7 +120,7 @@ def test_the_proto_declares_the_constraint_oneof():
 def test_generate_cli_takes_every_constraint():
     import argparse
 
-    from services.gateway import client
+    from pipeserve.gateway import client
 
     parser = argparse.ArgumentParser()
     client.add_arguments(parser)

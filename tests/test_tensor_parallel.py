@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from services.config import EngineConfig
-from services.engine import LLM, SamplingParams
-from services.engine.model.tensor_parallel import ShardPlan, check_shardable, local_config
-from services.local_cluster import ROOT, LocalCluster
-from services.model_config import ModelConfig
-from services.preflight import StartupError, resolve
+from pipeserve.config import EngineConfig
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.model.tensor_parallel import ShardPlan, check_shardable, local_config
+from pipeserve.local_cluster import ROOT, LocalCluster
+from pipeserve.model_config import ModelConfig
+from pipeserve.preflight import StartupError, resolve
 
 # A small pool, short chunks and few slots: prompts are chunked, batched with decodes and preempted.
 PRESSURE = dict(page_size=4, num_pages=14, max_num_batched_tokens=12, max_num_seqs=4)
@@ -266,7 +266,7 @@ def test_a_dead_worker_fails_the_next_step_at_once(tiny_model) -> None:
 
 SCRIPT = """
 import sys, time
-from services.engine import LLM, SamplingParams
+from pipeserve.engine import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from services.messages import (
+from pipeserve.messages import (
     ChatMessage,
     EngineRequest,
     MessageError,
@@ -25,9 +25,9 @@ from services.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.sampling_params import SamplingParams
-from services.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
-from services.tokenizer.worker import Tokenizer
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.tokenizer.load import load_tokenizer, model_limits, resolve_model_dir
+from pipeserve.tokenizer.worker import Tokenizer
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,9 +74,9 @@ def test_load_helpers(stories_dir: str, stories) -> None:
 
 
 def test_tokenizer_and_engine_read_the_config_one_way(stories_dir: str, tmp_path) -> None:
-    """One reader (services.model_config): a multimodal wrapper's text_config, and a config that
+    """One reader (pipeserve.model_config): a multimodal wrapper's text_config, and a config that
     states no context length, give the tokenizer and the engine the same limits."""
-    from services.model_config import DEFAULT_CONTEXT_LENGTH, ModelConfig
+    from pipeserve.model_config import DEFAULT_CONTEXT_LENGTH, ModelConfig
 
     with open(os.path.join(stories_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -186,8 +186,8 @@ def test_two_worker_processes(stories_dir: str, stories, tmp_path) -> None:
     push.bind(addr["tokenize"])
     requests.bind(addr["requests"])
     errors.bind(addr["errors"])
-    cmd = [sys.executable, "-m", "services.cli", "tokenizer", "--model", stories_dir, "--max-model-len", "32",
-           "--log-level", "debug", *[f"--{k}={v}" for k, v in addr.items()]]
+    cmd = [sys.executable, "-m", "pipeserve.cli", "tokenizer", "--model", stories_dir,
+           "--max-model-len", "32", "--log-level", "debug", *[f"--{k}={v}" for k, v in addr.items()]]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:

@@ -1,4 +1,4 @@
-"""One `pipeserve up` on stories260K shared by the reliability suite (bench/reliability.py holds
+"""One `pipeserve up` on stories260K shared by the reliability suite (pipeserve/bench/reliability.py holds
 the scenarios; these tests run them small and assert). The fault tests kill processes, so they
 live in test_zz_faults.py and run last."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.local_cluster import LocalCluster
+from pipeserve.local_cluster import LocalCluster
 from tests.conftest import STORIES
 
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from bench.reliability import PHASES, abort_storm
+from pipeserve.bench.reliability import PHASES, abort_storm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.reliability import run_bad_inputs
+from pipeserve.bench.reliability import run_bad_inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

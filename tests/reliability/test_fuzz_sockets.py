@@ -13,7 +13,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.messages import MESSAGE_TYPES, VERSION
+from pipeserve.messages import MESSAGE_TYPES, VERSION
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SOCKETS = ("requests", "control", "steps", "deltas", "errors", "status")

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from bench.reliability import overload
+from pipeserve.bench.reliability import overload
 from tests.reliability.conftest import start
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from bench.reliability import FaultResult, OverloadResult, StormResult, report_rows
-from bench.report import write_json
-from bench.soak import SoakResult, growth
+from pipeserve.bench.reliability import FaultResult, OverloadResult, StormResult, report_rows
+from pipeserve.bench.report import write_json
+from pipeserve.bench.soak import SoakResult, growth
 
 pytestmark = pytest.mark.timeout(30)
 

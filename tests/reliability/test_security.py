@@ -16,13 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.reliability import GENERATE
-from services.config import Addresses, GatewayConfig
-from services.gateway.client import AsyncClient, Client, build_request
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.server import Gateway
-from services.local_cluster import ROOT
+from pipeserve.bench.reliability import GENERATE
+from pipeserve.config import Addresses, GatewayConfig
+from pipeserve.gateway.client import AsyncClient, Client, build_request
+from pipeserve.gateway.pb import generation_pb2 as pb
+from pipeserve.gateway.pb import generation_pb2_grpc as pb_grpc
+from pipeserve.gateway.server import Gateway
+from pipeserve.local_cluster import ROOT
 from tests.reliability.conftest import start
 from tests.test_gateway import FakePipeline
 
@@ -115,7 +115,7 @@ def test_up_serves_tls_and_checks_the_api_key(tmp_path, certificate):
         with Client(pipe.target, api_key="s3cret") as client:  # plaintext
             assert client.health(timeout=5) == "UNREACHABLE"
         out = subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", "Once upon a time", "--target", pipe.target,
+            [sys.executable, "-m", "pipeserve.cli", "generate", "Once upon a time", "--target", pipe.target,
              "--tls-root-cert", str(cert), "--tls-server-name", "localhost", "--max-tokens", "4",
              "--temperature", "0"], env={**os.environ, "PIPESERVE_API_KEY": "s3cret"}, cwd=ROOT,
             capture_output=True, text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""The soak, 60 seconds of it (bench/soak.py runs 10 minutes): steady mixed load with cancels on the
+"""The soak, 60 seconds of it (pipeserve/bench/soak.py runs 10 minutes): steady mixed load with cancels on the
 shared pipeline; the RSS of every process stays flat, and afterwards no KV page and no request state
 is left anywhere."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from bench.soak import SHORT_THRESHOLD_MB_PER_MIN, default_threshold, growth, print_soak, soak
+from pipeserve.bench.soak import SHORT_THRESHOLD_MB_PER_MIN, default_threshold, growth, print_soak, soak
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 # The 60-s threshold, 3 MiB/min (SHORT_THRESHOLD_MB_PER_MIN). At the soak's 10 requests/s over 60 s,

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from bench.reliability import FAULT_PROCESSES, fault_under_load
+from pipeserve.bench.reliability import FAULT_PROCESSES, fault_under_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

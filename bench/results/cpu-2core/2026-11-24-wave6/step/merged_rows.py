@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench.structured import build_model
 from bench.workload import shared_dir
 from services.engine import LLM, SamplingParams, compiled_step

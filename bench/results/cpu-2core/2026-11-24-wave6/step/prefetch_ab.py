@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from services.engine.backend.native import FLAGS
 
 SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 6  # qkv, o, gate_up, down per layer

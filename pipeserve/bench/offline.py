@@ -1,0 +1,285 @@
+"""`pipeserve bench offline`: our engine vs HF transformers `generate` on the same model and the
+same trace-shaped requests, in the same run.
+
+Requests take their prompt and output lengths from the shared traces (N drawn at random from
+both traces, scaled by one factor so the longest drawn fits the model's context); prompts are random
+token ids and every request generates exactly its trace output length (ignore_eos / min_new_tokens).
+HF runs static batches of `--batch-size` requests in arrival order (left-padded, each batch decodes
+until its longest request is done); our engine runs continuous batching with max_num_seqs equal to
+the same batch size. Both count only the requested output tokens, and both run with the same torch
+thread count: by default the one our engine takes on this host (all cores but one, at least one).
+
+Also prints the scheduler overhead: CPU time per step of scheduling + batch preparation with
+`--overhead-requests` running requests of `--overhead-context` tokens, the model call replaced by
+a no-op (target <= 2 ms per step at 256 x 2k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pipeserve.bench.report import machine_info, print_table, write_json
+from pipeserve.bench.workload import checkpoint, load_trace, trace_paths
+from pipeserve.config import EngineConfig
+from pipeserve.cpus import engine_core_count
+from pipeserve.model_config import model_limits
+
+# A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
+LLAMA_20M: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    outputs: list[int]
+
+    def static_batch_waste(self, batch_size: int) -> float:
+        """Token positions HF's static batches run (each padded to its longest prompt, decoding to its
+        longest output) over those the requests need: on a compute-bound model, about the most
+        continuous batching can gain over static batching on this draw."""
+        padded = 0
+        for b in range(0, len(self.prompts), batch_size):
+            prompts, outs = self.prompts[b : b + batch_size], self.outputs[b : b + batch_size]
+            padded += len(prompts) * (max(map(len, prompts)) + max(outs))
+        return padded / (sum(map(len, self.prompts)) + sum(self.outputs))
+
+
+def random_checkpoint(config: dict, directory: str, seed: int = 0) -> str:
+    """Write an HF checkpoint with random weights for `config` (no tokenizer: ids only)."""
+    from safetensors.torch import save_file
+
+    from pipeserve.engine.model.demo import random_llama_weights
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(random_llama_weights(config, seed), os.path.join(directory, "model.safetensors"))
+    return directory
+
+
+def trace_workload(paths: list[Path], n: int, context: int, vocab: int, seed: int = 0) -> Workload:
+    """n requests drawn at random (seeded) from the traces, lengths scaled by one factor so the
+    longest drawn request fits the context."""
+    rng = np.random.default_rng(seed)
+    every = load_trace(paths)
+    if len(every) < n:
+        raise SystemExit(f"pipeserve bench offline: the traces hold {len(every)} requests, fewer than "
+                         f"--num-requests {n}")
+    rows = [every[i] for i in rng.choice(len(every), size=n, replace=False)]
+    factor = min(1.0, (context - 1) / max(r.prompt_tokens + r.output_tokens for r in rows))
+    prompts, outputs = [], []
+    for r in rows:
+        p = max(1, int(r.prompt_tokens * factor))
+        prompts.append(rng.integers(3, vocab, p).tolist())
+        outputs.append(max(1, int(r.output_tokens * factor)))
+    return Workload(prompts, outputs)
+
+
+def run_engine(model_dir: str, work: Workload, batch_size: int) -> float:
+    from pipeserve.engine.engine import Engine
+    from pipeserve.sampling_params import SamplingParams
+
+    engine = Engine(
+        model=model_dir, device="cpu", dtype="float32", max_num_seqs=batch_size, max_num_batched_tokens=2048
+    )
+    engine.runner.warm_up(every_bucket=True)  # compiled decode steps: every batch size compiled now
+    # Warm-up, untimed (as for HF below): first calls pay one-time allocator and kernel set-up.
+    engine.add("warmup", work.prompts[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    start = time.perf_counter()
+    for i, (prompt, out) in enumerate(zip(work.prompts, work.outputs, strict=True)):
+        engine.add(str(i), prompt, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+    with tqdm(total=len(work.prompts), desc="pipeserve", leave=False) as bar:
+        while engine.has_work():
+            if done := sum(1 for u in engine.step() if u.finish_reason):  # no bar call on most steps
+                bar.update(done)
+    return time.perf_counter() - start
+
+
+def run_hf(model_dir: str, work: Workload, batch_size: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # warm-up, untimed
+        model.generate(torch.tensor([work.prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    start = time.perf_counter()
+    for b in tqdm(range(0, len(work.prompts), batch_size), desc="hf generate", leave=False):
+        prompts, outs = work.prompts[b : b + batch_size], work.outputs[b : b + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(outs),
+                min_new_tokens=max(outs),
+                do_sample=False,
+                pad_token_id=0,
+            )
+    return time.perf_counter() - start
+
+
+def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> float:
+    """ms of CPU per step for schedule + batch metadata + postprocess, with a no-op model."""
+    from pipeserve.engine.kv.policy import OptimisticPolicy
+    from pipeserve.engine.kv.pool import KVPool
+    from pipeserve.engine.runner import ModelRunner
+    from pipeserve.engine.scheduler import Scheduler
+    from pipeserve.engine.sequence import Sequence
+    from pipeserve.model_config import ModelConfig
+    from pipeserve.sampling_params import SamplingParams
+
+    cfg = ModelConfig.from_dict(LLAMA_20M | {"num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 8})
+    pages = num_requests * (context + steps + 16) // 16 + 1
+    pool = KVPool(cfg, pages, 16, torch.float16, torch.device("cpu"), num_requests, context + steps + 16)
+    sched = Scheduler(
+        pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16, lambda s: None, lambda s: None
+    )
+    # Metadata only: no model and no sampler.
+    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests, None)  # type: ignore[arg-type]
+    for i in range(num_requests):
+        sched.add(Sequence(str(i), [5] * context, context, SamplingParams(max_tokens=10_000), 0.0))
+    batch = sched.schedule()  # the prefill step, not timed
+    sched.postprocess(batch, batch.sampling(), [7] * len(batch.sampling()))
+    start = time.process_time()
+    for _ in range(steps):
+        batch = sched.schedule()
+        runner.metadata(runner.build(batch))
+        sampled = batch.sampling()
+        sched.postprocess(batch, sampled, [7] * len(sampled))
+    return (time.process_time() - start) / steps * 1000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="HF checkpoint dir or hub id; repeatable; 'llama-20m' builds the random ~20M Llama "
+        "(default: the shared stories260K and llama-20m)",
+    )
+    parser.add_argument("--trace", nargs="+", metavar="CSV",
+                        help="trace files the request lengths are drawn from (default: the shared traces)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests drawn from the traces")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each engine; the median counts")
+    parser.add_argument("--batch-size", type=int, default=16, help="most requests running at once")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    parser.add_argument("--overhead-requests", type=int, default=256,
+                        help="scheduler overhead measurement: running requests")
+    parser.add_argument("--overhead-context", type=int, default=2048,
+                        help="scheduler overhead measurement: context of each request")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for both engines (default: the engine's own on this host, all cores "
+        "but one: pipeserve/cpus.engine_core_count)",
+    )
+    parser.add_argument("--json", help="write the full results here")
+    parser.add_argument("--out", help="directory for results (JSON copy)")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    # Both engines get the thread count our engine takes on this host by default (the pipelined server
+    # leaves one core to the other processes); --threads sets another for both.
+    torch.set_num_threads(args.threads or engine_core_count(EngineConfig(), len(os.sched_getaffinity(0))))
+    command = "pipeserve bench offline"
+    traces = trace_paths(args.trace, command)
+    models = [m if m == "llama-20m" else checkpoint(m, command) for m in args.model or [None, "llama-20m"]]
+    results = {
+        "machine": machine_info(),
+        "num_requests": args.num_requests,
+        "batch_size": args.batch_size,
+        "traces": [str(p) for p in traces],
+        "threads": torch.get_num_threads(),
+        "loadavg_before": os.getloadavg(),
+        "models": [],
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            model_dir = random_checkpoint(LLAMA_20M, os.path.join(tmp, name)) if name == "llama-20m" else name
+            limits = model_limits(model_dir)
+            work = trace_workload(traces, args.num_requests, limits.context_len, limits.vocab_size)
+            tokens = sum(work.outputs)
+            # Alternate the two so both see the same machine load; keep the median of each.
+            ours_runs, hf_runs = [], []
+            for _ in range(args.repeats):
+                ours_runs.append(run_engine(model_dir, work, args.batch_size))
+                if not args.no_hf:
+                    hf_runs.append(run_hf(model_dir, work, args.batch_size))
+            ours = statistics.median(ours_runs)
+            hf = statistics.median(hf_runs) if hf_runs else None
+            entry = {
+                "model": name,
+                "output_tokens": tokens,
+                "prompt_tokens": sum(map(len, work.prompts)),
+                "pipeserve_s": ours,
+                "pipeserve_tok_s": tokens / ours,
+                "hf_s": hf,
+                "hf_tok_s": None if hf is None else tokens / hf,
+                "speedup": None if hf is None else hf / ours,
+                "static_batch_waste": work.static_batch_waste(args.batch_size),
+                "pipeserve_runs_s": ours_runs,
+                "hf_runs_s": hf_runs,
+            }
+            results["models"].append(entry)
+            rows.append(
+                [
+                    os.path.basename(name),
+                    tokens,
+                    entry["pipeserve_tok_s"],
+                    entry["hf_tok_s"],
+                    entry["speedup"],
+                    entry["static_batch_waste"],
+                ]
+            )
+    print_table(
+        f"offline: {args.num_requests} trace-shaped requests, batch {args.batch_size}, CPU",
+        ["model", "output tokens", "pipeserve tok/s", "HF generate tok/s", "ratio", "HF padded/needed"],
+        rows,
+    )
+    overhead = scheduler_overhead(args.overhead_requests, args.overhead_context)
+    results["scheduler_overhead_ms_per_step"] = overhead
+    print(
+        f"scheduler + batch preparation: {overhead:.3f} ms CPU per step "
+        f"({args.overhead_requests} running requests x {args.overhead_context} context, model no-op)"
+    )
+    for path in filter(None, [args.json, args.out and os.path.join(args.out, "offline.json")]):
+        write_json(path, results)
+    return 0

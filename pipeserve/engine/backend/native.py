@@ -1,0 +1,269 @@
+"""The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
+through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), the fp32
+product with a weight packed at load time (csrc/packed_gemm.cpp), and a whole decode step of a dense
+fp32 model built from them (csrc/decode_step.cpp, driven by engine/native_step.py).
+
+Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
+run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
+page, with no copy, no mask and one call per layer. The source is plain C++ (no torch headers), so
+the build takes about a second; the library lands in the project cache, named by a hash of the
+source, the flags and the host's CPU features (`-march=native`: a cache shared between machines
+must not hand one host another's instructions), and later processes load it directly. Without a
+compiler (`g++`, or `$CXX`) the backend keeps its torch path: `available()` says which.
+
+Library GEMMs (MKL) repack the weight on every call, which for the few to a few dozen rows of a
+decode step costs more than the product; the packed product takes the weight packed once
+(model/cpu_linear.py packs the model's linear layers).
+
+Every kernel is also a torch op (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`,
+`pipeserve::native_packed_linear`) so a compiled step calls them as opaque ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pipeserve.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "decode_step.cpp"))
+HEADERS = (CSRC / "vec_math.h",)
+PANEL = 16  # output columns per panel of a packed weight (packed_gemm.cpp's kLanes)
+# The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
+# -ffast-math: a library linked with it switches the whole process to flush denormals to zero.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_GROUP = 64  # query heads per KV head (the kernel's kMaxGroup)
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_enabled = os.environ.get("PIPESERVE_NATIVE", "1") != "0"  # 0: torch ops throughout (comparisons)
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def _host() -> str:
+    """What -march=native compiles for: the CPU's feature flags where Linux lists them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine()
+
+
+def _build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library for these sources, flags and host, compiled unless the cache has it."""
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(source + " ".join((compiler, *flags, _host())).encode()).hexdigest()[:16]
+    target = Path(cache_dir()) / "native" / f"kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: concurrent engines never load a partial file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run([compiler, *flags, "-o", str(partial), *map(str, SOURCES)], check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, target)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C++ compiler (g++, or $CXX) on this host: the cpu backend's attention runs on "
+                    "torch ops")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        log.warning("building the native CPU kernels failed; attention runs on torch ops: %s", detail)
+        return None
+    _lib = _declare(lib)
+    return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library's functions with their C signatures."""
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.pipeserve_decode_attention.argtypes = [i32, ptr, i64, ptr, ptr, i32, i32, i32, ptr, i64, ptr, i32,
+                                               i32, f32, i32, ptr, i32]
+    lib.pipeserve_decode_attention.restype = None
+    lib.pipeserve_store_kv.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i64]
+    lib.pipeserve_store_kv.restype = None
+    lib.pipeserve_pack_weight.argtypes = [ptr, i64, i64, ptr]
+    lib.pipeserve_pack_weight.restype = None
+    lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.pipeserve_packed_linear.restype = None
+    lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
+                                          i64, ptr, i32, ptr, ptr, i32]
+    lib.pipeserve_decode_step.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (and not switched off by set_enabled)."""
+    return _enabled and _load() is not None
+
+
+def set_enabled(enabled: bool) -> None:
+    """Tests compare the native kernels with the torch path they replace."""
+    global _enabled
+    _enabled = enabled
+
+
+def _rows_packed(x: torch.Tensor) -> bool:
+    """[T, H, D] whose rows may be strided but whose heads and channels are packed."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether decode_attention takes these inputs (an unquantized, contiguous CPU cache)."""
+    return (q.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
+            and k_cache.is_contiguous() and q.shape[1] // k_cache.shape[2] <= MAX_GROUP and available())
+
+
+def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   k_scale: torch.Tensor | None) -> bool:
+    return (k.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
+            and k.dtype == k_cache.dtype == v.dtype and k_cache.is_contiguous()
+            and _rows_packed(k) and _rows_packed(v) and available())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU weight [N, K] in packed_linear's layout: ceil(N / 16) panels of [K, 16] (zeros
+    past N), flat. Call when available()."""
+    lib = _lib
+    assert lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
+    lib.pipeserve_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def _packed_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                        n: int) -> torch.Tensor:
+    lib = _lib
+    assert lib is not None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    lib.pipeserve_packed_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,
+                                torch.get_num_threads())
+    return out
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """F.linear of fp32 rows x [M, K] with the weight [n, K] that pack_weight packed; bias [n],
+    contiguous, or None."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = torch.ops.pipeserve.native_packed_linear(x, packed, bias, n)
+        return out
+    return _packed_linear_impl(x, packed, bias, n)
+
+
+def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    lib = _lib
+    assert lib is not None
+    qf = q if q.dtype == torch.float32 else q.float()
+    if not _rows_packed(qf):
+        qf = qf.contiguous()
+    batch, heads, dim = qf.shape
+    out = torch.empty((batch, heads, dim), dtype=torch.float32)
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    assert tables.stride(1) == 1 and lens.is_contiguous()
+    lib.pipeserve_decode_attention(
+        CACHE_DTYPES[k_cache.dtype], qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.shape[1], k_cache.shape[2], dim, tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch,
+        heads, scale, window, out.data_ptr(), torch.get_num_threads())
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _store_impl(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    lib = _lib
+    assert lib is not None
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    k, v = (x if _rows_packed(x) else x.contiguous() for x in (k, v))
+    assert slots.is_contiguous()
+    lib.pipeserve_store_kv(k.element_size(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
+                           k.shape[1] * k.shape[2])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] in q's dtype; each row attends to its first seq_len keys (the last
+    sliding_window of them, when set). Call when supports_decode()."""
+    window = sliding_window or 0
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = torch.ops.pipeserve.native_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+        return out
+    return _decode_impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Rows [T, Hkv, D] into the cache [P, S, Hkv, D] at their slots. Call when supports_store()."""
+    if k.shape[0] == 0:
+        return
+    if torch.compiler.is_compiling():
+        torch.ops.pipeserve.native_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        _store_impl(k, v, k_cache, v_cache, slot_mapping)
+
+
+# Declared to the dispatcher directly (torch.library.custom_op's wrapper costs more per call).
+_OPS = torch.library.Library("pipeserve", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define("native_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "  # type: ignore[no-untyped-call]
+            "Tensor seq_lens, float scale, int window) -> Tensor")
+_OPS.define("native_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "  # type: ignore[no-untyped-call]
+            "Tensor slot_mapping) -> ()")
+_OPS.define("native_packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")  # type: ignore[no-untyped-call]
+_OPS.impl("native_decode_attention", _decode_impl, "CPU")  # type: ignore[no-untyped-call]
+_OPS.impl("native_packed_linear", _packed_linear_impl, "CPU")  # type: ignore[no-untyped-call]
+_OPS.impl("native_store_kv", _store_impl, "CPU")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("pipeserve::native_decode_attention")  # type: ignore[untyped-decorator]
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+      seq_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("pipeserve::native_packed_linear")  # type: ignore[untyped-decorator]
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("pipeserve::native_store_kv")  # type: ignore[untyped-decorator]
+def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor) -> None:
+    return None

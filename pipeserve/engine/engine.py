@@ -1,0 +1,399 @@
+"""The engine core: `add`, `abort`, `step`, transport-free. Usable in-process (offline API, tests,
+benchmarks) and wrapped by the engine process loop, which owns the wire format, the tombstones of
+aborts that overtake their add, and clock conversion. Requests reaching `add` were validated at an
+edge (the gateway and tokenizer, or the offline LLM): here they are only asserted."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeserve import hub
+from pipeserve.config import EngineConfig
+from pipeserve.engine.backend import Backend, get_backend, resolve_backend
+from pipeserve.engine.compiled_step import CompiledDecode, compile_mode, step_mode
+from pipeserve.engine.kv.policy import make_policy
+from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
+from pipeserve.engine.kv.predicted import PredictedPolicy
+from pipeserve.engine.model.cpu_linear import use_cpu_linears
+from pipeserve.engine.model.demo import ensure_demo_model
+from pipeserve.engine.model.llama import LlamaForCausalLM
+from pipeserve.engine.model.loader import load_model, resolve_dtype
+from pipeserve.engine.model.quantize import quantize_model
+from pipeserve.engine.model.tensor_parallel import check_shardable
+from pipeserve.engine.parallel import group as parallel_group
+from pipeserve.engine.parallel.group import TPGroup
+from pipeserve.engine.prompt_logprobs import PromptLogprobs
+from pipeserve.engine.runner import ModelRunner, StepResult
+from pipeserve.engine.sampler import Sampler
+from pipeserve.engine.scheduler import Scheduler
+from pipeserve.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
+from pipeserve.engine.spec.draft import DraftModel
+from pipeserve.engine.spec.ngram import NgramProposer
+from pipeserve.engine.spec.speculator import Speculator
+from pipeserve.engine.structured import StructuredOutputs
+from pipeserve.model_config import ModelConfig, generation_defaults
+from pipeserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CPU_KV_GB = 0.25
+GRAMMAR_WAIT = 0.005  # seconds a step with nothing to run waits for a grammar to compile
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_gb is not None:
+        return int(config.kv_cache_gb * 2**30)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(free - (1 - config.gpu_memory_utilization) * total))
+    return int(CPU_KV_GB * 2**30)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, tp: TPGroup | None = None, **options: Any) -> None:
+        """tp: the group of a tensor-parallel worker rank (pipeserve/engine/parallel/worker.py); rank 0
+        starts its group itself when config.tensor_parallel_size > 1."""
+        self.config = config = config or EngineConfig(**options)
+        self.model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
+        model_cfg = ModelConfig.from_dir(self.model_dir)
+        if tp is None and config.tensor_parallel_size > 1:
+            check_shardable(model_cfg, config.tensor_parallel_size)  # before any process starts
+            tp = parallel_group.start(config)
+        self.tp = tp
+        self.device = resolve_device(config.device) if tp is None else tp.device
+        backend = get_backend(resolve_backend(config.backend, self.device))
+        self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
+        self.max_model_len = min(
+            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
+        )
+        self.model, self.model_config = load_model(
+            self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp
+        )
+        self.backend = backend.name
+        quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
+        if backend.name == "cpu":
+            use_cpu_linears(self.model)
+        shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
+        per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
+                                     config.prefix_caching)
+        # A draft model is loaded before the pool is sized: its pool holds as many pages, of its size.
+        # Only the scheduling rank proposes, so tensor-parallel workers load no draft.
+        drafting = config.speculative_method == "draft" and (tp is None or tp.is_driver)
+        draft = self._load_draft(config, backend, model_cfg) if drafting else None
+        draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
+        num_pages = config.num_pages or kv_budget_bytes(config, self.device) // (per_page + draft_per_page)
+        if tp is not None:  # every rank holds the same pages
+            num_pages = tp.min_int(num_pages)
+        self.pool = KVPool(
+            shard_cfg,
+            num_pages,
+            config.page_size,
+            self.dtype,
+            self.device,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.kv_cache_dtype,
+            config.prefix_caching,
+        )
+        unquantized = num_pages * per_page // kv_bytes_per_token(shard_cfg, self.dtype)
+        log.info(
+            "KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
+            num_pages,
+            config.page_size,
+            num_pages * config.page_size,
+            num_pages * per_page / 2**20,
+            config.kv_cache_dtype,
+            self.dtype,
+            unquantized,
+        )
+        self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
+        self.structured = StructuredOutputs(
+            lambda: self.tokenizer,
+            model_cfg.vocab_size,
+            model_cfg.eos_token_ids,
+            config.max_num_seqs,
+            self.device,
+        )
+        # A tensor-parallel forward sends the step plan to the other ranks: it runs eager.
+        mode = compile_mode(config.compile, backend.name, self.device) if tp is None else None
+        whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
+        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
+        compiled = None if mode is None else CompiledDecode(  # verification rows run as decode rows
+            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens),
+            step_mode(mode, self.model, self.pool), whole_graph, tuple(range(2, 2 + spec_tokens)))
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.sampler,
+            self.device,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.structured,
+            spec_tokens,
+            compiled,
+        )
+        self.runner.warm_up()  # compiles before the engine reports ready
+        self.speculator = self._speculator(config, draft)
+        policy_opts: dict[str, Any] = {}
+        if config.admission == "predicted":
+            policy_opts = {
+                "path": config.predictor_path,
+                "quantile": config.predictor_quantile,
+                "mode": config.predictor_mode,
+            }
+        self.policy = make_policy(config.admission, **policy_opts)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.policy,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self._on_admit,
+            self._on_release,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
+        self.step_count = 0
+        self._rng = np.random.default_rng(config.seed)
+        self._tokenizer: Any = None
+
+    # -- requests -------------------------------------------------------------------------------
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt this engine can run: one token must still fit in the context and in
+        the whole KV pool, or the request could never produce output."""
+        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size) - 1
+
+    def capacity_problem(self, prompt_len: int) -> str | None:
+        """Why a prompt this long can never run on this engine (its context or KV pool), or None.
+        Not validation: the tokenizers check the model's context, but only the engine knows its
+        own (possibly shorter) context and pool."""
+        if prompt_len >= self.max_model_len:
+            return (f"prompt has {prompt_len} tokens; the context is {self.max_model_len} "
+                    "and at least one must be left to generate")
+        if prompt_len > self.max_prompt_len:
+            return f"prompt has {prompt_len} tokens, more than the KV cache holds"
+        return None
+
+    def add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        app: str = "",
+        arrival: float | None = None,
+        cache_salt: str = "",
+    ) -> None:
+        """Queue a request. Its id, ids and params were validated by the caller's edge. arrival:
+        time.monotonic() of its arrival (default now). cache_salt: prefix-cache pages are shared only
+        among requests with the same salt. Unseeded params get a seed drawn here."""
+        assert rid not in self.requests, f"request_id {rid!r} is already in flight"
+        assert 0 < len(prompt_ids) <= self.max_prompt_len, f"prompt of {len(prompt_ids)} tokens"
+        vocab = self.model_config.vocab_size
+        assert 0 <= min(prompt_ids) and max(prompt_ids) < vocab, "ids outside the vocabulary"
+        assert params.max_tokens >= 1 and params.min_tokens <= params.max_tokens, "unvalidated params"
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.model_config.eos_token_ids)
+        seq = Sequence(
+            rid,
+            list(prompt_ids),
+            len(prompt_ids),
+            params,
+            time.monotonic() if arrival is None else arrival,
+            app,
+            cache_salt,
+            stop_ids=frozenset(stop),
+        )
+        if params.seed is None:  # unseeded requests still sample reproducibly per engine seed
+            params.seed = int(self._rng.integers(0, 2**62))
+        self.requests[rid] = seq
+        if params.constrained:
+            self.structured.submit(seq)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
+
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        """End a request at this step boundary (the next step reports it). Idempotent; returns
+        whether the request is known (the engine process tombstones unknown ones)."""
+        seq = self.requests.get(rid)
+        if seq is None:
+            return False
+        if seq.status is not Status.FINISHED:
+            if self.structured.discard(seq):  # still waiting for its grammar: never scheduled
+                seq.status, seq.finish_reason = Status.FINISHED, reason
+            else:
+                self.scheduler.finish(seq, reason)
+            self._ended.append(seq)
+        return True
+
+    def _on_admit(self, seq: Sequence) -> None:
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
+        self.runner.admit(seq, sorted(seq.stop_ids))
+        if self.speculator is not None:
+            self.speculator.admit(seq)
+
+    def _on_release(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def _load_draft(self, config: EngineConfig, backend: Backend,
+                    model_cfg: ModelConfig) -> tuple[LlamaForCausalLM, ModelConfig]:
+        assert config.draft_model is not None
+        draft_dir = hub.resolve(config.draft_model, config.revision)
+        draft_cfg = ModelConfig.from_dir(draft_dir)
+        if draft_cfg.vocab_size != model_cfg.vocab_size:  # preflight says so first under `pipeserve up`
+            raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the model's "
+                             f"({model_cfg.vocab_size}): it must share the tokenizer")
+        model, _ = load_model(draft_dir, backend, self.device, self.dtype, self.max_model_len)
+        if backend.name == "cpu":
+            use_cpu_linears(model)
+        return model, draft_cfg
+
+    def _speculator(self, config: EngineConfig,
+                    draft: tuple[LlamaForCausalLM, ModelConfig] | None) -> Speculator | None:
+        sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
+                  config.speculative_adaptive)
+        compiled = self.runner.compiled
+        exact_rows = 0 if compiled is None else compiled.buckets[-1]
+        if config.speculative_method == "ngram":
+            lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            return Speculator(*sizing, ngram=lookup, exact_rows=exact_rows)
+        if draft is None:
+            return None
+        model, draft_cfg = draft
+        # As many tokens as the model's pool: every request it holds can be drafted for.
+        pool = KVPool(draft_cfg, self.pool.num_pages, self.pool.page_size, self.dtype, self.device,
+                      config.max_num_seqs, self.max_model_len)
+        # The draft's one-token rounds run compiled like the model's decode steps (buckets of its own).
+        draft_compiled = None if compiled is None else CompiledDecode(
+            model, pool, config.max_num_seqs, step_mode(compiled.mode, model, pool),
+            not any(draft_cfg.moe_layers or ()))
+        drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
+                             config.max_num_batched_tokens, draft_compiled)
+        return Speculator(*sizing, draft=drafter, exact_rows=exact_rows)
+
+    # -- the step -------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._ended) or bool(self.structured.waiting)
+
+    def step(self) -> list[StepUpdate]:
+        """Run one step; one update per request it touched: those that sampled a token, in batch
+        row order, then those that ended between steps (no token)."""
+        step_start = time.perf_counter()
+        if self.structured.waiting:
+            self._take_compiled()
+        proposals, drafts = self.speculator.propose(self.scheduler.running) if self.speculator else ({}, None)
+        batch = self.scheduler.schedule(proposals)
+        start = time.perf_counter()
+        result = self.runner.run(batch, drafts) if batch.num_tokens else StepResult([])
+        if self.speculator is not None:
+            self.speculator.observe(batch, result.accepted, time.perf_counter() - start)
+        sampled = batch.sampling()
+        before = [seq.num_tokens for seq in sampled]
+        finished = self.scheduler.postprocess(batch, sampled, result.tokens, result.accepted)
+        self.step_count += 1
+        updates = [self._update(seq, seq.token_ids[n:]) for seq, n in zip(sampled, before, strict=True)]
+        if result.logprobs is not None:
+            lps, top_ids, top_lps = result.logprobs, result.top_ids, result.top_logprobs
+            assert top_ids is not None and top_lps is not None
+            for i, update in enumerate(updates):
+                k = update.seq.params.logprobs
+                if k is not None:
+                    update.logprobs = [TokenLogprobs(float(lps[i]), top_ids[i, :k], top_lps[i, :k])]
+        updates += [self._update(seq, []) for seq in self._ended]
+        for seq in finished + self._ended:
+            del self.requests[seq.rid]
+            self.structured.finish(seq)
+        self._ended = []
+        if self.speculator is not None:
+            self.speculator.finish(time.perf_counter() - step_start)
+        return updates
+
+    def _take_compiled(self) -> None:
+        """Schedule the requests whose grammar is compiled; when nothing else could run, wait a
+        moment for one instead of spinning."""
+        if not self.scheduler.has_work() and not self._ended:
+            self.structured.wait(GRAMMAR_WAIT)
+        ready, failed = self.structured.ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for seq in failed:  # validated at the edge, so a bug: end it, keep serving the rest
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._ended.append(seq)
+
+    @staticmethod
+    def _update(seq: Sequence, token_ids: list[int]) -> StepUpdate:
+        new, seq.announced = not seq.announced, True
+        prompt = None
+        if new and seq.params.prompt_logprobs is not None:  # filled during prefill (prompt_logprobs.py)
+            prompt = seq.prompt_logprobs or PromptLogprobs.empty(seq.prompt_len, seq.params.prompt_logprobs)
+        return StepUpdate(seq, token_ids, seq.finish_reason, None, new, prompt)
+
+    def close(self) -> None:
+        """Persist what the admission policy learned since its last periodic save (on shutdown)."""
+        if isinstance(self.policy, PredictedPolicy):
+            self.policy.save()
+        self.structured.close()
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.close()
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        pool = self.pool.stats()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "compiling": len(self.structured.waiting),  # waiting for their grammar, outside the scheduler
+            "pages_total": pool.pages_total,
+            "pages_used": pool.pages_used,
+            "pages_reserved": pool.pages_reserved,
+            "preemptions": self.scheduler.num_preemptions,
+            "pages_cached": pool.pages_cached,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "requests": len(self.requests),
+            "steps": self.step_count,
+            **(self.speculator.stats() if self.speculator else Speculator.zero_stats()),
+        }
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from pipeserve.tokenizer.load import load_for
+
+            self._tokenizer = load_for(replace(self.config, model=self.model_dir))[1]
+        return self._tokenizer
+
+    def model_info(self) -> dict[str, Any]:
+        cfg = self.model_config
+        return {
+            "name": self.config.served_model_name or hub.display_name(self.config.model or cfg.name),
+            "context_length": self.max_model_len,
+            "vocab_size": cfg.vocab_size,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "backend": self.backend,
+            "quantization": self.config.quantization,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "page_size": self.pool.page_size,
+            "num_pages": self.pool.num_pages,
+            "sampling_defaults": (
+                generation_defaults(self.model_dir) if self.config.generation_config == "auto" else {}
+            ),
+        }

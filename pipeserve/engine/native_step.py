@@ -1,0 +1,179 @@
+"""A decode step of a dense fp32 Llama-family model on the CPU as one native call.
+
+backend/csrc/decode_step.cpp runs the whole forward pass of a batch of rows (embedding, every
+layer, the final norm, and the logits where the LM head is packed) over the model's own packed
+weights and the pool's cache. Each row is a query at its own position attending to its own first
+seq_len keys once every row's K/V of the layer is stored: a decode row, a verification row, or a row
+of a prefill chunk. A compiled per-op step still pays, per op, the dispatcher and a Python call into
+each native kernel, plus the compiled wrapper and its guards: at batch 1 on a small model that was a
+quarter of the step (docs/engine.md). Here one ctypes call replaces them.
+
+It covers what the per-op forward pass computes for the dense models (Llama, Mistral, Qwen2): fused
+qkv with its bias, rotate-half rotary embedding over the model's table (any scaling), sliding
+windows per layer, grouped-query attention and the SiLU-gated MLP, in fp32 with an fp32 cache.
+Anything else (quantized weights or cache, mixtures of experts and their q/k norms, other dtypes,
+hosts without a C++ compiler) takes Inductor's compiled step: `unsupported` says why.
+
+Linear layers that model/cpu_linear.py packed are used as they are; smaller ones (left unpacked
+there, where a call of their own would cost more than packing gains) are packed here, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import time
+from typing import cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeserve.engine.backend import native
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.model.cpu_linear import CpuLinear
+from pipeserve.engine.model.llama import MLP, DecoderLayer, LlamaForCausalLM
+
+# One layer's entries in the table the C++ step reads, in decode_step.cpp's LayerField order.
+LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache",
+                "window")
+# The model's sizes, in decode_step.cpp's Dim order.
+DIMS = ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "layers", "rot_dim", "page_size")
+TIED_HEAD_COPY = 1 / 8  # most extra memory a packed copy of a tied head may add, of the weights
+_LOGITS = inspect.unwrap(LlamaForCausalLM.compute_logits)  # the caller holds inference mode
+
+
+def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    return cast(list[DecoderLayer], list(model.layers))
+
+
+def _linears(model: LlamaForCausalLM) -> list[nn.Module]:
+    return [m for layer in _layers(model) if isinstance(layer.mlp, MLP)
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj)]
+
+
+def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
+    """Why the native step cannot run this model over this pool; None when it can."""
+    if model.backend.name != "cpu" or not native.available():
+        return "the native kernels are not built for the cpu backend here"
+    if pool.kv is None or pool.kv.dtype != torch.float32 or pool.kv_cache_dtype != "auto":
+        return "the KV cache is not fp32"
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
+        return "the weights are not fp32 on the CPU"
+    if any(type(layer.mlp) is not MLP or layer.mlp.act_fn is not model.backend.silu_and_mul
+           for layer in _layers(model)):
+        return "a layer's MLP is not the dense SiLU-gated one (experts, or quantized activations)"
+    if any(type(m) not in (nn.Linear, CpuLinear) for m in _linears(model)):
+        return "a linear layer is quantized or sharded"
+    if model.lm_head is not None and type(model.lm_head) not in (nn.Linear, CpuLinear):
+        return "the LM head is quantized or sharded"
+    cfg = model.config
+    if cfg.qk_norm:
+        return "q/k norms are not in the native step"
+    group = cfg.num_heads // cfg.num_kv_heads
+    if cfg.head_dim % 2 or model.cos_sin.shape[-1] > cfg.head_dim or group > native.MAX_GROUP:
+        return "the attention's shape is outside the native kernels"
+    return None
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class NativeStep:
+    """Logits of a decode batch from the model's weights and the pool's cache, in one native call.
+    Holds the addresses of both: the model's tensors and the pool must outlive it, unmoved."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_rows: int) -> None:
+        reason = unsupported(model, pool)
+        assert reason is None, reason
+        cfg = model.config
+        self.model = model
+        self._packed: list[torch.Tensor] = []  # packed here (small layers): kept alive with the step
+        caches = pool.layer_views()
+        rows = []
+        for layer, cache in zip(_layers(model), caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP)
+            entries = {
+                "input_norm": layer.input_layernorm.weight,
+                "qkv": self._panels(attn.qkv_proj),
+                "qkv_bias": attn.qkv_proj.bias,
+                "o": self._panels(attn.o_proj),
+                "post_norm": layer.post_attention_layernorm.weight,
+                "gate_up": self._panels(mlp.gate_up_proj),
+                "down": self._panels(mlp.down_proj),
+                "k_cache": cache.k,
+                "v_cache": cache.v,
+            }
+            window = attn.sliding_window or 0
+            rows.append([_address(entries.get(name)) for name in LAYER_FIELDS[:-1]] + [window])
+        self.layers = torch.tensor(rows, dtype=torch.int64)
+        sizes = {"hidden": cfg.hidden_size, "q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+                 "head_dim": cfg.head_dim, "inter": cfg.intermediate_size, "layers": cfg.num_layers,
+                 "rot_dim": model.cos_sin.shape[-1], "page_size": pool.page_size}
+        self.dims = torch.tensor([sizes[name] for name in DIMS], dtype=torch.int64)
+        self.hidden = torch.empty(max_rows, cfg.hidden_size)  # the final norm's output
+        self.seconds = 0.0  # spent inside the native call (a profiler sees no operator there)
+        # The head's product runs in the step too, into this persistent buffer (valid until the next
+        # step), where it is packed: an untied head that use_cpu_linears packed, or a tied one (the
+        # embedding) packed here as a copy when that costs little memory. Otherwise compute_logits
+        # runs after the step.
+        head = self._head_panels(model)
+        self.logits = None if head is None else torch.empty(max_rows, cfg.vocab_size)
+        # Fixed for the step's life: converted to ctypes once, not per call.
+        self._fixed = (
+            *(ctypes.c_void_p(_address(t)) for t in (
+                self.dims, self.layers, model.embed_tokens.weight, model.norm.weight, model.cos_sin)),
+            ctypes.c_float(cfg.rms_norm_eps), ctypes.c_float(cfg.head_dim**-0.5),
+            ctypes.c_void_p(_address(head)), cfg.vocab_size,
+            ctypes.c_void_p(self.hidden.data_ptr()), ctypes.c_void_p(_address(self.logits)))
+
+    def _head_panels(self, model: LlamaForCausalLM) -> torch.Tensor | None:
+        """The LM head packed, or None (its product stays with torch). A tied head is copied packed
+        when the copy adds at most TIED_HEAD_COPY of the model's weight bytes: the embedding is cold
+        in the caches once the layers' weights have streamed past, and MKL reads it as it lies about
+        half as fast as the packed product does (docs/engine.md)."""
+        if isinstance(model.lm_head, CpuLinear):
+            return model.lm_head.packed
+        if model.lm_head is not None:
+            return None
+        embed = model.embed_tokens.weight
+        total = sum(t.numel() for t in (*model.parameters(), *model.buffers()))  # packed weights are buffers
+        if embed.numel() > TIED_HEAD_COPY * total:
+            return None
+        packed = native.pack_weight(embed)
+        self._packed.append(packed)
+        return packed
+
+    def _panels(self, linear: nn.Module) -> torch.Tensor:
+        """The layer's weight in the packed layout: CpuLinear's own, or packed here."""
+        if isinstance(linear, CpuLinear):
+            return linear.packed
+        assert isinstance(linear, nn.Linear)
+        packed = native.pack_weight(linear.weight)
+        self._packed.append(packed)
+        return packed
+
+    def __call__(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                 block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
+        """Logits [n, V] of n rows, from host arrays (on the CPU the step reads them where they
+        lie: nothing is staged): ids, positions and slots, block tables [n, W] and lengths."""
+        lib = native._lib
+        assert lib is not None
+        ids, pos, slots = (np.ascontiguousarray(a, dtype=np.int64)
+                           for a in (input_ids, positions, slot_mapping))
+        tables, lens = (np.ascontiguousarray(a, dtype=np.int32) for a in (block_tables, seq_lens))
+        n = ids.shape[0]
+        dims, layers, embed, norm, rope, eps, scale, head, vocab, hidden, logits = self._fixed
+        start = time.perf_counter()
+        lib.pipeserve_decode_step(dims, eps, scale, layers, embed, norm, rope, head, vocab, ids.ctypes.data,
+                                  pos.ctypes.data, slots.ctypes.data, tables.ctypes.data, tables.shape[1],
+                                  lens.ctypes.data, n, hidden, logits, torch.get_num_threads())
+        self.seconds += time.perf_counter() - start
+        if self.logits is not None:
+            return self.logits[:n]
+        with torch.inference_mode():
+            out: torch.Tensor = _LOGITS(self.model, self.hidden[:n])
+        return out

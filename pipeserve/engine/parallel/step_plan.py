@@ -1,0 +1,132 @@
+"""The step plan: what rank 0 sends every step so ranks 1..T-1 run the same forward pass on their
+shards. It is the model's input as the runner staged it (token ids, positions, slot mapping, block
+tables, sequence lengths, sampled rows), so the workers need no scheduler, no block table and no
+request state of their own.
+
+A plan is one broadcast over the group (gloo or NCCL, device tensors on CUDA) of a fixed-size int64
+buffer: the header (the kind, the sizes and the host-side maxima of AttentionMetadata), then every
+index tensor flattened into one payload, inline when it fits (decode batches up to a few dozen rows
+of long contexts) or else in a second broadcast. A quantized KV cache adds the page -> mean-key row
+map (`seq_of_page`), which the pool writes on rank 0 when it hands out a request's first page.
+Collective latency, not bytes, is what a plan costs (docs/engine.md has the measurement), hence
+one fixed-size broadcast rather than a header and a payload of its size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeserve.engine.kv.metadata import AttentionMetadata
+
+from .group import TPGroup
+
+STOP, STEP = 0, 1
+HEADER = 12
+INLINE = 2048  # payload elements sent inside the header's broadcast (16 KiB)
+# Header slots.
+(KIND, TOKENS, DECODE, PREFILL, PAGES, SAMPLED,
+ MAX_Q, MAX_PREFILL, MAX_DECODE, MAX_SAMPLE, SIZE, MEANS) = range(HEADER)
+
+
+def stop_header(device: torch.device) -> torch.Tensor:
+    return torch.zeros(HEADER + INLINE, dtype=torch.int64, device=device)  # KIND == STOP
+
+
+@dataclass
+class Step:
+    """A worker's model input for one step."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    num_sampled: int  # rows whose logits rank 0 gathers (0: only partial prefill chunks)
+
+
+class StepSender:
+    """Rank 0's side."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self.plan = torch.zeros(HEADER + INLINE, dtype=torch.int64, device=group.device)
+        # On CUDA the header is written on the host and uploaded without a sync.
+        pin = group.device.type == "cuda"
+        self.host = torch.zeros(HEADER, dtype=torch.int64, pin_memory=pin) if pin else self.plan[:HEADER]
+
+    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+             seq_of_page: torch.Tensor | None) -> None:
+        parts = [input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                 meta.prefill_block_tables, meta.prefill_cu_q_lens, meta.prefill_seq_lens]
+        sampled = -1  # every row
+        if meta.sample_rows is not None:
+            assert meta.sample_block_tables is not None and meta.sample_seq_lens is not None
+            parts += [meta.sample_rows, meta.sample_block_tables, meta.sample_seq_lens]
+            sampled = int(meta.sample_rows.shape[0])
+        payload = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+        header = self.host.numpy()
+        header[:] = (STEP, input_ids.shape[0], meta.num_decode, meta.num_prefill_seqs,
+                     meta.decode_block_tables.shape[1], sampled, meta.prefill_max_q_len,
+                     meta.prefill_max_seq_len, meta.decode_max_seq_len, meta.sample_max_seq_len,
+                     payload.shape[0], seq_of_page is not None)
+        if self.host.device != self.plan.device:
+            self.plan[:HEADER].copy_(self.host, non_blocking=True)
+        inline = payload.shape[0] <= INLINE
+        if inline:
+            self.plan[HEADER : HEADER + payload.shape[0]] = payload
+        self.group.broadcast(self.plan)
+        if not inline:
+            self.group.broadcast(payload)
+        if seq_of_page is not None:
+            self.group.broadcast(seq_of_page)
+
+
+class StepReceiver:
+    """A worker's side: `receive()` blocks until rank 0's next plan; None when told to stop."""
+
+    def __init__(self, group: TPGroup, seq_of_page: torch.Tensor | None) -> None:
+        self.group, self.seq_of_page = group, seq_of_page
+        self.plan = torch.zeros(HEADER + INLINE, dtype=torch.int64, device=group.device)
+        self.payload = torch.zeros(0, dtype=torch.int64, device=group.device)  # grown, then reused
+
+    def receive(self) -> Step | None:
+        self.group.broadcast(self.plan)
+        h = self.plan[:HEADER].tolist()
+        if h[KIND] == STOP:
+            return None
+        if h[SIZE] <= INLINE:
+            payload = self.plan[HEADER : HEADER + h[SIZE]]
+        else:
+            if self.payload.shape[0] < h[SIZE]:
+                self.payload = torch.zeros(h[SIZE], dtype=torch.int64, device=self.group.device)
+            payload = self.payload[: h[SIZE]]
+            self.group.broadcast(payload)
+        if h[MEANS]:
+            assert self.seq_of_page is not None, "rank 0's KV cache is quantized, this rank's is not"
+            self.group.broadcast(self.seq_of_page)
+        t, nd, bp, pages, sampled = h[TOKENS], h[DECODE], h[PREFILL], h[PAGES], h[SAMPLED]
+        sizes = [t, t, t, nd * pages, nd, bp * pages, bp + 1, bp]
+        if sampled >= 0:
+            sizes += [sampled, sampled * pages, sampled]
+        views = list(torch.split(payload, sizes))
+        ids, positions, slots, d_tables, d_lens, p_tables, p_cu, p_lens = views[:8]
+        i32 = torch.int32
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode=nd,
+            decode_block_tables=d_tables.view(nd, pages).to(i32),
+            decode_seq_lens=d_lens.to(i32),
+            prefill_block_tables=p_tables.view(bp, pages).to(i32),
+            prefill_cu_q_lens=p_cu.to(i32),
+            prefill_seq_lens=p_lens.to(i32),
+            prefill_max_q_len=h[MAX_Q],
+            prefill_max_seq_len=h[MAX_PREFILL],
+            decode_max_seq_len=h[MAX_DECODE],
+            sample_max_seq_len=h[MAX_SAMPLE],
+        )
+        if sampled >= 0:
+            rows, s_tables, s_lens = views[8:]
+            meta.sample_rows = rows
+            meta.sample_block_tables = s_tables.view(sampled, pages).to(i32)
+            meta.sample_seq_lens = s_lens.to(i32)
+        return Step(ids, positions, meta, t if sampled < 0 else sampled)

@@ -1,0 +1,313 @@
+"""The engine process (`pipeserve engine`): the loop that wraps the Engine core in sockets.
+
+Binds `requests` (PULL EngineRequest from the tokenizers) and `control` (PULL Abort from the
+gateway and the detokenizer), connects `steps` (PUSH StepOutput to the detokenizer), `errors`
+(PUSH RequestError to the gateway) and `status` (PUSH EngineInfo to the gateway). It binds only
+once the model is loaded, so an open port means ready.
+
+Between two steps it drains everything queued on both inputs without blocking (a blocking poll
+only when idle, woken by input or the heartbeat), adds the requests, then applies the aborts: at
+a step boundary, after the adds they may refer to. An abort for an id the engine has not seen
+overtook its add (through the tokenizers) and is kept as a tombstone for TOMBSTONE_TTL, so that
+the add ends at once. This loop owns everything the Engine core leaves out: the wire format (each
+step's updates become ONE columnar StepOutput carrying the engine's counters), the tombstones, and
+the clocks (the gateway's wall-clock arrival becomes monotonic here). Idle, it sends an empty
+StepOutput every heartbeat (the detokenizer forwards its stats, proving the path alive); always,
+an EngineInfo (ModelInfo's data; the boot id tells the gateway of a restart).
+
+Requests arrive validated (gateway: shape and sampling parameters; tokenizer: token-level limits),
+so a request the Engine's assertions reject is a bug upstream: it fails that request, INTERNAL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from pipeserve import config as cfg
+from pipeserve.config import TOMBSTONE_TTL, Addresses, EngineConfig, engine_endpoint
+from pipeserve.engine.sequence import StepUpdate, one_token_updates
+from pipeserve.messages import (
+    MAX_MESSAGE_BYTES,
+    PROMPT_TAIL,
+    Abort,
+    EngineInfo,
+    EngineRequest,
+    Message,
+    MessageError,
+    ModelInfo,
+    NewRequestInfo,
+    PromptLogprobs,
+    RequestError,
+    StepLogprobs,
+    StepOutput,
+    decode,
+    encode,
+    pack_floats,
+    pack_ids,
+    unpack_ids,
+)
+
+log = logging.getLogger("pipeserve.engine")
+
+HEARTBEAT = 0.5  # seconds
+MAX_DRAIN = 4096  # messages taken from one socket between two steps (bounded so steps keep coming)
+MAX_TOMBSTONES = 65536  # bounds memory under an abort flood; the oldest go first
+
+
+def step_output(
+    step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None, engine: int = 0
+) -> StepOutput:
+    """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
+    updates = one_token_updates(updates)
+    new = []
+    for u in updates:
+        if u.new:
+            seq, p = u.seq, u.seq.params
+            tail = pack_ids(seq.token_ids[max(0, seq.prompt_len - PROMPT_TAIL) : seq.prompt_len])
+            queued = (seq.first_scheduled or seq.arrival) - seq.arrival
+            prompt = None
+            if u.prompt_logprobs is not None:
+                lp = u.prompt_logprobs
+                prompt = PromptLogprobs(pack_ids(seq.token_ids[: seq.prompt_len]), pack_floats(lp.logprobs),
+                                        pack_ids(lp.top_ids.ravel()), pack_floats(lp.top_logprobs.ravel()))
+            new.append(NewRequestInfo(seq.rid, seq.prompt_len, tail, list(p.stop), p.skip_special_tokens,
+                                      p.logprobs, seq.num_cached_tokens, queued, prompt))
+    logprobs: list[StepLogprobs | None] | None = None
+    if any(u.logprobs for u in updates):
+        logprobs = [
+            StepLogprobs(u.logprobs[0].logprob, pack_ids(u.logprobs[0].top_ids),
+                         pack_floats(u.logprobs[0].top_logprobs)) if u.logprobs else None
+            for u in updates
+        ]
+    return StepOutput(
+        step=step,
+        rids=[u.seq.rid for u in updates],
+        tokens=pack_ids([u.token_ids[0] if u.token_ids else -1 for u in updates]),
+        finish=[u.finish_reason for u in updates],
+        new=new,
+        logprobs=logprobs,
+        stats=stats,
+        engine=engine,
+    )
+
+
+class Tombstones:
+    """Aborts of ids the engine has not seen: rid -> expiry, kept in expiry order."""
+
+    def __init__(self, ttl: float = TOMBSTONE_TTL, limit: int = MAX_TOMBSTONES) -> None:
+        self.ttl, self.limit = ttl, limit
+        self._expiry: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        self.prune()
+        return len(self._expiry)
+
+    def add(self, rid: str) -> None:
+        self._expiry.pop(rid, None)  # re-inserted at the end: the dict stays in expiry order
+        self._expiry[rid] = time.monotonic() + self.ttl
+        self.prune()
+
+    def take(self, rid: str) -> bool:
+        """Whether a live tombstone for rid existed (it is consumed)."""
+        return self._expiry.pop(rid, 0.0) > time.monotonic()
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        while self._expiry and (len(self._expiry) > self.limit or next(iter(self._expiry.values())) <= now):
+            self._expiry.popitem(last=False)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Any,
+        requests: zmq.Socket[Any],
+        control: zmq.Socket[Any],
+        steps: zmq.Socket[Any],
+        errors: zmq.Socket[Any],
+        status: zmq.Socket[Any],
+        heartbeat: float = HEARTBEAT,
+        index: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.index = index  # data parallel: this engine's place in the requests/control lists
+        self.requests, self.control, self.steps = requests, control, steps
+        self.errors, self.status = errors, status
+        self.heartbeat = heartbeat
+        self.boot = time.time_ns()  # differs across restarts
+        self.info = ModelInfo(**engine.model_info(), max_logprobs=engine.config.max_logprobs)
+        self.tombstones = Tombstones()
+        # Ids finished lately: an abort arriving after the finish must leave no tombstone, since the
+        # gateway frees the id on the finish and may reuse it at once.
+        self.recently_done: OrderedDict[str, None] = OrderedDict()
+        self.poller = zmq.Poller()
+        self.poller.register(requests, zmq.POLLIN)
+        self.poller.register(control, zmq.POLLIN)
+        self.last_beat = float("-inf")
+        self.finished = 0  # requests this engine finished (the per-engine share under data parallelism)
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        while not should_stop():
+            self.once()
+
+    def stats(self) -> dict[str, int]:
+        stats: dict[str, int] = self.engine.stats()
+        return stats | {"tombstones": len(self.tombstones), "finished": self.finished}
+
+    def once(self) -> None:
+        """One iteration: wait (only when idle), drain inputs, step, heartbeat."""
+        now = time.monotonic()
+        if self.engine.has_work():
+            timeout = 0
+        else:
+            timeout = math.ceil(max(0.0, self.last_beat + self.heartbeat - now) * 1000)
+        ready = dict(self.poller.poll(timeout))
+        aborts: list[Abort] = []
+        if self.requests in ready:
+            for msg in self._drain(self.requests):
+                if isinstance(msg, EngineRequest):
+                    self._add(msg)
+                else:
+                    log.warning("dropped a %s message on the requests socket", msg.TAG)
+        if self.control in ready:
+            for msg in self._drain(self.control):
+                if isinstance(msg, Abort):
+                    aborts.append(msg)
+                else:
+                    log.warning("dropped a %s message on the control socket", msg.TAG)
+        for abort in aborts:
+            for rid in abort.rids:
+                if not self.engine.abort(rid, abort.reason) and rid not in self.recently_done:
+                    self.tombstones.add(rid)
+        stepped = False
+        if self.engine.has_work():
+            updates = self.engine.step()
+            for u in updates:
+                if u.finish_reason:
+                    self.recently_done[u.seq.rid] = None
+                    self.finished += 1
+            while len(self.recently_done) > MAX_TOMBSTONES:
+                self.recently_done.popitem(last=False)
+            if updates:
+                output = step_output(self.engine.step_count, updates, self.stats(), self.index)
+                self.steps.send(encode(output))
+                stepped = True
+        if time.monotonic() - self.last_beat >= self.heartbeat:
+            self.last_beat = time.monotonic()
+            stats = self.stats()
+            tp = self.engine.config.tensor_parallel_size
+            self.status.send(encode(EngineInfo(boot=self.boot, info=self.info, stats=stats, engine=self.index,
+                                               tensor_parallel_size=tp)))
+            if not stepped:
+                self.steps.send(encode(step_output(self.engine.step_count, [], stats, self.index)))
+
+    def _drain(self, sock: zmq.Socket[Any]) -> list[Message]:
+        out = []
+        for _ in range(MAX_DRAIN):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                out.append(decode(data))
+            except MessageError as exc:
+                log.warning("dropped a malformed message: %s", exc)
+        return out
+
+    def _fail(self, rid: str, code: str, message: str) -> None:
+        self.errors.send(encode(RequestError(rid=rid, code=code, message=message)))
+
+    def _add(self, msg: EngineRequest) -> None:
+        try:
+            ids = unpack_ids(msg.prompt_ids).tolist()
+        except MessageError as exc:
+            self._fail(msg.rid, "INVALID_ARGUMENT", f"prompt_ids: {exc}")
+            return
+        # Only the engine knows its own context and pool: a prompt they cannot hold is the client's.
+        problem = self.engine.capacity_problem(len(ids))
+        if problem is not None:
+            self._fail(msg.rid, "INVALID_ARGUMENT", problem)
+            return
+        # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
+        arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
+        self.recently_done.pop(msg.rid, None)
+        try:
+            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt)
+            if self.tombstones.take(msg.rid):  # its abort overtook it: it ends at the next step
+                self.engine.abort(msg.rid)
+        except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine
+            log.exception("adding %s failed", msg.rid)
+            self._fail(msg.rid, "INTERNAL", f"engine: {exc}")
+
+
+def engine_threads(config: EngineConfig) -> int:
+    """torch intra-op threads for an engine process with this config (see EngineConfig.cpu_threads)."""
+    import torch
+
+    from pipeserve.cpus import engine_core_count
+
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    if config.cpu_threads or on_cpu:
+        return engine_core_count(config, len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfg.add_arguments(parser, EngineConfig)
+    cfg.add_arguments(parser, Addresses)
+    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="seconds between heartbeats")
+    parser.add_argument("--engine-index", type=int, default=0,
+                        help="data parallel: this engine's index (it binds that entry of --requests and "
+                        "--control when they list one endpoint per engine)")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.model is None:
+        args.model = os.environ.get("PIPESERVE_MODEL")  # as the tokenizer and detokenizer read it
+    config, addrs = cfg.from_args(EngineConfig, args), cfg.from_args(Addresses, args)
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    import torch  # only in this process
+
+    from pipeserve.engine.engine import Engine
+
+    torch.set_num_threads(engine_threads(config))
+    engine = Engine(config)
+    ctx = zmq.Context()
+    requests, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    for sock in (requests, control):
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
+    steps, errors, status = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    try:
+        requests.bind(engine_endpoint(addrs.requests, args.engine_index))
+        control.bind(engine_endpoint(addrs.control, args.engine_index))
+        steps.connect(addrs.steps)
+        errors.connect(addrs.errors)
+        status.connect(addrs.status)
+        loop = EngineLoop(engine, requests, control, steps, errors, status, args.heartbeat, args.engine_index)
+        log.info(
+            "ready (pid %d): engine %d, %s on %s; requests %s, control %s",
+            os.getpid(),
+            args.engine_index,
+            loop.info.name,
+            loop.info.device,
+            engine_endpoint(addrs.requests, args.engine_index),
+            engine_endpoint(addrs.control, args.engine_index),
+        )
+        loop.run(lambda: bool(stopping))
+    finally:
+        engine.close()
+        ctx.destroy(linger=500)
+    return 0

@@ -1,0 +1,224 @@
+"""Continuous batching: every step is one merge step of decode rows (one token per running request)
+and prefill chunks (new or partially prefilled requests), under a token budget and a request cap.
+FCFS admission through the admission policy; preemption by recompute when the pool runs dry. With
+prefix caching a request is admitted on the longest run of cached pages that starts its tokens, and
+its prefill starts at the first token they do not hold; the pages a step fills are findable from
+that step on (the model writes every row's K/V before any attention reads the cache, so a request
+admitted later in the same step shares them)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeserve.engine.kv.policy import AdmissionPolicy
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)  # one row each, first in the flat batch
+    prefill: list[Sequence] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)  # chunk length of each prefill request
+    # Speculative verification: decoding requests whose row is their newest token followed by
+    # proposed tokens (a chunk of 1 + len(proposal) against their cache), placed before the prefills.
+    verify: list[Sequence] = field(default_factory=list)
+    proposals: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(self.prefill_lens) + sum(1 + len(p) for p in self.proposals)
+
+    def sampling(self) -> list[Sequence]:
+        """Requests that sample this step, in row order: every decode row and each prefill whose
+        chunk reaches the end of its tokens (a partial chunk only fills the cache)."""
+        done = [
+            s
+            for s, n in zip(self.prefill, self.prefill_lens, strict=True)
+            if s.num_computed + n == s.num_tokens
+        ]
+        return self.decode + self.verify + done
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: KVPool,
+        policy: AdmissionPolicy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        on_admit: Callable[[Sequence], None],
+        on_release: Callable[[Sequence], None],
+    ):
+        self.pool, self.policy = pool, policy
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.on_admit, self.on_release = on_admit, on_release  # the runner's per-slot state
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of those, tokens found
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self, proposals: dict[Sequence, list[int]] | None = None) -> ScheduledBatch:
+        """proposals: speculative tokens of decoding requests, verified this step (as many as the
+        token budget and the pool have room for: they are cut before anything is preempted). A
+        request in proposals verifies even with none left (a sampled draft decides its token so)."""
+        batch = ScheduledBatch()
+        proposals = proposals or {}
+        budget = self.max_num_batched_tokens
+        preempted = False
+        # Running requests in admission order: decode rows, then chunks of unfinished prefills.
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = seq.num_uncomputed
+            verifying = n == 1 and seq in proposals
+            proposal = proposals[seq][: budget - 1] if verifying else []
+            chunk = 1 + len(proposal) if n == 1 else min(n, budget)
+            while not self.pool.grow(seq, seq.num_computed + chunk):
+                if proposal:  # speculation never costs another request its pages
+                    proposal, chunk = [], 1
+                    continue
+                preempted = True
+                later = self.running[self.running.index(seq) + 1 :]
+                victim = self.policy.pick_victim(later) if later else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if verifying:
+                batch.verify.append(seq)
+                batch.proposals.append(proposal)
+            elif n == 1:
+                batch.decode.append(seq)
+            else:
+                batch.prefill.append(seq)
+                batch.prefill_lens.append(chunk)
+            if self.pool.prefix_caching:  # only real tokens: a proposal's page is never published
+                self.pool.commit(seq, seq.num_computed + min(chunk, n))
+            budget -= chunk
+        # New requests, strictly first come first served; none in a step that had to preempt.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = min(
+                self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
+                self.pool.num_pages,
+            )
+            root = b""
+            cached: list[int] = []
+            hashes: list[bytes] = []
+            if self.pool.prefix_caching:  # its first chunk, were it computed cold, is the budget's
+                root = self.pool.root(seq, min(seq.num_tokens, budget))
+                if seq.params.prompt_logprobs is None:  # else every prompt row must run: no cache hit
+                    cached, hashes = self.pool.match(seq, root)
+            if self.pool.cost(cached, need) > self.pool.available or not self.policy.admits(
+                seq, self.running, self.pool, self.max_model_len, cached
+            ):
+                break
+            self.waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            seq.status = Status.RUNNING
+            if self.pool.prefix_caching:
+                self.pool.attach(seq, root, cached, hashes)
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed
+                if seq.num_output == 0:
+                    seq.num_cached_tokens = seq.num_computed
+            self.pool.reserve(seq, need)
+            self.running.append(seq)
+            self.on_admit(seq)
+            chunk = min(seq.num_uncomputed, budget)
+            if not self.pool.grow(seq, seq.num_computed + chunk):  # beyond a capped reservation
+                self.preempt(seq)
+                break
+            batch.prefill.append(seq)
+            batch.prefill_lens.append(chunk)
+            if self.pool.prefix_caching:
+                self.pool.commit(seq, seq.num_computed + chunk)
+            budget -= chunk
+        return batch
+
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[Sequence],
+        tokens: list[int],
+        accepted: list[list[int]] | None = None,
+    ) -> list[Sequence]:
+        """Advance the cache positions, append sampled tokens and finish requests that stop.
+        accepted: per sampled request, the proposals verification kept, emitted before its sampled
+        token (a stop or max_tokens inside them ends the request there). Returns the requests that
+        finished."""
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, n in zip(batch.prefill, batch.prefill_lens, strict=True):
+            seq.num_computed += n
+        finished = []
+        verifying = set(batch.verify)
+        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
+            kept = accepted[i] if accepted else []
+            if seq in verifying:
+                # Its newest token and the kept proposals have their K/V; the rest are overwritten
+                # later, and the pages past them go back to the request's promise.
+                seq.num_computed += 1 + len(kept)
+                self.pool.shrink(seq, seq.num_computed)
+            for tok in (*kept, token):
+                seq.token_ids.append(tok)
+                reason = self._stop_reason(seq, tok)
+                if reason:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str:
+        if token in seq.stop_ids and seq.num_output > seq.params.min_tokens:  # sampler masks them before
+            return "stop"
+        if seq.num_output >= seq.params.max_tokens:
+            return "length"
+        # The next token must fit in the context and in the whole pool, or it could never run.
+        if (
+            seq.num_tokens >= self.max_model_len
+            or self.pool.pages_for(seq.num_tokens + 1) > self.pool.num_pages
+        ):
+            return "length"
+        return ""
+
+    # -- leaving the running set ------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq)
+        self.on_release(seq)
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+        self.running.remove(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the cache, keep the tokens, go back to the head of the queue."""
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self._release(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.policy.on_finish(seq)

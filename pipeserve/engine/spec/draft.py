@@ -1,0 +1,129 @@
+"""A draft model: a small checkpoint sharing the target's tokenizer, run by the same engine with its
+own KV pool, proposing k tokens per speculating request autoregressively (one batched forward pass
+per proposed token).
+
+Its cache follows the target's accepted tokens through a shadow Sequence per request slot, which
+holds the draft's pages and how many of the request's tokens the draft has computed. Before
+proposing, the shadow catches up on the request's new tokens (a chunk against its cache, like a
+prefill chunk); after verification its computed length falls back to the tokens the target kept,
+so K/V written for rejected proposals is overwritten later."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeserve.engine.compiled_step import CompiledDecode
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.model.llama import LlamaForCausalLM
+from pipeserve.engine.runner import ModelRunner
+from pipeserve.engine.sampler import Sampler, race
+from pipeserve.engine.scheduler import ScheduledBatch
+from pipeserve.engine.sequence import Sequence, Status
+
+from .verifier import DRAFT_SALT, DraftProposals
+
+
+class DraftModel:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sampler: Sampler, device: torch.device,
+                 max_num_seqs: int, max_num_batched_tokens: int,
+                 compiled: CompiledDecode | None = None) -> None:
+        """compiled: the draft's compiled decode steps (its rounds of one token per request)."""
+        self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.runner = ModelRunner(model, pool, sampler, device, max_num_seqs, max_num_batched_tokens, None,
+                                  compiled=compiled)
+        self.runner.warm_up()
+        self.shadows: dict[int, Sequence] = {}  # by the target request's slot
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        shadow = self.shadows.get(seq.slot)
+        if shadow is None:
+            shadow = Sequence(seq.rid, [], 0, seq.params, 0.0, status=Status.RUNNING, slot=seq.slot)
+            self.shadows[seq.slot] = shadow
+        # The draft's computed prefix agrees with the request; refresh the tokens after it.
+        del shadow.token_ids[shadow.num_computed :]
+        shadow.token_ids.extend(seq.token_ids[shadow.num_computed :])
+        return shadow
+
+    def propose(
+        self, seqs: list[Sequence], rounds: np.ndarray
+    ) -> tuple[dict[Sequence, list[int]], DraftProposals]:
+        """Draw rounds[i] tokens for seqs[i] (each decoding: its newest token uncomputed by the
+        target); the caller proposes a prefix of them. A request whose draft cache cannot catch up
+        in this step's token budget, or whose pages the draft pool lacks, draws nothing."""
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch()
+        active: list[tuple[int, Sequence]] = []
+        for i, seq in enumerate(seqs):
+            shadow = self._shadow(seq)
+            lag = shadow.num_uncomputed
+            chunk = min(lag, budget)
+            if chunk == 0 or not self.pool.grow(shadow, shadow.num_computed + chunk):
+                continue
+            budget -= chunk
+            if chunk == 1:
+                batch.decode.append(shadow)
+            else:
+                batch.prefill.append(shadow)
+                batch.prefill_lens.append(chunk)
+            if chunk == lag:
+                active.append((i, shadow))
+        r = max(int(rounds.max(initial=0)), 1)
+        # Distributions are kept for sampled requests only: greedy ones verify by matching.
+        greedy = self.sampler.is_greedy(np.fromiter((s.slot for s in seqs), np.int64, len(seqs)))
+        q_row = np.cumsum(~greedy) - 1  # row in q of each sampled request
+        q = torch.zeros(int((~greedy).sum()), r, self.sampler.vocab_size, device=self.device)
+        drawn = torch.zeros(q.shape[0], r, dtype=torch.int64, device=self.device)
+        tokens: dict[Sequence, list[int]] = {}
+        for j in range(r):
+            if not batch.num_tokens:
+                break
+            order = batch.sampling()  # the active shadows whose chunk reaches their newest token
+            _, logits = self.runner.forward(batch)
+            for shadow, n in zip(batch.prefill, batch.prefill_lens, strict=True):
+                shadow.num_computed += n
+            for shadow in batch.decode:
+                shadow.num_computed += 1
+            if logits is None or not order:
+                break
+            index = {id(s): i for i, s in active}
+            idx_np = np.fromiter((index[id(s)] for s in order), np.int64, len(order))
+            slots = np.fromiter((s.slot for s in order), np.int64, len(order))
+            slots_t = torch.as_tensor(slots, device=self.device)
+            steps = self.sampler.generated[slots_t] + j
+            logw = self.sampler.processed_logits(logits, slots, slots_t, steps)
+            # The target's processing of the draft's logits; greedy rows take the argmax.
+            drawn_j = torch.where(self.sampler.greedy[slots_t], logw.argmax(-1),
+                                  race(logw, self.sampler.noise(slots_t, steps, DRAFT_SALT)))
+            keep = ~greedy[idx_np]
+            if keep.any():
+                sel = torch.as_tensor(np.flatnonzero(keep), device=self.device)
+                rows_q = torch.as_tensor(q_row[idx_np[keep]], device=self.device)
+                q[rows_q, j] = torch.softmax(logw.index_select(0, sel), dim=-1)
+                drawn[rows_q, j] = drawn_j.index_select(0, sel)
+            for s, i, t in zip(order, idx_np.tolist(), drawn_j.tolist(), strict=True):
+                tokens.setdefault(seqs[i], []).append(t)
+                s.token_ids.append(t)
+            # The next round: shadows that draw another token and have room for it.
+            batch = ScheduledBatch()
+            still = []
+            for i, s in active:
+                if rounds[i] > j + 1 and self.pool.grow(s, s.num_computed + 1):
+                    batch.decode.append(s)
+                    still.append((i, s))
+            active = still
+        rows = {seq: int(q_row[i]) for i, seq in enumerate(seqs) if not greedy[i]}
+        return tokens, DraftProposals(rows, q, drawn)
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """After verification: the draft's K/V is valid for the request's first num_valid tokens."""
+        shadow = self.shadows.get(seq.slot)
+        if shadow is not None and shadow.num_computed > num_valid:
+            shadow.num_computed = num_valid
+            self.pool.shrink(shadow, num_valid)
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self.shadows.pop(seq.slot, None)
+        if shadow is not None:
+            self.pool.release(shadow)

@@ -1,0 +1,135 @@
+"""One step's verification on the device and the host: the target has sampled every row of the
+batch (each verification row at its own output index); this keeps the proposals `verify.py` accepts
+and lays out what each request emits. One host sync per step, as without speculation."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pipeserve.engine.sampler import Sampler
+from pipeserve.engine.sequence import Sequence
+
+from .verify import accept_matching, rejection_sample
+
+if TYPE_CHECKING:
+    from pipeserve.engine.scheduler import ScheduledBatch
+
+# Salts of the seed's independent streams: the draft's proposals and the acceptance test.
+DRAFT_SALT = 0x5DEECE66D
+ACCEPT_SALT = 0x2545F4914F6CDD1D
+
+
+@dataclass
+class DraftProposals:
+    """What a draft model drew this step: each request's row of tokens [M, R] and of q [M, R, V], the
+    probabilities they were drawn from. A sampled request has one draft token more than it proposed
+    (rejection_sample decides its last row with it); greedy requests' rows are unused (they verify
+    by matching)."""
+
+    rows: dict[Sequence, int]
+    q: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass
+class Verified:
+    row_tokens: list[int]  # the target's sample at every sample row
+    tokens: list[int]  # per sampled request (ScheduledBatch.sampling order): its last emitted token
+    accepted: list[list[int]]  # per sampled request: the kept proposals before that token
+    seq_rows: np.ndarray  # per sampled request: the sample row of its last emitted token
+    slots: np.ndarray  # int64, per emitted token of the step: its slot (Sampler.advance)
+    emitted: np.ndarray  # int64, those tokens
+
+
+class Verifier:
+    def __init__(self, sampler: Sampler, device: torch.device) -> None:
+        self.sampler, self.device = sampler, device
+
+    def verify(
+        self,
+        batch: ScheduledBatch,
+        num_decode: int,
+        sample_slots: np.ndarray,
+        logits: torch.Tensor,
+        row_tokens: torch.Tensor,
+        offsets: tuple[np.ndarray, torch.Tensor],
+        drafts: DraftProposals | None,
+    ) -> Verified:
+        nd, nv = num_decode, len(batch.verify)
+        lens = np.fromiter((len(p) for p in batch.proposals), np.int64, nv)
+        k = int(lens.max())
+        cu = np.zeros(nv + 1, dtype=np.int64)
+        np.cumsum(lens + 1, out=cu[1:])
+        # [nv, k + 1] sample rows of each request's verification rows; padding repeats its last.
+        rows = nd + cu[:-1, None] + np.minimum(np.arange(k + 1)[None, :], lens[:, None])
+        valid = np.arange(k)[None, :] < lens[:, None]
+        proposals = np.full((nv, k), -1, dtype=np.int64)
+        flat_proposals = itertools.chain.from_iterable(batch.proposals)
+        proposals[valid] = np.fromiter(flat_proposals, np.int64, int(lens.sum()))
+        v_slots = sample_slots[rows[:, 0]]
+
+        sampled = np.zeros(0, dtype=np.int64)  # requests verified by rejection sampling
+        sync = [row_tokens]
+        if drafts is not None:
+            sampled = np.flatnonzero(~self.sampler.is_greedy(v_slots))
+        if sampled.size:
+            assert drafts is not None
+            index = torch.as_tensor([drafts.rows[batch.verify[i]] for i in sampled], device=self.device)
+            pad = max(0, k + 1 - drafts.q.shape[1])  # a greedy request proposed the most: no extra row
+            q = torch.nn.functional.pad(drafts.q[index], (0, 0, 0, pad))[:, : k + 1]
+            d = torch.nn.functional.pad(drafts.tokens[index], (0, pad))[:, : k + 1]
+            sync += self._rejection(logits, rows[sampled], lens[sampled], d, v_slots[sampled], q)
+        host = np.asarray(torch.cat([t.reshape(-1) for t in sync]).tolist(), dtype=np.int64)  # the sync
+        num_rows = row_tokens.shape[0]
+        targets = host[:num_rows][rows]
+        kept = accept_matching(targets, proposals, lens)
+        emitted_v = [targets[i, : kept[i] + 1] for i in range(nv)]
+        if sampled.size:
+            n = sampled.size
+            rej_tokens = host[num_rows : num_rows + n * (k + 1)].reshape(n, k + 1)
+            rej_counts = host[num_rows + n * (k + 1) :]
+            for j, i in enumerate(sampled):
+                emitted_v[i] = rej_tokens[j, : rej_counts[j]]
+                kept[i] = rej_counts[j] - 1
+
+        row_list = host[:num_rows].tolist()
+        p_rows = np.arange(nd + int(cu[-1]), num_rows)
+        counts = np.concatenate([np.ones(nd, np.int64), kept + 1, np.ones(p_rows.size, np.int64)])
+        slots = np.repeat(np.concatenate([sample_slots[:nd], v_slots, sample_slots[p_rows]]), counts)
+        emitted = np.concatenate([host[:nd], *emitted_v, host[p_rows]]) if nv else host[:num_rows]
+        tokens = row_list[:nd] + [int(e[-1]) for e in emitted_v] + [row_list[r] for r in p_rows]
+        accepted = [[] for _ in range(nd)] + [e[:-1].tolist() for e in emitted_v]
+        accepted += [[] for _ in range(p_rows.size)]
+        seq_rows = np.concatenate([np.arange(nd), rows[np.arange(nv), kept], p_rows])
+        return Verified(row_list, tokens, accepted, seq_rows, slots, emitted.astype(np.int64))
+
+    def _rejection(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        lens: np.ndarray,
+        draft: torch.Tensor,
+        slots: np.ndarray,
+        q: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Rejection sampling of the draft's samples draft [n, k + 1] (drawn from q [n, k + 1, V]):
+        [tokens [n, k + 1], emitted [n]]."""
+        n, k1 = rows.shape
+        dev, sampler = self.device, self.sampler
+        slots_t = torch.as_tensor(np.repeat(slots, k1), device=dev)
+        steps = (sampler.generated[torch.as_tensor(slots, device=dev)][:, None]
+                 + torch.arange(k1, device=dev)[None, :]).reshape(-1)
+        flat_rows = torch.as_tensor(rows.reshape(-1), device=dev)
+        p_logw = sampler.processed_logits(logits.index_select(0, flat_rows), np.repeat(slots, k1), slots_t,
+                                          steps)
+        u_race = sampler.noise(slots_t, steps)
+        u_accept = sampler.noise(slots_t, steps, ACCEPT_SALT)[:, 0]
+        v = p_logw.shape[-1]
+        tokens, emitted = rejection_sample(p_logw.view(n, k1, v), q, draft, torch.as_tensor(lens, device=dev),
+                                           u_accept.view(n, k1), u_race.view(n, k1, v))
+        return [tokens, emitted]

@@ -1,0 +1,640 @@
+"""The OpenAI-compatible HTTP API (`--http-port`): FastAPI served by uvicorn on the gateway's own
+event loop, a thin front end over the same request lifecycle as gRPC (Gateway.submit / output /
+close: admission, limits, streams, aborts and metrics are shared).
+
+An OpenAI request becomes a GenerateRequest (pipeserve/gateway/client.build_request) and goes
+through the gateway's one validation, so every parameter is checked once whichever front end
+received it. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for an
+invalid parameter (a pydantic validation error too, never a bare 422), 401 without the API key,
+404 for an unknown model, 503 with Retry-After when over capacity or not serving. Streams are
+server-sent events `data: {json}\\n\\n` ending with `data: [DONE]`; a failure after the stream began
+is a `data: {"error": ...}` event. A client that disconnects aborts its requests in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any, Literal, TypeVar
+
+import grpc
+import numpy as np
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeserve.gateway.client import build_request
+from pipeserve.gateway.server import MAX_TOKEN_ID, Delta, Gateway, Reject, Stream
+from pipeserve.messages import ChatMessage, TokenLogprob
+
+MAX_N = 128
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]  # what the int32 wire fields can hold
+RETRY_AFTER = "1"  # seconds a client refused for capacity should wait
+# How the gateway's status codes reach an HTTP client: (status, OpenAI error type).
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+# Gateway field names in messages, as an OpenAI client calls them.
+PARAM_NAMES = {"prompt_token_ids": "prompt", "logprobs": "logprobs", "messages": "messages"}
+PARAM = re.compile(r"^([a-z_]+)")
+
+
+# ---- request bodies --------------------------------------------------------------------------------
+
+
+B = TypeVar("B", bound="Sampling")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class Sampling(BaseModel):
+    """The parameters both endpoints share (OpenAI's and vLLM's extra sampling fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-MAX_TOKEN_ID, le=MAX_TOKEN_ID)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
+    cache_salt: str = ""
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
+
+    def params(self) -> dict[str, Any]:
+        """SamplingParams fields (None: the server default) for build_request."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        out: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in ("seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                         "frequency_penalty", "repetition_penalty", "skip_special_tokens")
+        }
+        out |= {"stop": stop or [], "stop_token_ids": self.stop_token_ids or [],
+                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos}
+        if self.response_format is not None and self.response_format.type == "json_object":
+            out["json_object"] = True
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            schema = (self.response_format.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise HTTPError(400, "response_format.json_schema.schema must be a JSON schema object",
+                                "response_format")
+            out["json_schema"] = schema
+        return out
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKEN_ID)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
+
+
+class ChatMessageBody(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text (OpenAI's list of parts: its text parts, concatenated)."""
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" for part in self.content):
+                raise HTTPError(400, "messages: only text content parts are supported", "messages")
+            return "".join(str(part.get("text", "")) for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessageBody]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
+
+
+class TokenizeBody(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid_body(errors: list[Any]) -> HTTPError:
+    """A request body's first validation error as a 400 naming its parameter (never a bare 422)."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param or 'request body'}: {first.get('msg', 'invalid')}"
+    return HTTPError(400, message, param.split(".")[0] if param else None)
+
+
+def from_reject(reject: Reject) -> HTTPError:
+    """The gateway's refusal as an HTTP error; param is the field the message names first."""
+    status, kind = STATUS.get(reject.code, (500, "server_error"))
+    match = PARAM.match(reject.message) if status == 400 else None
+    param = PARAM_NAMES.get(match.group(1), match.group(1)) if match else None
+    return HTTPError(status, reject.message, param, reject.code.name.lower(), kind)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    """What one engine request (one choice) returned so far."""
+
+    index: int
+    stream: Stream
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    emitted: int = 0  # characters sent so far (text_offset)
+    sent: bool = False  # a stream event of it went out
+    ids: list[int] = field(default_factory=list)  # with return_token_ids
+
+    def add(self, rows: list[Delta]) -> None:
+        for row in rows:
+            self.text.append(row.text)
+            self.logprobs += row.logprobs or ()
+            self.ids += row.ids.tolist()
+            if row.prompt_logprobs is not None:
+                self.prompt_logprobs = row.prompt_logprobs
+
+
+def usage(choices: list[Choice], per_prompt: int, generated: bool = True) -> dict[str, Any]:
+    """OpenAI usage over every choice; the n choices of a prompt count its tokens once. generated
+    False: the output was not returned (max_tokens 0 with echo)."""
+    prompt = sum(c.stream.prompt_tokens for c in choices[::per_prompt])
+    cached = sum(c.stream.cached_prompt_tokens for c in choices[::per_prompt])
+    completion = sum(c.stream.completion_tokens for c in choices) if generated else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's completion logprobs; an echoed first prompt token has none (null, as vLLM)."""
+    offsets, position = [], offset
+    for e in entries:
+        offsets.append(position)
+        position += len(e.token)
+    none = [math.isnan(e.logprob) for e in entries]
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [None if n else e.logprob for n, e in zip(none, entries, strict=True)],
+            "top_logprobs": [None if n else {t.token: t.logprob for t in e.top}
+                             for n, e in zip(none, entries, strict=True)],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t.token, t.logprob) for t in e.top]}
+                        for e in entries]}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """One HTTP generation call: its kind, its choices, and how to render them."""
+
+    chat: bool
+    model: str
+    choices: list[Choice]
+    per_prompt: int
+    logprobs: bool
+    prompts: list[str] = field(default_factory=list)  # echo: each prompt's text, else empty
+    generated: bool = True  # False: max_tokens 0 with echo, the engine's one token is not returned
+    return_token_ids: bool = False  # vLLM's extension: each choice's token ids beside its text
+    rid: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        return {"id": self.rid, "object": self.kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model}
+
+    def choice(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None, first: bool,
+               chunk: bool, ids: list[int]) -> dict[str, Any]:
+        """One choice of a response (chunk: of a stream event); first: its first; ids: its tokens."""
+        out: dict[str, Any] = {"index": c.index}
+        if self.return_token_ids:
+            out["token_ids"] = ids if self.generated else []
+        if self.chat:
+            if chunk:
+                out["delta"] = ({"role": "assistant"} if first else {}) | {"content": text}
+            else:
+                out["message"] = {"role": "assistant", "content": text}
+            out["logprobs"] = chat_logprobs(entries) if self.logprobs else None
+        else:
+            if not self.generated:
+                text, entries = "", []
+            if first and self.prompts:
+                text = self.prompts[c.index // self.per_prompt] + text
+                entries = (c.prompt_logprobs or []) + entries
+            out["text"] = text
+            out["logprobs"] = completion_logprobs(entries, c.emitted) if self.logprobs else None
+            c.emitted += len(text)
+        out["finish_reason"] = finish or None
+        return out
+
+    def final(self) -> dict[str, Any]:
+        choices = [self.choice(c, "".join(c.text), c.logprobs, c.stream.finish, True, False, c.ids)
+                   for c in self.choices]
+        return self.head(False) | {"choices": choices,
+                                   "usage": usage(self.choices, self.per_prompt, self.generated)}
+
+
+class OpenAIServer:
+    """The HTTP front end of one Gateway."""
+
+    def __init__(self, gateway: Gateway, tokenizer: Callable[[], Any]) -> None:
+        self.gateway = gateway
+        self._tokenizer = tokenizer  # loads the served tokenizer (for /tokenize and /detokenize)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+        self.app = self._build()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self, host: str, port: int) -> int:
+        """Listen (the port owned, as gRPC's: no SO_REUSEPORT) and serve on the running loop."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ---- routes ---------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="pipeserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return invalid_body(list(exc.errors())).response()
+
+        @app.exception_handler(HTTPError)
+        async def refused(request: Request, exc: HTTPError) -> JSONResponse:
+            return exc.response()
+
+        # --api-key guards the API; probes and metrics carry no secrets (as vLLM). The two generation
+        # routes are plain Starlette routes (key checked inline, body parsed straight from its
+        # bytes): FastAPI's dependency solving and body machinery cost each request time on the
+        # gateway's loop, before anything reaches the pipeline.
+        app.add_route("/v1/completions", self._parsed(CompletionRequest, self.completions), ["POST"])
+        app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat), ["POST"])
+        keyed = [Depends(self._check_key)]
+        app.get("/v1/models", dependencies=keyed)(self.models)
+        app.post("/tokenize", dependencies=keyed)(self.tokenize)
+        app.post("/detokenize", dependencies=keyed)(self.detokenize)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics)
+        app.get("/version")(self.version)
+        return app
+
+    def _parsed(self, model: type[B], handler: Callable[[B, Request], Awaitable[Response]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+        """A route calling handler with the request's body validated as model (400s as FastAPI's)."""
+
+        async def endpoint(request: Request) -> Response:
+            self._authorize(request)
+            try:
+                body = model.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise invalid_body(exc.errors()) from None
+            return await handler(body, request)
+
+        return endpoint
+
+    async def _check_key(self, request: Request) -> None:  # async: FastAPI runs sync ones on threads
+        self._authorize(request)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.gateway.config.api_key
+        given = request.headers.get("authorization", "")
+        if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY, --api-key)",
+                            code="invalid_api_key", kind="authentication_error")
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self.gateway.serving else 503)
+
+    async def metrics(self) -> Response:
+        return Response(self.gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self) -> dict[str, str]:
+        try:
+            return {"version": version("pipeserve")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    async def models(self) -> dict[str, Any]:
+        info = self.gateway.model_info()
+        if info is None:
+            return {"object": "list", "data": []}
+        model = {"id": info.name, "object": "model", "created": 0, "owned_by": "pipeserve",
+                 "max_model_len": info.context_length}
+        return {"object": "list", "data": [model]}
+
+    def _model(self, requested: str | None) -> str:
+        info = self.gateway.model_info()
+        if info is None:
+            raise HTTPError(503, "not serving: the engine has not reported yet", kind="server_error")
+        if requested and requested != info.name:
+            raise HTTPError(404, f"the model {requested!r} does not exist; this server serves {info.name!r}",
+                            "model", "model_not_found")
+        return info.name
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        model = self._model(body.model)
+        prompts = self._prompts(body.prompt)
+        if body.max_tokens == 0 and not body.echo:
+            raise HTTPError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+        # max_tokens 0 (echo: score the prompt only, as lm-evaluation-harness does): the engine
+        # still samples one token, which is not returned.
+        params = body.params() | {"max_tokens": body.max_tokens or 1, "logprobs": body.logprobs}
+        if body.echo and body.logprobs is not None:
+            params["prompt_logprobs"] = body.logprobs
+        requests = [_build(p, body.cache_salt, params) for p in prompts]
+        call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}",
+                    generated=body.max_tokens != 0, return_token_ids=body.return_token_ids)
+        if body.echo:
+            call.prompts = [p if isinstance(p, str) else await self._decode(p) for p in prompts]
+        return await self._serve(call, requests, body, request)
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        model = self._model(body.model)
+        if not body.messages:
+            raise HTTPError(400, "messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = body.params() | {"max_tokens": max_tokens,
+                                  "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
+                    return_token_ids=body.return_token_ids)
+        return await self._serve(call, [_build(messages, body.cache_salt, params)], body, request,
+                                 fit_max_tokens=max_tokens is None)
+
+    @staticmethod
+    def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise HTTPError(400, "prompt must not be empty", "prompt")
+        prompts: list[Any] = [prompt] if isinstance(prompt[0], int) else list(prompt)
+        for p in prompts:
+            if not isinstance(p, str) and any(not 0 <= i <= MAX_TOKEN_ID for i in p):
+                raise HTTPError(400, f"prompt has token ids outside [0, {MAX_TOKEN_ID}]", "prompt")
+        return prompts
+
+    async def _serve(self, call: Call, requests: list[Any], body: Sampling, request: Request,
+                     fit_max_tokens: bool = False) -> Response:
+        """Submit every prompt's n engine requests, then answer as one JSON body or as a stream."""
+        try:
+            for p, req in enumerate(requests):
+                streams = await self.gateway.submit(req, f"{call.rid}-{p}", body.n, fit_max_tokens)
+                call.choices += [Choice(p * body.n + i, s) for i, s in enumerate(streams)]
+        except Reject as reject:
+            self._close(call)
+            raise from_reject(reject) from None
+        if body.stream:
+            usage_last = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._events(call, usage_last), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await _until_disconnect(request, self._collect(call)))
+        except Reject as reject:
+            raise from_reject(reject) from None
+        finally:
+            self._close(call)
+
+    def _close(self, call: Call) -> None:
+        for c in call.choices:
+            self.gateway.close(c.stream)
+
+    async def _collect(self, call: Call) -> dict[str, Any]:
+        async def one(c: Choice) -> None:
+            async for rows, _ in self.gateway.output(c.stream):
+                c.add(rows)
+
+        await asyncio.gather(*(one(c) for c in call.choices))
+        return call.final()
+
+    async def _events(self, call: Call, usage_last: bool) -> AsyncIterator[bytes]:
+        """The SSE stream of a call: chunks as each choice's output arrives, then [DONE]. Leaving
+        early (a disconnect cancels this generator) closes every stream: the engine aborts them."""
+        try:
+            async for c, rows, last in self._merged(call):
+                text = "".join(r.text for r in rows)
+                entries = [e for r in rows for e in (r.logprobs or ())]
+                ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
+                first = not c.sent
+                c.add(rows)
+                if not text and not entries and not ids and not last and not first:
+                    continue  # nothing a client reads (e.g. text held back by the detokenizer)
+                if first and not call.generated and not last:
+                    continue  # max_tokens 0: the prompt goes out with the finish
+                choice = call.choice(c, text, entries, c.stream.finish if last else None, first, True, ids)
+                c.sent = True
+                yield sse(call.head(True) | {"choices": [choice]})
+            if usage_last:
+                totals = usage(call.choices, call.per_prompt, call.generated)
+                yield sse(call.head(True) | {"choices": [], "usage": totals})
+        except Reject as reject:
+            yield sse(from_reject(reject).body())
+        finally:
+            self._close(call)
+        yield b"data: [DONE]\n\n"
+
+    async def _merged(self, call: Call) -> AsyncIterator[tuple[Choice, list[Delta], bool]]:
+        """Every choice's output in arrival order (one choice: read directly, no tasks)."""
+        if len(call.choices) == 1:
+            (c,) = call.choices
+            async for rows, last in self.gateway.output(c.stream):
+                yield c, rows, last
+            return
+        queue: asyncio.Queue[tuple[Choice, list[Delta], bool] | Reject | None] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for rows, last in self.gateway.output(c.stream):
+                    queue.put_nowait((c, rows, last))
+            except Reject as reject:
+                queue.put_nowait(reject)
+            queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(c)) for c in call.choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Reject):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # ---- tokenizer endpoints -------------------------------------------------------------------
+    async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        self._model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "prompt or messages: give exactly one", "prompt")
+        tokenizer = await self._load_tokenizer()
+
+        def encode() -> list[int]:
+            if body.prompt is not None:
+                ids: list[int] = tokenizer.tokenizer.encode(body.prompt,
+                                                            add_special_tokens=body.add_special_tokens)
+                return ids
+            chat = [ChatMessage(m.role, m.text()) for m in body.messages or []]
+            chat_ids: list[int] = tokenizer.encode_messages(chat)
+            return chat_ids
+
+        try:
+            ids = await asyncio.to_thread(encode)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "messages") from None
+        return {"count": len(ids), "max_model_len": tokenizer.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        self._model(body.model)
+        tokenizer = await self._load_tokenizer()
+        ids = np.asarray(body.tokens, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+            raise HTTPError(400, f"tokens: ids must be in [0, {tokenizer.vocab_size})", "tokens")
+        return {"prompt": await self._decode(body.tokens)}
+
+    async def _decode(self, ids: list[int]) -> str:
+        tokenizer = await self._load_tokenizer()
+        text: str = await asyncio.to_thread(tokenizer.tokenizer.decode, ids)
+        return text
+
+    async def _load_tokenizer(self) -> Any:
+        return await asyncio.to_thread(self._tokenizer)
+
+
+def _build(prompt: Any, cache_salt: str, params: dict[str, Any]) -> Any:
+    """The GenerateRequest of one prompt; a value the protobuf field cannot hold (an integer out of
+    its range) is the client's error, not a 500."""
+    try:
+        return build_request(prompt, cache_salt=cache_salt, **params)
+    except (ValueError, TypeError) as exc:
+        raise HTTPError(400, f"a parameter is out of range: {exc}") from None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the gateway owns SIGINT/SIGTERM and stops it in order."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """work's result, or CancelledError for it when the client disconnects first (a non-streaming
+    call notices nothing otherwise and would keep its requests running in the engine)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()

@@ -1,0 +1,182 @@
+"""A tokenizer worker process: PULL TokenizeRequest from the gateway, PUSH EngineRequest (token ids
+only) to the engine, or RequestError to the gateway. Stateless: run as many as the load needs; they
+connect, the gateway and the engine bind.
+
+It trusts the gateway's validation (request shape, sampling parameters) and checks only what needs
+the tokenizer: prompt length against the context, ids against the vocabulary, the chat template,
+and that a structured-output constraint builds into a grammar (xgrammar, and with it torch, is
+imported on the first such request), and that max_tokens fits in what the context leaves."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+import zmq
+
+from pipeserve.messages import (
+    ChatMessage,
+    EngineRequest,
+    MessageError,
+    RequestError,
+    TokenizeRequest,
+    encode,
+    pack_ids,
+    unpack_ids,
+)
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.tokenizer.load import (
+    add_worker_arguments,
+    connect_engines,
+    load_for,
+    model_limits,
+    start_worker,
+    worker_sockets,
+)
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A bad request; the message names the offending field as the client spelled it."""
+
+
+class Tokenizer:
+    """TokenizeRequest -> EngineRequest, socket-free (tests drive it directly)."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = min(len(tokenizer), vocab_size or len(tokenizer))
+
+    def handle(self, req: TokenizeRequest) -> EngineRequest | RequestError:
+        try:
+            return self.prepare(req)
+        except InvalidRequest as exc:
+            return RequestError(req.rid, "INVALID_ARGUMENT", str(exc))
+        except Exception as exc:  # a tokenizer bug must fail one request, not the worker
+            log.exception("tokenizing %s failed", req.rid)
+            return RequestError(req.rid, "INTERNAL", f"tokenizer failed: {exc}")
+
+    def handle_all(self, req: TokenizeRequest) -> list[EngineRequest | RequestError]:
+        """handle(), once, for every engine request of req (n > 1: the same ids, or the same error,
+        under each engine id; a seeded request's copy i samples with seed + i)."""
+        out = self.handle(req)
+        if req.n == 1:
+            return [out]
+        if isinstance(out, RequestError):
+            return [replace(out, rid=rid) for rid in req.engine_rids()]
+        seed = out.sampling.seed
+        return [
+            replace(out, rid=rid,
+                    sampling=replace(out.sampling, seed=None if seed is None else (seed + i) % 2**63))
+            for i, rid in enumerate(req.engine_rids())
+        ]
+
+    def prepare(self, req: TokenizeRequest) -> EngineRequest:
+        """Token ids within the model's limits. The gateway validated the request's shape (one
+        non-empty input) and its sampling parameters; what needs the tokenizer is checked here."""
+        inputs = [(name, value) for name, value in (("prompt", req.prompt), ("messages", req.messages),
+                                                   ("prompt_token_ids", req.prompt_ids)) if value is not None]
+        assert len(inputs) == 1, f"the gateway sent {len(inputs)} inputs"
+        name = inputs[0][0]
+        if req.prompt is not None:
+            ids = self.tokenizer.encode(req.prompt)
+        elif req.messages is not None:
+            ids = self.encode_messages(req.messages)
+        else:
+            ids = self._check_ids(req.prompt_ids or b"")
+        if req.sampling.constrained:
+            self._check_constraint(req.sampling)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
+                                 f"context of {self.max_model_len} tokens")
+        room = self.max_model_len - len(ids)
+        params = req.sampling
+        if req.fit_max_tokens and params.max_tokens > room:
+            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        if params.max_tokens > room:  # refused, not silently cut short (as vLLM does)
+            raise InvalidRequest(f"max_tokens is {params.max_tokens}, but the context is "
+                                 f"{self.max_model_len} tokens and {name} takes {len(ids)}: at most {room} "
+                                 "can be generated; lower max_tokens")
+        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival, req.cache_salt)
+
+    @staticmethod
+    def _check_constraint(params: SamplingParams) -> None:
+        from pipeserve.grammar import check_constraint  # imports torch: only when a request needs it
+
+        try:
+            check_constraint(params)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("messages: this model has no chat template; send a prompt instead")
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors, including the template's own raise_exception()
+            raise InvalidRequest(f"messages: the chat template rejected them: {exc}") from exc
+        # The template writes the special tokens (BOS included) itself.
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def _check_ids(self, packed: bytes) -> list[int]:
+        try:
+            ids = unpack_ids(packed)
+        except MessageError as exc:
+            raise InvalidRequest(f"prompt_token_ids: {exc}") from exc
+        if not len(ids):
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if len(bad):
+            raise InvalidRequest(f"prompt_token_ids: id {int(bad[0])} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        result: list[int] = ids.tolist()
+        return result
+
+
+def serve(
+    worker: Tokenizer, pull: zmq.Socket[bytes], requests: list[zmq.Socket[bytes]], errors: zmq.Socket[bytes]
+) -> None:
+    """Forever: tokenize, then send to the engine the gateway routed the request to (requests[i] is
+    connected to engine i)."""
+    while True:
+        frame = pull.recv()
+        try:
+            req = TokenizeRequest.decode(frame)
+        except MessageError as exc:
+            log.warning("dropping malformed message: %s", exc)
+            continue
+        # All n copies go to the one engine the gateway chose, so they share its prefix cache.
+        for out in worker.handle_all(req):
+            log.debug("tokenized %s: %s", out.rid, out.TAG)
+            (requests[req.engine] if isinstance(out, EngineRequest) else errors).send(encode(out))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # --max-model-len: give the engine's value when it serves a shorter context than the model's.
+    add_worker_arguments(parser, {"tokenize": "connect: requests from the gateway",
+                                  "requests": "connect: token ids to the engine (data parallel: one "
+                                              "endpoint per engine, comma-separated)",
+                                  "errors": "connect: rejections to the gateway"})
+
+
+def main(args: argparse.Namespace) -> int:
+    model_dir, tokenizer = load_for(start_worker(args, "tokenizer"))
+    limits = model_limits(model_dir)
+    max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
+    worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
+    with worker_sockets() as ctx:
+        pull, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        requests = connect_engines(ctx, args.requests)
+        pull.connect(args.tokenize)
+        errors.connect(args.errors)
+        log.info("ready (pid %d): %s -> %s, context %d", os.getpid(), args.tokenize, args.requests,
+                 max_model_len)
+        serve(worker, pull, requests, errors)
+    return 0
