@@ -14,8 +14,8 @@ import pytest
 from pipeserve.config import Addresses, EngineConfig, GatewayConfig, engine_endpoint, engine_endpoints
 from pipeserve.cpus import CpuSplit, engine_core_sets
 from pipeserve.detokenizer.worker import Detokenizer, Row
+from pipeserve.gateway.health import engine_index
 from pipeserve.gateway.router import BLOCK_CHARS, Router, prefix_blocks
-from pipeserve.gateway.server import engine_index
 from pipeserve.launcher import plan
 from pipeserve.messages import ProcessStatus, StepOutput, encode, pack_ids
 from tests.test_detokenizer import new
@@ -143,13 +143,13 @@ def fake2(tmp_path):
 
 def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> None:
     fake2.per_engine[0] = {"running": 4, "waiting": 2, "pages_used": 0}  # load 12
-    fake2.wait(lambda: fake2.gateway.router.engines[0].load() == 12)
+    fake2.wait(lambda: fake2.gateway.core.router.engines[0].load() == 12)
     first = fake2.client.stream(LONG + "one", request_id="p1")
     assert fake2.next_request().engine == 1
     # Engine 1 is busier now, but within the threshold (7 vs 0): the prefix keeps to it; a request
     # without a shared prefix goes to the least loaded.
     fake2.per_engine = {0: {"running": 0, "waiting": 0}, 1: {"running": 7, "waiting": 0}}
-    fake2.wait(lambda: [v.load() for v in fake2.gateway.router.engines] == [0, 7])
+    fake2.wait(lambda: [v.load() for v in fake2.gateway.core.router.engines] == [0, 7])
     second = fake2.client.stream(LONG + "two", request_id="p2")
     assert fake2.next_request().engine == 1
     third = fake2.client.stream("a short prompt", request_id="p3")
@@ -169,7 +169,7 @@ def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> N
     assert fake2.metric('pipeserve_topology{data_parallel_size="2",tensor_parallel_size="1"}') == 1
     info = fake2.client.model_info()
     assert (info.data_parallel_size, info.tensor_parallel_size) == (2, 1)
-    fake2.wait(lambda: fake2.gateway.router.engines[1].load() == 7)
+    fake2.wait(lambda: fake2.gateway.core.router.engines[1].load() == 7)
     engines = fake2.client.model_info().engines
     assert [(e.index, e.serving, e.running, e.waiting, e.routed) for e in engines] == [
         (0, True, 0, 0, 2), (1, True, 7, 0, 2)]
@@ -179,7 +179,7 @@ def stream_on(fake2: FakePipeline, engine: int, rid: str) -> Any:
     """A stream the router sends to `engine`: the other engine reports a queue, this one none."""
     loads = {engine: 0, 1 - engine: 20}
     fake2.per_engine = {engine: {"running": 0, "waiting": 0}, 1 - engine: {"running": 0, "waiting": 5}}
-    fake2.wait(lambda: all(fake2.gateway.router.engines[i].load() == load for i, load in loads.items()))
+    fake2.wait(lambda: all(fake2.gateway.core.router.engines[i].load() == load for i, load in loads.items()))
     call = fake2.client.stream("x", request_id=rid)
     assert fake2.next_request().engine == engine
     return call
@@ -202,7 +202,7 @@ def test_one_engine_down_fails_only_its_streams_and_its_aborts_go_to_it(fake2) -
     assert "".join(r.text for r in on0) == "c" and [r.text for r in again] == ["d"]
     fake2.boots[1] = 2
     fake2.status.send(encode(ProcessStatus(process="engine-1", up=True)))
-    fake2.wait(lambda: fake2.gateway.router.engines[1].live)
+    fake2.wait(lambda: fake2.gateway.core.router.engines[1].live)
     last = stream_on(fake2, 1, "n2")  # back, and taking requests
     fake2.send([("n2", "e", [5], "stop")])
     assert [r.text for r in last] == ["e"]

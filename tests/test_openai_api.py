@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -133,6 +135,7 @@ def test_prompt_forms_and_n(api):
 
 
 def test_stream_include_usage_and_sse_framing(api):
+    api.call(api.serve, [("a", [1], ""), ("b", [2], ""), ("", [], "length")])  # the response waits for it
     with httpx.Client(base_url=api.url, timeout=10) as http:
         with http.stream(
             "POST",
@@ -146,7 +149,6 @@ def test_stream_include_usage_and_sse_framing(api):
         ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
-            api.serve([("a", [1], ""), ("b", [2], ""), ("", [], "length")])
             body = response.read().decode()
     events = body.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
@@ -324,9 +326,10 @@ def test_errors_as_the_sdk_exception_classes(tmp_path):
 
 def test_error_after_the_stream_began_is_an_sse_error_event(fresh):
     api = fresh  # the engine is reported down
+    served = api.call(api.serve, [("a", [1], "")])
     with httpx.Client(base_url=api.url, timeout=10) as http:
         with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as response:
-            rid = api.serve([("a", [1], "")])
+            rid = served.result(10)
             lines = (line for line in response.iter_lines() if line)
             first = json.loads(next(lines).removeprefix("data: "))
             api.status.send(encode(ProcessStatus("engine", False)))  # only once "a" was streamed
@@ -338,12 +341,53 @@ def test_error_after_the_stream_began_is_an_sse_error_event(fresh):
     assert api.next_abort().rids == [rid]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_refusal_before_the_first_token_is_an_http_error_even_when_streamed(api, chat):
+    """The pipeline refuses a streamed request (no chat template, max_tokens beyond the context)
+    before its first token: a 400 with OpenAI's error body and no stream bytes, so the SDK raises
+    BadRequestError as it does without streaming."""
+    message = "messages: this model has no chat template; send a prompt instead" if chat else (
+        "max_tokens is 900, but the context is 512 tokens and prompt takes 3: at most 509 can be "
+        "generated; lower max_tokens")
+
+    def refuse() -> None:
+        api.errors.send(encode(RequestError(api.next_request().rid, "INVALID_ARGUMENT", message)))
+
+    api.call(refuse)
+    with pytest.raises(openai.BadRequestError) as refused:
+        if chat:
+            list(api.openai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "q"}],
+                                                    stream=True))
+        else:
+            list(api.openai.completions.create(model="fake", prompt="x", max_tokens=900, stream=True))
+    assert refused.value.status_code == 400 and refused.value.param == ("messages" if chat else "max_tokens")
+    api.call(refuse)
+    response = httpx.post(api.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10)
+    assert response.status_code == 400 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["message"] == message
+    api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
+
+
+def test_a_streamed_n_request_refused_in_one_choice_before_any_token_is_an_http_error(api):
+    def refuse() -> None:
+        req = api.next_request()
+        api.errors.send(encode(RequestError(req.engine_rids()[1], "INVALID_ARGUMENT", "prompt is too long")))
+
+    api.call(refuse)
+    response = httpx.post(api.url + "/v1/completions", json={"prompt": "x", "stream": True, "n": 2},
+                          timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert api.next_abort().rids[0].endswith("-0")  # the other choice is aborted in the engine
+    api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_in_the_engine(api, stream):
     with httpx.Client(base_url=api.url, timeout=10) as http:
         if stream:
+            served = api.call(api.serve, [("a", [1], "")])
             with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as response:
-                rid = api.serve([("a", [1], "")])
+                rid = served.result(10)
                 next(response.iter_bytes())
         else:
 
@@ -442,9 +486,9 @@ def test_grpc_traffic_counts_in_the_same_metrics(fresh):
 def test_return_token_ids_keeps_tokens_whose_text_is_held_back(api):
     """A token that adds no text yet (half a UTF-8 character) still reaches the client's ids."""
     body = {"prompt": "x", "stream": True, "return_token_ids": True}
+    api.call(api.serve, [("a", [1], ""), ("", [2], ""), ("é", [3], "length")])
     with httpx.Client(base_url=api.url, timeout=10) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
-            api.serve([("a", [1], ""), ("", [2], ""), ("é", [3], "length")])
             raw = response.read().decode().split("\n\n")[:-2]
     events = [json.loads(e.removeprefix("data: ")) for e in raw]
     assert [i for e in events for i in e["choices"][0]["token_ids"]] == [1, 2, 3]
@@ -458,17 +502,17 @@ def test_data_parallel_http_requests_are_routed_and_metrics_carry_the_engine(tmp
     try:
         api.per_engine = {0: {"running": 3, "waiting": 5, "pages_used": 50, "pages_total": 100},
                           1: {"running": 1, "waiting": 0, "pages_used": 10, "pages_total": 40}}
-        api.wait(lambda: [v.load() for v in api.gateway.router.engines] == [23, 1])
+        api.wait(lambda: [v.load() for v in api.gateway.core.router.engines] == [23, 1])
         done = api.call(api.openai.completions.create, model="fake", prompt="x", max_tokens=2, n=2)
         req = api.next_request()
         assert (req.engine, req.n) == (1, 2)
         for rid in req.engine_rids():
             api.send([(rid, "a", [1], "stop")])
         assert [c.text for c in done.result(10).choices] == ["a", "a"]
+        served = api.call(api.serve, [("b", [2], "")])
         with httpx.Client(base_url=api.url, timeout=10) as http:
             with http.stream("POST", "/v1/completions", json={"prompt": "y", "stream": True}) as response:
-                rid = api.next_request().rid
-                api.send([(rid, "b", [2], "")])
+                rid = served.result(10)
                 next(response.iter_bytes())
         assert api.next_abort(engine=1).rids == [rid] and not api.controls[0].poll(200)
         api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
@@ -482,3 +526,34 @@ def test_data_parallel_http_requests_are_routed_and_metrics_carry_the_engine(tmp
         assert 'pipeserve:num_requests_running{engine="1"} 1.0' in httpx.get(api.url + "/metrics").text
     finally:
         api.close()
+
+
+def test_the_http_front_end_imports_nothing_of_grpc():
+    """openai_api runs over the transport-free core: importing it (and serving a request's types)
+    loads no grpc, protobuf or gRPC front-end module."""
+    code = (
+        "import sys, pipeserve.gateway.openai_api\n"
+        "grpc = ('grpc', 'grpc_health', 'grpc_reflection', 'google.protobuf', 'pipeserve.gateway.pb',\n"
+        "        'pipeserve.gateway.grpc_api', 'pipeserve.gateway.server', 'pipeserve.gateway.client')\n"
+        "print(sorted(m for m in sys.modules if any(m == g or m.startswith(g + '.') for g in grpc)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_generate_cli_on_the_http_port_says_to_use_the_grpc_one(api, capsys, json_out):
+    from pipeserve import cli
+    from pipeserve.gateway import client
+
+    target = f"127.0.0.1:{api.gateway.http.port}"
+    parser = cli.build_parser(cli.COMMANDS, "pipeserve", "generate")
+    args = parser.parse_args(["hello", "--target", target, "--timeout", "10",
+                              *(["--json"] if json_out else [])])
+    assert client.main(args) == 1
+    out, err = capsys.readouterr()
+    text = json.loads(out)["error"]["message"] if json_out else err
+    assert f"{target} is an HTTP port" in text and "gRPC port (--port, 50051" in text
+    assert len(text.strip().splitlines()) == 1
+    assert client.http_hint(api.target) is None  # the gRPC port is no HTTP/1 port

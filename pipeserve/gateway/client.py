@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 import typing
@@ -317,6 +318,22 @@ def logprob_lines(completion: Completion) -> list[str]:
     ]
 
 
+def http_hint(target: str, timeout: float = 2.0) -> str | None:
+    """When target answers HTTP/1.x (the OpenAI HTTP port, say) rather than gRPC: one line saying
+    so; else None. Asked only after a call failed, so it costs a working target nothing."""
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n".encode())
+            head = sock.recv(16)
+    except (OSError, ValueError):
+        return None
+    if not head.startswith(b"HTTP/1."):
+        return None
+    return (f"{target} is an HTTP port (the OpenAI-compatible API?), not gRPC: give --target the "
+            f"gateway's gRPC port (--port, {DEFAULT_TARGET.rpartition(':')[2]} by default)")
+
+
 def main(args: argparse.Namespace) -> int:
     sampling = {f.name: getattr(args, f.name) for f in fields(SamplingParams)}
     prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
@@ -341,11 +358,14 @@ def main(args: argparse.Namespace) -> int:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
         except grpc.RpcError as exc:
-            message = f"{exc.code().name}: {exc.details()}"
+            # Nothing came back: perhaps --target names the HTTP port (plaintext only: TLS would fail first).
+            http = None if args.tls or args.tls_root_cert or first else http_hint(args.target)
+            details = http or exc.details()
             if args.json:
-                print(json.dumps({"error": {"code": exc.code().name, "message": exc.details()}}))
+                print(json.dumps({"error": {"code": exc.code().name, "message": details}}))
             else:
-                print(f"\nerror: {message}", file=sys.stderr)
+                line = details if http else f"{exc.code().name}: {details}"
+                print(f"{chr(10) if first else ''}error: {line}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - start
     ttft = None if first is None else first - start

@@ -49,7 +49,7 @@ def test_api_key_is_required(keyed):
     assert keyed.client.health() == "SERVING"  # probes carry no secret
     token = [("authorization", "Bearer s3cret")]
     assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=5, metadata=token).name
-    assert keyed.gateway.streams == {}
+    assert keyed.gateway.core.streams == {}
 
 
 def test_clients_send_the_api_key(keyed):
@@ -69,7 +69,7 @@ def test_clients_send_the_api_key(keyed):
             assert await client.abort("no-such-id") is False
 
     asyncio.run(scenario())
-    keyed.wait(lambda: not keyed.gateway.streams)
+    keyed.wait(lambda: not keyed.gateway.core.streams)
 
 
 def test_tls_only(tmp_path, certificate):

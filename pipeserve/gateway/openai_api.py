@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API (`--http-port`): FastAPI served by uvicorn on the gateway's own
-event loop, a thin front end over the same request lifecycle as gRPC (Gateway.submit / output /
-close: admission, limits, streams, aborts and metrics are shared).
+event loop, a thin front end over the gateway's core (gateway/requests.py: admission, limits,
+streams, aborts and metrics are shared with gRPC). It imports nothing of gRPC or protobuf.
 
-An OpenAI request becomes a GenerateRequest (pipeserve/gateway/client.build_request) and goes
-through the gateway's one validation, so every parameter is checked once whichever front end
-received it. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for an
-invalid parameter (a pydantic validation error too, never a bare 422), 401 without the API key,
-404 for an unknown model, 503 with Retry-After when over capacity or not serving. Streams are
-server-sent events `data: {json}\\n\\n` ending with `data: [DONE]`; a failure after the stream began
-is a `data: {"error": ...}` event. A client that disconnects aborts its requests in the engine.
+An OpenAI request becomes SamplingParams and a Prompt and goes through the core's one validation,
+so every parameter is checked once whichever front end received it. Errors use OpenAI's body
+{"error": {"message", "type", "param", "code"}}: 400 for an invalid parameter (a pydantic
+validation error too, never a bare 422), 401 without the API key, 404 for an unknown model, 503
+with Retry-After when over capacity or not serving. Streams are server-sent events
+`data: {json}\\n\\n` ending with `data: [DONE]`. A streamed request's response starts only with its
+first output, so a refusal decided in the pipeline before any token (a prompt too long for the
+context, no chat template) is an HTTP error like the same request without streaming; a failure
+after the stream began is a `data: {"error": ...}` event. A client that disconnects aborts its
+requests in the engine; disconnects are normal and logged at debug level only.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import math
+import os
 import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any, Literal, TypeVar
 
-import grpc
 import numpy as np
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -35,24 +39,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
-from pipeserve.gateway.client import build_request
-from pipeserve.gateway.server import MAX_TOKEN_ID, Delta, Gateway, Reject, Stream
+from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.messages import ChatMessage, TokenLogprob
+
+log = logging.getLogger("pipeserve.gateway.http")
 
 MAX_N = 128
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]  # what the int32 wire fields can hold
 RETRY_AFTER = "1"  # seconds a client refused for capacity should wait
-# How the gateway's status codes reach an HTTP client: (status, OpenAI error type).
+CLIENT_CLOSED = 499  # the status a request whose client left is logged with (nobody reads it)
+# How the core's error codes reach an HTTP client: (status, OpenAI error type).
 STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+    ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    ErrorCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    ErrorCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.UNAUTHENTICATED: (401, "authentication_error"),
+    ErrorCode.RESOURCE_EXHAUSTED: (503, "server_error"),
+    ErrorCode.UNAVAILABLE: (503, "server_error"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "server_error"),
 }
 # Gateway field names in messages, as an OpenAI client calls them.
 PARAM_NAMES = {"prompt_token_ids": "prompt", "logprobs": "logprobs", "messages": "messages"}
@@ -102,7 +110,7 @@ class Sampling(BaseModel):
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
 
     def params(self) -> dict[str, Any]:
-        """SamplingParams fields (None: the server default) for build_request."""
+        """The SamplingParams fields the body sets (None: the server default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         out: dict[str, Any] = {
             name: getattr(self, name)
@@ -118,7 +126,7 @@ class Sampling(BaseModel):
             if not isinstance(schema, dict):
                 raise HTTPError(400, "response_format.json_schema.schema must be a JSON schema object",
                                 "response_format")
-            out["json_schema"] = schema
+            out["json_schema"] = json.dumps(schema)  # as gRPC clients send it: one grammar cache key
         return out
 
 
@@ -188,12 +196,12 @@ def invalid_body(errors: list[Any]) -> HTTPError:
     return HTTPError(400, message, param.split(".")[0] if param else None)
 
 
-def from_reject(reject: Reject) -> HTTPError:
-    """The gateway's refusal as an HTTP error; param is the field the message names first."""
-    status, kind = STATUS.get(reject.code, (500, "server_error"))
-    match = PARAM.match(reject.message) if status == 400 else None
+def from_refusal(refusal: Refusal) -> HTTPError:
+    """The core's refusal as an HTTP error; param is the field the message names first."""
+    status, kind = STATUS.get(refusal.code, (500, "server_error"))
+    match = PARAM.match(refusal.message) if status == 400 else None
     param = PARAM_NAMES.get(match.group(1), match.group(1)) if match else None
-    return HTTPError(status, reject.message, param, reject.code.name.lower(), kind)
+    return HTTPError(status, refusal.message, param, refusal.code.name.lower(), kind)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -315,11 +323,12 @@ class Call:
 
 
 class OpenAIServer:
-    """The HTTP front end of one Gateway."""
+    """The HTTP front end of one gateway core."""
 
-    def __init__(self, gateway: Gateway, tokenizer: Callable[[], Any]) -> None:
-        self.gateway = gateway
-        self._tokenizer = tokenizer  # loads the served tokenizer (for /tokenize and /detokenize)
+    def __init__(self, core: Core, config: GatewayConfig, tokenizer: EngineConfig | None = None) -> None:
+        self.core, self.config = core, config
+        self.tokenizer_config = tokenizer  # what /tokenize and /detokenize load, on first use
+        self._tokenizer: Any = None
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
@@ -367,8 +376,9 @@ class OpenAIServer:
         # routes are plain Starlette routes (key checked inline, body parsed straight from its
         # bytes): FastAPI's dependency solving and body machinery cost each request time on the
         # gateway's loop, before anything reaches the pipeline.
-        app.add_route("/v1/completions", self._parsed(CompletionRequest, self.completions), ["POST"])
-        app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat), ["POST"])
+        app.add_route("/v1/completions", self._parsed(CompletionRequest, self.completions, "prompt"),
+                      ["POST"])
+        app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat, "messages"), ["POST"])
         keyed = [Depends(self._check_key)]
         app.get("/v1/models", dependencies=keyed)(self.models)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
@@ -378,35 +388,55 @@ class OpenAIServer:
         app.get("/version")(self.version)
         return app
 
-    def _parsed(self, model: type[B], handler: Callable[[B, Request], Awaitable[Response]]
+    def _parsed(self, model: type[B], handler: Callable[[B, Request], Awaitable[Response]], input: str
                 ) -> Callable[[Request], Awaitable[Response]]:
-        """A route calling handler with the request's body validated as model (400s as FastAPI's)."""
+        """A route calling handler with the request's body validated as model (400s as FastAPI's);
+        input names the field an oversized body is blamed on. A client that leaves while its body is
+        read or its answer computed gets nothing (it is gone): one debug line, no traceback."""
 
         async def endpoint(request: Request) -> Response:
             self._authorize(request)
             try:
-                body = model.model_validate_json(await request.body())
+                data = await request.body()
+            except ClientDisconnect:
+                log.debug("%s: the client disconnected while sending its body", request.url.path)
+                return Response(status_code=CLIENT_CLOSED)
+            limit = self.config.max_request_bytes
+            if len(data) > limit:
+                raise self._refused(HTTPError(400, f"{input} is too large: the request is {len(data)} "
+                                                   f"bytes, at most {limit} allowed", input))
+            try:
+                body = model.model_validate_json(data)
             except ValidationError as exc:
                 raise invalid_body(exc.errors()) from None
-            return await handler(body, request)
+            try:
+                return await handler(body, request)
+            except Disconnected:
+                log.debug("%s: the client disconnected before its answer", request.url.path)
+                return Response(status_code=CLIENT_CLOSED)
 
         return endpoint
+
+    def _refused(self, error: HTTPError) -> HTTPError:
+        """Count a refusal decided here, before the core saw the request."""
+        self.core.refused(Refusal(ErrorCode.INVALID_ARGUMENT, error.message))
+        return error
 
     async def _check_key(self, request: Request) -> None:  # async: FastAPI runs sync ones on threads
         self._authorize(request)
 
     def _authorize(self, request: Request) -> None:
-        key = self.gateway.config.api_key
+        key = self.config.api_key
         given = request.headers.get("authorization", "")
         if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY, --api-key)",
                             code="invalid_api_key", kind="authentication_error")
 
     async def health(self) -> Response:
-        return Response(status_code=200 if self.gateway.serving else 503)
+        return Response(status_code=200 if self.core.serving else 503)
 
     async def metrics(self) -> Response:
-        return Response(self.gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self) -> dict[str, str]:
         try:
@@ -415,7 +445,7 @@ class OpenAIServer:
             return {"version": "unknown"}
 
     async def models(self) -> dict[str, Any]:
-        info = self.gateway.model_info()
+        info = self.core.model_info()
         if info is None:
             return {"object": "list", "data": []}
         model = {"id": info.name, "object": "model", "created": 0, "owned_by": "pipeserve",
@@ -423,7 +453,7 @@ class OpenAIServer:
         return {"object": "list", "data": [model]}
 
     def _model(self, requested: str | None) -> str:
-        info = self.gateway.model_info()
+        info = self.core.model_info()
         if info is None:
             raise HTTPError(503, "not serving: the engine has not reported yet", kind="server_error")
         if requested and requested != info.name:
@@ -438,28 +468,27 @@ class OpenAIServer:
             raise HTTPError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
         # max_tokens 0 (echo: score the prompt only, as lm-evaluation-harness does): the engine
         # still samples one token, which is not returned.
-        params = body.params() | {"max_tokens": body.max_tokens or 1, "logprobs": body.logprobs}
+        given = body.params() | {"max_tokens": body.max_tokens or 1, "logprobs": body.logprobs}
         if body.echo and body.logprobs is not None:
-            params["prompt_logprobs"] = body.logprobs
-        requests = [_build(p, body.cache_salt, params) for p in prompts]
+            given["prompt_logprobs"] = body.logprobs
         call = Call(False, model, [], body.n, body.logprobs is not None, rid=f"cmpl-{uuid.uuid4().hex}",
                     generated=body.max_tokens != 0, return_token_ids=body.return_token_ids)
         if body.echo:
             call.prompts = [p if isinstance(p, str) else await self._decode(p) for p in prompts]
-        return await self._serve(call, requests, body, request)
+        inputs: list[Prompt] = [p if isinstance(p, str) else np.asarray(p, dtype=np.int64) for p in prompts]
+        return await self._serve(call, inputs, given, body, request)
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         model = self._model(body.model)
         if not body.messages:
             raise HTTPError(400, "messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = body.params() | {"max_tokens": max_tokens,
-                                  "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        given = body.params() | {"max_tokens": max_tokens,
+                                 "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     return_token_ids=body.return_token_ids)
-        return await self._serve(call, [_build(messages, body.cache_salt, params)], body, request,
-                                 fit_max_tokens=max_tokens is None)
+        return await self._serve(call, [messages], given, body, request, fit_max_tokens=max_tokens is None)
 
     @staticmethod
     def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
@@ -473,80 +502,97 @@ class OpenAIServer:
                 raise HTTPError(400, f"prompt has token ids outside [0, {MAX_TOKEN_ID}]", "prompt")
         return prompts
 
-    async def _serve(self, call: Call, requests: list[Any], body: Sampling, request: Request,
-                     fit_max_tokens: bool = False) -> Response:
-        """Submit every prompt's n engine requests, then answer as one JSON body or as a stream."""
+    async def _serve(self, call: Call, prompts: list[Prompt], given: dict[str, Any], body: Sampling,
+                     request: Request, fit_max_tokens: bool = False) -> Response:
+        """Submit every prompt's n engine requests, then answer as one JSON body or as a stream. A
+        stream's response starts with its first output: what fails before it is an HTTP error."""
         try:
-            for p, req in enumerate(requests):
-                streams = await self.gateway.submit(req, f"{call.rid}-{p}", body.n, fit_max_tokens)
+            params = self.core.sampling(given, fit_max_tokens)
+            for p, prompt in enumerate(prompts):
+                streams = await self.core.submit(params, prompt, f"{call.rid}-{p}", n=body.n,
+                                                 cache_salt=body.cache_salt, fit_max_tokens=fit_max_tokens)
                 call.choices += [Choice(p * body.n + i, s) for i, s in enumerate(streams)]
-        except Reject as reject:
+        except Refusal as refusal:
             self._close(call)
-            raise from_reject(reject) from None
+            raise from_refusal(refusal) from None
         if body.stream:
+            merged = self._merged(call)
+            try:
+                first = await _until_disconnect(request, anext(merged))
+            except Refusal as refusal:
+                self._close(call)
+                raise from_refusal(refusal) from None
+            except BaseException:
+                self._close(call)
+                raise
             usage_last = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(call, usage_last), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(self._events(call, first, merged, usage_last),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             return JSONResponse(await _until_disconnect(request, self._collect(call)))
-        except Reject as reject:
-            raise from_reject(reject) from None
+        except Refusal as refusal:
+            raise from_refusal(refusal) from None
         finally:
             self._close(call)
 
     def _close(self, call: Call) -> None:
         for c in call.choices:
-            self.gateway.close(c.stream)
+            self.core.close(c.stream)
 
     async def _collect(self, call: Call) -> dict[str, Any]:
         async def one(c: Choice) -> None:
-            async for rows, _ in self.gateway.output(c.stream):
+            async for rows, _ in self.core.output(c.stream):
                 c.add(rows)
 
         await asyncio.gather(*(one(c) for c in call.choices))
         return call.final()
 
-    async def _events(self, call: Call, usage_last: bool) -> AsyncIterator[bytes]:
-        """The SSE stream of a call: chunks as each choice's output arrives, then [DONE]. Leaving
-        early (a disconnect cancels this generator) closes every stream: the engine aborts them."""
+    async def _events(self, call: Call, first: tuple[Choice, list[Delta], bool],
+                      rest: AsyncGenerator[tuple[Choice, list[Delta], bool], None], usage_last: bool
+                      ) -> AsyncIterator[bytes]:
+        """The SSE stream of a call: chunks as each choice's output arrives (first: what already
+        came), then [DONE]. Leaving early (a disconnect cancels this generator) closes every stream:
+        the engine aborts them."""
         try:
-            async for c, rows, last in self._merged(call):
+            async for c, rows, last in _chain(first, rest):
                 text = "".join(r.text for r in rows)
                 entries = [e for r in rows for e in (r.logprobs or ())]
                 ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
-                first = not c.sent
+                first_of_choice = not c.sent
                 c.add(rows)
-                if not text and not entries and not ids and not last and not first:
+                if not text and not entries and not ids and not last and not first_of_choice:
                     continue  # nothing a client reads (e.g. text held back by the detokenizer)
-                if first and not call.generated and not last:
+                if first_of_choice and not call.generated and not last:
                     continue  # max_tokens 0: the prompt goes out with the finish
-                choice = call.choice(c, text, entries, c.stream.finish if last else None, first, True, ids)
+                choice = call.choice(c, text, entries, c.stream.finish if last else None, first_of_choice,
+                                     True, ids)
                 c.sent = True
                 yield sse(call.head(True) | {"choices": [choice]})
             if usage_last:
                 totals = usage(call.choices, call.per_prompt, call.generated)
                 yield sse(call.head(True) | {"choices": [], "usage": totals})
-        except Reject as reject:
-            yield sse(from_reject(reject).body())
+        except Refusal as refusal:
+            yield sse(from_refusal(refusal).body())
         finally:
             self._close(call)
+            await rest.aclose()  # now, not when collected: it cancels the choices' pumps
         yield b"data: [DONE]\n\n"
 
-    async def _merged(self, call: Call) -> AsyncIterator[tuple[Choice, list[Delta], bool]]:
+    async def _merged(self, call: Call) -> AsyncGenerator[tuple[Choice, list[Delta], bool], None]:
         """Every choice's output in arrival order (one choice: read directly, no tasks)."""
         if len(call.choices) == 1:
             (c,) = call.choices
-            async for rows, last in self.gateway.output(c.stream):
+            async for rows, last in self.core.output(c.stream):
                 yield c, rows, last
             return
-        queue: asyncio.Queue[tuple[Choice, list[Delta], bool] | Reject | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Choice, list[Delta], bool] | Refusal | None] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             try:
-                async for rows, last in self.gateway.output(c.stream):
+                async for rows, last in self.core.output(c.stream):
                     queue.put_nowait((c, rows, last))
-            except Reject as reject:
-                queue.put_nowait(reject)
+            except Refusal as refusal:
+                queue.put_nowait(refusal)
             queue.put_nowait(None)
 
         tasks = [asyncio.create_task(pump(c)) for c in call.choices]
@@ -556,7 +602,7 @@ class OpenAIServer:
                 item = await queue.get()
                 if item is None:
                     remaining -= 1
-                elif isinstance(item, Reject):
+                elif isinstance(item, Refusal):
                     raise item
                 else:
                     yield item
@@ -600,16 +646,29 @@ class OpenAIServer:
         return text
 
     async def _load_tokenizer(self) -> Any:
-        return await asyncio.to_thread(self._tokenizer)
+        return await asyncio.to_thread(self._tokenizer_once)
+
+    def _tokenizer_once(self) -> Any:
+        """The served tokenizer as a tokenizer worker holds it (loaded once, on a worker thread)."""
+        if self._tokenizer is None:
+            from pipeserve.tokenizer.load import load_for  # transformers: only when first asked
+            from pipeserve.tokenizer.worker import Tokenizer
+
+            config = self.tokenizer_config or EngineConfig(model=os.environ.get("PIPESERVE_MODEL"))
+            tokenizer = load_for(config)[1]
+            info = self.core.model_info()
+            context = info.context_length if info else tokenizer.model_max_length
+            self._tokenizer = Tokenizer(tokenizer, context, info.vocab_size if info else None)
+        return self._tokenizer
 
 
-def _build(prompt: Any, cache_salt: str, params: dict[str, Any]) -> Any:
-    """The GenerateRequest of one prompt; a value the protobuf field cannot hold (an integer out of
-    its range) is the client's error, not a 500."""
-    try:
-        return build_request(prompt, cache_salt=cache_salt, **params)
-    except (ValueError, TypeError) as exc:
-        raise HTTPError(400, f"a parameter is out of range: {exc}") from None
+Output = tuple[Choice, list[Delta], bool]  # a choice, its new rows, whether they end it
+
+
+async def _chain(first: Output, rest: AsyncIterator[Output]) -> AsyncIterator[Output]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 class _Server(uvicorn.Server):
@@ -620,9 +679,16 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """work's result, or CancelledError for it when the client disconnects first (a non-streaming
-    call notices nothing otherwise and would keep its requests running in the engine)."""
+class Disconnected(Exception):
+    """The client left before its answer was ready (its requests are closed: the engine aborts them)."""
+
+
+T = TypeVar("T")
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """work's result, or Disconnected when the client disconnects first (a request whose response
+    has not started notices nothing otherwise and would keep its requests running in the engine)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -636,5 +702,6 @@ async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -
         watcher.cancel()
     if not task.done():
         task.cancel()
-        raise asyncio.CancelledError("the client disconnected")
+        await asyncio.gather(task, return_exceptions=True)
+        raise Disconnected
     return task.result()
