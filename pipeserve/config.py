@@ -18,13 +18,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
-# An abort overtakes its add by the tokenizers' queueing (milliseconds), so the engine process keeps
-# an abort for an id it has not seen (a tombstone) this long, then drops it as stale (e.g. an abort
-# queued for a dead engine's request), so that it cannot end a later request reusing the id.
-TOMBSTONE_TTL = 30.0
-# The gateway keeps an aborted id reserved until the engine reports its finish, but at most this
-# long. It must outlast any tombstone, or a reused id could meet its predecessor's tombstone.
-ABORTED_HOLD = 2 * TOMBSTONE_TTL
+# The gateway keeps an aborted id reserved until the engine reports its finish (or its error), but at
+# most this long (a request lost with a dead process never reports).
+ABORTED_HOLD = 60.0
 
 
 def opt(default: Any = None, help: str = "", *, choices: tuple[Any, ...] | None = None,
@@ -158,12 +154,14 @@ class Addresses:
     `errors` carries only per-request failures (RequestError); `status` carries liveness and process
     state (the engine's EngineInfo heartbeats, the supervisor's ProcessStatus)."""
 
-    tokenize: str = address("tokenize", "gateway -> tokenizers: requests to tokenize (gateway binds)")
+    tokenize: str = address("tokenize", "gateway <-> tokenizers: requests to tokenize and their aborts "
+                                        "(gateway binds)")
     requests: str = address("requests", "tokenizers -> engine: token ids (engine binds); data parallel: "
                                         "one endpoint per engine, comma-separated")
     control: str = address("control", "gateway and detokenizer -> engine: aborts (engine binds); data "
                                       "parallel: one endpoint per engine, comma-separated")
-    steps: str = address("steps", "engine -> detokenizer: generated tokens (detokenizer binds)")
+    steps: str = address("steps", "engine and tokenizers -> detokenizer: generated tokens, request "
+                                  "settings (detokenizer binds)")
     deltas: str = address("deltas", "detokenizer -> gateway: text deltas (gateway binds)")
     errors: str = address("errors", "any process -> gateway: per-request failures (gateway binds)")
     status: str = address("status", "engine and supervisor -> gateway: heartbeats, process state "

@@ -27,7 +27,7 @@ from pipeserve.launcher import children_of
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # Per-request counts the engine reports (pipeserve_engine{name=...}); all 0 when nothing is left.
-ENGINE_STATE = ("running", "waiting", "pages_used", "requests", "tombstones", "detok_requests")
+ENGINE_STATE = ("running", "waiting", "pages_used", "requests", "detok_requests")
 
 
 def free_port() -> int:
@@ -157,7 +157,7 @@ class LocalCluster:
 
     def state(self) -> dict[str, float]:
         """Every per-request count the pipeline holds: gateway streams and aborted ids awaiting the
-        engine, engine requests/pages/tombstones, detokenizer states (as last reported)."""
+        engine, engine requests/pages, detokenizer states (as last reported)."""
         m = self.metrics()
         return {
             "gateway_inflight": m["pipeserve_gateway_inflight"],
@@ -191,7 +191,7 @@ class LocalCluster:
 
     def wait_clean(self, timeout: float = 30.0) -> dict[str, float]:
         """Until no request state is left anywhere (stricter than wait_idle: aborts awaiting the
-        engine, tombstones and detokenizer states count too); the last state seen, all zeros."""
+        engine and detokenizer states count too); the last state seen, all zeros."""
         last: dict[str, float] = {}
 
         def clean() -> bool:

@@ -8,9 +8,12 @@ crashing. It checks types only: the values were validated once, at the edge that
 (the gateway for request shape and sampling parameters, the tokenizer for token-level limits), and
 receivers further down trust them. Never pickle.
 
-Sockets (pipeserve.config.Addresses): tokenize (TokenizeRequest), requests (EngineRequest), control
-(Abort), steps (StepOutput), deltas (TextDeltas), errors (RequestError only), status (EngineInfo,
-ProcessStatus: liveness and process state, never a request's outcome).
+Sockets (pipeserve.config.Addresses): tokenize (gateway ROUTER <-> tokenizer DEALERs: TokenizeRequest
+and Abort to a worker, WorkerReady from it), requests (EngineRequest and Abort, in the order the
+gateway sent them through one worker), control (Abort of requests the engine already runs), steps
+(StepOutput from the engine, DetokenizeRequest from the tokenizers), deltas (TextDeltas), errors
+(RequestError only), status (EngineInfo, ProcessStatus: liveness, process state and the engines'
+counters, never a request's outcome).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import numpy as np
 
 from pipeserve.sampling_params import SamplingParams
 
-VERSION = 2  # 2: nested typed fields (sampling, new, logprobs, info, messages); status socket
+# 2: nested typed fields (sampling, new, logprobs, info, messages); status socket. 3: detokenizer
+# settings from the tokenizer (DetokenizeRequest), aborts through the tokenizers, engine counters only
+# on the status socket.
+VERSION = 3
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest batched step or request we accept
-# Prompt ids a new request's NewRequestInfo carries: the incremental detokenizer's left context
+# Prompt ids a DetokenizeRequest carries: the incremental detokenizer's left context
 # (pipeserve.detokenizer.incremental.MAX_CONTEXT is this value).
 PROMPT_TAIL = 8
 
@@ -125,11 +131,42 @@ class EngineRequest(Message):
 
 @dataclass
 class Abort(Message):
-    """gateway/detokenizer -> engine: stop these requests (idempotent; may overtake the add)."""
+    """Stop these requests (idempotent; the engine ignores ids it does not hold). The gateway sends
+    it through the tokenizer worker that took the add (which forwards it to the engine behind the
+    add, so it can never overtake it), or straight to the engine's control socket for a request
+    whose output already came; the detokenizer sends it there when a stop string matched."""
 
     TAG: ClassVar[str] = "abort"
     rids: list[str]
     reason: str = "abort"  # "abort" (client left) or "stop" (stop string matched)
+    engine: int = 0  # data parallel: the engine running them (where a tokenizer forwards it)
+
+
+@dataclass
+class WorkerReady(Message):
+    """tokenizer -> gateway (tokenize socket), on connecting and every second after: this worker (its
+    routing id) takes requests. The gateway sends each request, and later its abort, to one worker."""
+
+    TAG: ClassVar[str] = "ready"
+    name: str
+
+
+# ---- tokenizer -> detokenizer ------------------------------------------------------------------
+
+
+@dataclass
+class DetokenizeRequest(Message):
+    """tokenizer -> detokenizer (steps socket), once per tokenized request, beside its add: what
+    turning its ids into text needs. The engine never sees these settings."""
+
+    TAG: ClassVar[str] = "detokenize"
+    rids: list[str]  # its engine requests (n > 1: one per choice, the same settings)
+    prompt_len: int
+    prompt_tail: bytes  # the last PROMPT_TAIL prompt ids, packed: the detokenizer's left context
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    logprobs: bool = False  # whether its tokens' logprobs are formatted
+    engine: int = 0  # data parallel: the engine running it (its stop abort goes there)
 
 
 # ---- engine -> detokenizer ---------------------------------------------------------------------
@@ -147,14 +184,9 @@ class PromptLogprobs:
 
 @dataclass
 class NewRequestInfo:
-    """What the detokenizer needs to know of a request, sent with its first step output."""
+    """What only the engine knows of a request, sent with its first step output."""
 
     rid: str
-    prompt_len: int
-    prompt_tail: bytes  # the last PROMPT_TAIL prompt ids, packed: the detokenizer's left context
-    stop: list[str] = field(default_factory=list)
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (usage)
     queue_time: float = 0.0  # seconds from its arrival to its first scheduling (metrics)
     prompt_logprobs: PromptLogprobs | None = None  # when the request asked
@@ -186,8 +218,6 @@ class StepOutput(Message):
     finish: list[str]
     new: list[NewRequestInfo] = field(default_factory=list)
     logprobs: list[StepLogprobs | None] | None = None
-    # Engine counters piggy-backed for the gateway's /stats and the tests (running, waiting, pages).
-    stats: dict[str, int] | None = None
     engine: int = 0  # data parallel: which engine sent it (its steps count on their own)
 
 
@@ -217,8 +247,8 @@ class TextDeltas(Message):
     request per message. completion_tokens[i] counts the request's ids so far and
 cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     logprobs, when a row asked: for row i None or one entry per id. stats: the detokenizer's own
-    counters ("detok_requests": live request states), engines: each engine's latest counters; sent
-    on every receive, heartbeats included."""
+    counters ("detok_requests": request states), sent on every receive, heartbeats included (the
+    engines' counters reach the gateway only in their EngineInfo heartbeats)."""
 
     TAG: ClassVar[str] = "deltas"
     rids: list[str]
@@ -234,7 +264,6 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     queue_time: list[float] = field(default_factory=list)  # per row (metrics); empty: not measured
     # With a request's first row, when it asked: one entry per prompt token (the first's logprob NaN).
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
-    engines: dict[str, dict[str, int]] | None = None  # engine index (as a string) -> its latest counters
     row_engines: list[int] | None = None  # data parallel: the engine running each row's request
 
 
@@ -300,8 +329,8 @@ class ProcessStatus(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TAG: cls
-    for cls in (TokenizeRequest, EngineRequest, Abort, StepOutput, TextDeltas, RequestError, EngineInfo,
-                ProcessStatus)
+    for cls in (TokenizeRequest, EngineRequest, Abort, WorkerReady, DetokenizeRequest, StepOutput, TextDeltas,
+                RequestError, EngineInfo, ProcessStatus)
 }
 
 

@@ -18,7 +18,7 @@ from pipeserve.gateway.health import engine_index
 from pipeserve.gateway.router import BLOCK_CHARS, Router, prefix_blocks
 from pipeserve.launcher import plan
 from pipeserve.messages import ProcessStatus, StepOutput, encode, pack_ids
-from tests.test_detokenizer import new
+from tests.test_detokenizer import new, told
 from tests.test_gateway import FakePipeline, rpc_error
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,14 +49,14 @@ def test_prefix_blocks_chain_whole_blocks_of_the_leading_prompt() -> None:
 
 def test_least_loaded_by_waiting_x4_plus_running_and_bursts_spread() -> None:
     router = live_router(3)
-    router.report(0, {"waiting": 1, "running": 0}, heartbeat=True)  # load 4
-    router.report(1, {"waiting": 0, "running": 3}, heartbeat=True)  # load 3
-    router.report(2, {"waiting": 0, "running": 5}, heartbeat=True)  # load 5
+    router.report(0, {"waiting": 1, "running": 0})  # load 4
+    router.report(1, {"waiting": 0, "running": 3})  # load 3
+    router.report(2, {"waiting": 0, "running": 5})  # load 5
     assert router.pick([]) == 1
     # The request just routed counts as waiting at engine 1 until its next heartbeat: load 7.
     assert router.pick([]) == 0  # 4 < 5 < 7
     assert router.pick([]) == 2  # 8 > 5
-    router.report(1, {"waiting": 0, "running": 0}, heartbeat=True)  # settles what was routed to it
+    router.report(1, {"waiting": 0, "running": 0})  # settles what was routed to it
     assert router.pick([]) == 1
     assert [v.routed for v in router.engines] == [1, 2, 1]
     # A request with n = 3 queues three engine requests there: 4 x (1 + 3).
@@ -68,13 +68,13 @@ def test_prefix_affinity_unless_much_busier_and_never_to_a_dead_engine() -> None
     blocks = prefix_blocks("", text=LONG + "first")
     first = router.pick(blocks)
     assert first == 0
-    router.report(0, {"waiting": 1, "running": 2}, heartbeat=True)  # load 6 vs 0: within the threshold
+    router.report(0, {"waiting": 1, "running": 2})  # load 6 vs 0: within the threshold
     assert router.pick(prefix_blocks("", text=LONG + "second")) == 0  # the shared leading blocks win
     assert router.pick([]) == 1  # no prefix: least loaded
-    router.report(0, {"waiting": 3, "running": 2}, heartbeat=True)  # load 14 vs 4 (one routed to 1)
+    router.report(0, {"waiting": 3, "running": 2})  # load 14 vs 4 (one routed to 1)
     assert router.pick(prefix_blocks("", text=LONG + "third")) == 1  # much busier: balance wins
     # The prefix now belongs to engine 1, where it went last.
-    router.report(0, {}, heartbeat=True)
+    router.report(0, {})
     router.engines[1].live = False
     assert router.pick(prefix_blocks("", text=LONG + "fourth")) == 0
     router.forget(0)
@@ -110,10 +110,11 @@ def test_plan_starts_one_engine_per_replica_on_its_own_cores(monkeypatch) -> Non
 def test_detokenizer_sends_stop_aborts_to_the_engine_and_forgets_only_a_restarted_engine(stories) -> None:
     det = Detokenizer(stories)
     ids = stories.encode(" the end. more")
-    first = StepOutput(5, ["a"], pack_ids([ids[0]]), [""], [new("a", stories, "Once", stop=["end"])],
-                       stats={"running": 1}, engine=1)
-    other = StepOutput(9, ["b"], pack_ids([ids[0]]), [""], [new("b", stories, "Once")], engine=0)
     rows: dict[str, Row] = {}
+    det.settings(dataclasses.replace(told("a", stories, "Once", stop=["end"]), engine=1), rows)
+    det.settings(told("b", stories, "Once"), rows)
+    first = StepOutput(5, ["a"], pack_ids([ids[0]]), [""], [new("a")], engine=1)
+    other = StepOutput(9, ["b"], pack_ids([ids[0]]), [""], [new("b")], engine=0)
     assert det.process(first, rows) == [] and det.process(other, rows) == []
     stopped = []
     for token in ids[1:]:
@@ -121,9 +122,10 @@ def test_detokenizer_sends_stop_aborts_to_the_engine_and_forgets_only_a_restarte
     assert stopped == [(1, "a")]  # the abort goes to engine 1, which runs "a"
     # Engine 0 restarts (its step count starts over): only its requests are dropped.
     det.requests["a2"] = dataclasses.replace(det.requests["b"], engine=1)
-    det.process(StepOutput(1, ["c"], pack_ids([ids[0]]), [""], [new("c", stories, "Hi")], engine=0), rows)
+    det.settings(told("c", stories, "Hi"), rows)
+    det.process(StepOutput(1, ["c"], pack_ids([ids[0]]), [""], [new("c")], engine=0), rows)
     assert set(det.requests) == {"a2", "c"}
-    assert det.deltas(rows).engines == {"1": {"running": 1}}
+    assert det.deltas(rows).row_engines == [1, 0, 0]  # a (stopped), b (its row before the restart), c
 
 
 @pytest.fixture
@@ -157,7 +159,8 @@ def test_gateway_routes_by_reported_load_and_keeps_a_prefix_together(fake2) -> N
     fourth = fake2.client.stream("another", request_id="p4")
     assert fake2.next_request().engine == 0
     assert fake2.client.abort("p4")  # the Abort RPC reaches the engine running it, only that one
-    assert fake2.next_abort(engine=0).rids == ["p4"] and not fake2.controls[1].poll(200)
+    assert fake2.next_abort(engine=0, via="worker").rids == ["p4"]  # through the worker, to engine 0
+    assert not fake2.controls[0].poll(200) and not fake2.controls[1].poll(200)
     assert [r.finish_reason for r in fourth][-1] == "abort"
     fake2.send([("p1", "a", [1], "stop"), ("p2", "b", [2], "stop"), ("p3", "c", [3], "stop"),
                 ("p4", "", [], "abort")])

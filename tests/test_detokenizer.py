@@ -29,6 +29,7 @@ from pipeserve.detokenizer.worker import Detokenizer, Row
 from pipeserve.messages import (
     PROMPT_TAIL,
     Abort,
+    DetokenizeRequest,
     MessageError,
     NewRequestInfo,
     StepLogprobs,
@@ -338,13 +339,17 @@ def test_llm_generate_and_the_detokenizer_process_give_the_same_text(stories_dir
 
     engine, det = llm.engine, Detokenizer(stories)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add(f"w{i}", stories(prompt).input_ids, SamplingParams.from_dict(p.to_dict()))
+        ids = stories(prompt).input_ids
+        engine.add(f"w{i}", ids, SamplingParams.from_dict(p.to_dict()))
+        tail = pack_ids(ids[-PROMPT_TAIL:])
+        told_ = DetokenizeRequest([f"w{i}"], len(ids), tail, p.stop, p.skip_special_tokens)
+        det.settings(decode(encode(told_)), {})
     text: dict[str, str] = {}
     ids: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     while engine.has_work():
         rows: dict[str, Row] = {}
-        wire = decode(encode(step_output(engine.step_count + 1, engine.step(), {})))
+        wire = decode(encode(step_output(engine.step_count + 1, engine.step())))
         for _, rid in det.process(wire, rows):
             engine.abort(rid, "stop")
         deltas = det.deltas(rows)
@@ -360,20 +365,26 @@ def test_llm_generate_and_the_detokenizer_process_give_the_same_text(stories_dir
 
 # -- the detokenizer's step -> deltas logic (no sockets) ----------------------------------------
 
-def new(rid: str, tok, prompt: str, **kw) -> NewRequestInfo:
+def told(rid: str, tok, prompt: str, **kw) -> DetokenizeRequest:
+    """What the tokenizer tells the detokenizer of a request (through the wire format)."""
     ids = tok.encode(prompt)
-    return NewRequestInfo(rid, len(ids), pack_ids(ids[-PROMPT_TAIL:]), **kw)
+    return decode(encode(DetokenizeRequest([rid], len(ids), pack_ids(ids[-PROMPT_TAIL:]), **kw)))
 
 
-def step(n: int, rows: list[tuple[str, int, str]], new_: list[NewRequestInfo] = (), logprobs=None,
-         stats: dict | None = None) -> StepOutput:
+def new(rid: str, **kw) -> NewRequestInfo:
+    """What the engine says of a request with its first step."""
+    return NewRequestInfo(rid, **kw)
+
+
+def step(n: int, rows: list[tuple[str, int, str]], new_: list[NewRequestInfo] = (),
+         logprobs=None) -> StepOutput:
     return StepOutput(n, [r for r, _, _ in rows], pack_ids([t for _, t, _ in rows]), [f for _, _, f in rows],
-                      list(new_), logprobs, stats)
+                      list(new_), logprobs)
 
 
-def run_steps(det: Detokenizer, *steps: StepOutput) -> tuple[TextDeltas, list[str]]:
+def run_steps(det: Detokenizer, *msgs: StepOutput | DetokenizeRequest) -> tuple[TextDeltas, list[str]]:
     rows: dict[str, Row] = {}
-    stopped = [rid for s in steps for _, rid in det.process(s, rows)]
+    stopped = [rid for m in msgs for _, rid in det.handle(m, rows)]
     return decode(encode(det.deltas(rows))), stopped  # through the wire format
 
 
@@ -381,17 +392,17 @@ def test_deltas_batch_rows_usage_and_state_lifetime(stories) -> None:
     det = Detokenizer(stories)
     a = stories.encode(" there was", add_special_tokens=False)[-2:]
     b = stories.encode(" Lily", add_special_tokens=False)[-1:]
-    msg, stopped = run_steps(det, step(1, [("a", a[0], ""), ("b", b[0], "")],
-                                       [new("a", stories, "Once upon a time"), new("b", stories, "Hi")],
-                                       stats={"running": 2}),
+    msg, stopped = run_steps(det, told("a", stories, "Once upon a time"), told("b", stories, "Hi"),
+                             step(1, [("a", a[0], ""), ("b", b[0], "")],
+                                  [new("a"), new("b", cached_prompt_tokens=1)]),
                              step(2, [("a", a[1], ""), ("b", stories.eos_token_id, "stop")]))
     assert stopped == [] and msg.rids == ["a", "b"]  # one row per request per message
     assert msg.text == [" there was", " Lily"] and msg.finish == ["", "stop"]
     assert [unpack_ids(msg.tokens)[msg.offsets[i]:msg.offsets[i + 1]].tolist() for i in range(2)] == \
         [a, b + [stories.eos_token_id]]
     assert msg.prompt_tokens == [len(stories.encode("Once upon a time")), len(stories.encode("Hi"))]
-    assert msg.completion_tokens == [2, 2] and msg.logprobs is None
-    assert msg.stats == {"detok_requests": 1} and msg.engines == {"0": {"running": 2}}
+    assert msg.completion_tokens == [2, 2] and msg.logprobs is None and msg.cached_prompt_tokens == [0, 1]
+    assert msg.stats == {"detok_requests": 1}
     msg, _ = run_steps(det, step(3, [("a", -1, "abort")]))  # aborted: no token, just the end
     assert (msg.rids, msg.text, msg.finish, msg.completion_tokens) == (["a"], [""], ["abort"], [2])
     assert msg.stats["detok_requests"] == 0 and det.requests == {}
@@ -400,31 +411,53 @@ def test_deltas_batch_rows_usage_and_state_lifetime(stories) -> None:
 def test_stop_string_aborts_engine_once(stories) -> None:
     det = Detokenizer(stories)
     ids = stories.encode(" there was a girl", add_special_tokens=False)[1:]
-    info = new("s", stories, "Once upon a time", stop=["re wa"])
-    steps = [step(i + 1, [("s", t, "")], [info] if i == 0 else []) for i, t in enumerate(ids)]
-    msg, stopped = run_steps(det, *steps)
+    info = told("s", stories, "Once upon a time", stop=["re wa"])
+    steps = [step(i + 1, [("s", t, "")], [new("s")] if i == 0 else []) for i, t in enumerate(ids)]
+    msg, stopped = run_steps(det, info, *steps)
     assert stopped == ["s"] and msg.text == [" the"] and msg.finish == ["stop"]
     assert msg.completion_tokens == [2]  # the token that completed the stop counts; later ones never arrive
     msg, stopped = run_steps(det, step(9, [("s", ids[-1], "")]))  # the engine had not seen the abort yet
     assert stopped == [] and msg.rids == [] and msg.stats["detok_requests"] == 0
     det = Detokenizer(stories)  # stop string on the request's last token: the engine ended it already
-    msg, stopped = run_steps(det, step(1, [("s", ids[0], "")], [info]), step(2, [("s", ids[1], "length")]))
+    msg, stopped = run_steps(det, info, step(1, [("s", ids[0], "")], [new("s")]),
+                             step(2, [("s", ids[1], "length")]))
     assert stopped == [] and msg.finish == ["stop"]
 
 
 def test_heartbeat_is_forwarded(stories) -> None:
     det = Detokenizer(stories)
-    msg, _ = run_steps(det, step(0, [], stats={"running": 0, "pages_used": 0}))
-    assert msg.rids == [] and msg.stats == {"detok_requests": 0}
-    assert msg.engines == {"0": {"running": 0, "pages_used": 0}}
+    msg, _ = run_steps(det, step(0, []))
+    assert msg.rids == [] and msg.stats == {"detok_requests": 0}  # engine counters: their own heartbeat
+
+
+def test_output_before_its_settings_waits_for_them(stories) -> None:
+    """The settings (from the tokenizer) and the first step (from the engine) come through different
+    pipes: a first step that wins the race is held, then fed when the settings come."""
+    det = Detokenizer(stories)
+    a = stories.encode(" there was", add_special_tokens=False)[-2:]
+    msg, _ = run_steps(det, step(1, [("a", a[0], "")], [new("a", cached_prompt_tokens=3)]),
+                       step(2, [("a", a[1], "")]), step(2, [("stale", 5, "")]))
+    assert msg.rids == [] and list(det.early) == ["a"]  # "stale" (no first step seen): dropped
+    msg, _ = run_steps(det, told("a", stories, "Once upon a time"), step(3, [("a", -1, "length")]))
+    assert (msg.rids, msg.text, msg.finish) == (["a"], [" there was"], ["length"])
+    assert msg.cached_prompt_tokens == [3]
+    assert det.early == {} and det.requests == {}
+
+
+def test_an_abort_before_the_first_step_reaches_the_gateway(stories) -> None:
+    """A request aborted while it waited in the engine ends with no first step: its finish still
+    reaches the gateway (which frees the id on it)."""
+    det = Detokenizer(stories)
+    msg, _ = run_steps(det, told("w", stories, "Hi"), step(1, [("w", -1, "abort")]))
+    assert (msg.rids, msg.finish, msg.completion_tokens) == (["w"], ["abort"], [0]) and det.requests == {}
 
 
 def test_logprobs_carry_token_text(stories) -> None:
     det = Detokenizer(stories)
     there, lily = stories.convert_tokens_to_ids(["▁there", "▁Lily"])
     row = StepLogprobs(-0.5, pack_ids([there, lily]), pack_floats([-0.5, -1.5]))
-    msg, _ = run_steps(det, step(1, [("a", there, ""), ("b", lily, "")],
-                                 [new("a", stories, "Hi", logprobs=2), new("b", stories, "Hi")], [row, None]))
+    msg, _ = run_steps(det, told("a", stories, "Hi", logprobs=True), told("b", stories, "Hi"),
+                       step(1, [("a", there, ""), ("b", lily, "")], [new("a"), new("b")], [row, None]))
     assert msg.logprobs == [[TokenLogprob(there, " there", -0.5, [TopLogprob(there, " there", -0.5),
                                                                   TopLogprob(lily, " Lily", -1.5)])], None]
 
@@ -433,17 +466,20 @@ def test_malformed_steps_and_restart(stories) -> None:
     det = Detokenizer(stories)
     with pytest.raises(MessageError):
         det.process(StepOutput(1, ["a"], pack_ids([5, 6]), [""]), {})
-    wire = msgpack.unpackb(encode(step(1, [("a", 300, "")], [new("a", stories, "Hi")])))
-    wire["new"][0]["prompt_len"] = "x"  # a nested field of the wrong type: the whole step is refused
-    with pytest.raises(MessageError, match=r"step.new\[0\].prompt_len"):
+    wire = msgpack.unpackb(encode(step(1, [("a", 300, "")], [new("a")])))
+    wire["new"][0]["cached_prompt_tokens"] = "x"  # a nested field of the wrong type: the step is refused
+    with pytest.raises(MessageError, match=r"step.new\[0\].cached_prompt_tokens"):
         decode(msgpack.packb(wire))
-    bad_info = NewRequestInfo("a", 3, b"\x01\x02\x03")  # packed ids of 3 bytes
-    msg, _ = run_steps(det, step(1, [("a", 300, "")], [bad_info, new("b", stories, "Hi")]))
-    assert msg.rids == [] and list(det.requests) == ["b"]  # bad info dropped; rows without state too
+    bad = DetokenizeRequest(["a"], 3, b"\x01\x02\x03")  # packed ids of 3 bytes
+    msg, _ = run_steps(det, bad, told("b", stories, "Hi"), step(1, [("a", 300, "")], [new("a"), new("b")]))
+    assert msg.rids == [] and list(det.requests) == ["b"]  # bad settings dropped: a's row waits for good ones
+    assert list(det.early) == ["a"]
     bad_row = StepLogprobs(1.0, pack_ids([1, 2]), pack_floats([0.5]))
     msg, _ = run_steps(det, step(2, [("b", 300, "")], logprobs=[bad_row]))
     assert msg.text and msg.logprobs is None  # b did not ask for logprobs: the bad row is not read
-    run_steps(det, step(1, [], [new("c", stories, "Hi")]))  # step numbers went back: a new engine
+    # Step numbers went back: a new engine. b (it ran on the old one) is gone; c, whose settings came
+    # for the new one, stays.
+    run_steps(det, told("c", stories, "Hi"), step(1, [], [new("c")]))
     assert list(det.requests) == ["c"]
 
 
@@ -482,9 +518,9 @@ def test_process_streams_batches_and_stops(detok_process, stories) -> None:
     deadline = time.monotonic() + 30
     while not deltas.poll(200):  # heartbeats until the process is up
         assert proc.poll() is None and time.monotonic() < deadline
-        steps.send(encode(step(0, [], stats={"running": 0})))
+        steps.send(encode(step(0, [])))
     msg = recv(deltas)
-    assert msg.stats == {"detok_requests": 0} and msg.engines == {"0": {"running": 0}}
+    assert msg.stats == {"detok_requests": 0}
     while deltas.poll(200):
         deltas.recv()
 
@@ -492,9 +528,11 @@ def test_process_streams_batches_and_stops(detok_process, stories) -> None:
     steps.send(msgpack.packb({"v": 1, "t": "step", "step": "x"}))
     ids = stories.encode(", there was a little girl named Lily.", add_special_tokens=False)[1:]
     prompt = "Once upon a time"
-    infos = [new("plain", stories, prompt), new("stop", stories, prompt, stop=["girl"])]
+    infos = [new("plain"), new("stop")]
     os.kill(proc.pid, signal.SIGSTOP)  # let the steps queue up: one receive must fold them all
     try:
+        steps.send(encode(told("plain", stories, prompt)))  # as a tokenizer sends them
+        steps.send(encode(told("stop", stories, prompt, stop=["girl"])))
         for i, t in enumerate(ids):
             steps.send(encode(step(i + 1, [("plain", t, ""), ("stop", t, "")], infos if i == 0 else [])))
     finally:

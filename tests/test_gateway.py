@@ -33,6 +33,7 @@ from pipeserve.messages import (
     TokenizeRequest,
     TokenLogprob,
     TopLogprob,
+    WorkerReady,
     decode,
     encode,
     pack_ids,
@@ -67,7 +68,13 @@ class FakePipeline:
         self.target = f"127.0.0.1:{self.port}"
         self.client = Client(self.target)
         self.zmq = zmq.Context()
-        self.tokenize = self._socket(zmq.PULL, self.addrs.tokenize)
+        # The test plays one tokenizer worker: a DEALER that announces itself, as worker.serve does.
+        self.tokenize = self.zmq.socket(zmq.DEALER)
+        self.tokenize.setsockopt(zmq.LINGER, 0)
+        self.tokenize.setsockopt(zmq.ROUTING_ID, b"fake-worker")
+        self.tokenize.connect(self.addrs.tokenize)
+        self.tokenize.send(encode(WorkerReady("fake-worker")))
+        self.queued: list[TokenizeRequest | Abort] = []  # read off the tokenize socket, not yet asked for
         self.deltas = self._socket(zmq.PUSH, self.addrs.deltas)
         self.errors = self._socket(zmq.PUSH, self.addrs.errors)
         self.status = self._socket(zmq.PUSH, self.addrs.status)
@@ -115,8 +122,6 @@ class FakePipeline:
                             completion_tokens=[],
                             cached_prompt_tokens=[],
                             stats={"detok_requests": 0},
-                            engines={str(i): dict(self.per_engine.get(i, self.stats))
-                                     for i in range(len(self.boots))},
                         )
                     )
                 )
@@ -134,13 +139,31 @@ class FakePipeline:
     def run(self, coro: Any, timeout: float = 10) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def _next_from_worker(self, kind: type, timeout: float) -> Any:
+        """The next message of kind the gateway sent this worker (others read meanwhile are kept)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for msg in self.queued:
+                if isinstance(msg, kind):
+                    self.queued.remove(msg)
+                    return msg
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.tokenize.poll(int(left * 1000)):
+                return None
+            self.queued.append(decode(self.tokenize.recv()))
+
     def next_request(self, timeout: float = 5) -> TokenizeRequest:
-        assert self.tokenize.poll(int(timeout * 1000)), "no TokenizeRequest arrived"
-        msg = decode(self.tokenize.recv())
-        assert isinstance(msg, TokenizeRequest)
+        msg = self._next_from_worker(TokenizeRequest, timeout)
+        assert msg is not None, "no TokenizeRequest arrived"
         return msg
 
-    def next_abort(self, timeout: float = 5, engine: int = 0) -> Abort:
+    def next_abort(self, timeout: float = 5, engine: int = 0, via: str = "control") -> Abort:
+        """The next Abort for engine: via "control" (a request the engine holds: its output came) or
+        via "worker" (through the tokenizer worker that took the add, which forwards it behind it)."""
+        if via == "worker":
+            msg = self._next_from_worker(Abort, timeout)
+            assert msg is not None and msg.engine == engine, "no Abort arrived through the worker"
+            return msg
         assert self.controls[engine].poll(int(timeout * 1000)), "no Abort arrived"
         msg = decode(self.controls[engine].recv())
         assert isinstance(msg, Abort)
@@ -349,7 +372,7 @@ def test_deadline_is_honoured_and_aborted(fake):
     call = fake.client.stream("x", request_id="d1", timeout=0.5)
     fake.next_request()
     assert rpc_error(call).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert fake.next_abort().rids == ["d1"]
+    assert fake.next_abort(via="worker").rids == ["d1"]
     fake.wait(lambda: fake.metric("pipeserve_gateway_inflight") == 0)
 
 
@@ -357,7 +380,7 @@ def test_abort_rpc_ends_the_stream(fake):
     call = fake.client.stream("x", request_id="ab")
     fake.next_request()
     assert fake.client.abort("ab") is True
-    assert fake.next_abort().rids == ["ab"]
+    assert fake.next_abort(via="worker").rids == ["ab"]
     chunks = list(call)
     assert chunks[-1].finish_reason == "abort"
     assert fake.client.abort("ab") is False and fake.client.abort("nobody") is False
@@ -488,7 +511,7 @@ def test_detokenizer_down_aborts_streams_in_the_engine(fake):
     fake.next_request()
     fake.status.send(encode(ProcessStatus(process="detokenizer", up=False)))
     assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
-    assert fake.next_abort().rids == ["z1"]
+    assert fake.next_abort(via="worker").rids == ["z1"]
 
 
 def test_tokenizer_down_fails_only_requests_without_output(fake):
@@ -499,7 +522,7 @@ def test_tokenizer_down_fails_only_requests_without_output(fake):
     assert next(started).text == "a"
     fake.status.send(encode(ProcessStatus(process="tokenizer-1", up=False)))
     assert rpc_error(waiting).code() == grpc.StatusCode.UNAVAILABLE
-    assert fake.next_abort().rids == ["t2"]
+    assert fake.next_abort(via="worker").rids == ["t2"]
     assert fake.client.health() == "SERVING"
     fake.send([("t1", "b", [2], "stop")])
     assert [c.text for c in started] == ["b"]
@@ -519,7 +542,7 @@ def test_silent_pipeline_turns_not_serving(fake):
     fake.beating.clear()
     assert rpc_error(call).code() == grpc.StatusCode.UNAVAILABLE
     assert fake.client.health() == "NOT_SERVING"
-    assert fake.next_abort().rids == ["s1"]
+    assert fake.next_abort(via="worker").rids == ["s1"]
     fake.beating.set()
     fake.client.wait_ready(5)
 
@@ -577,3 +600,44 @@ def test_committed_pb_modules_match_the_proto(tmp_path):
         for f in message.field:
             f.ClearField("json_name")
     assert descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb) == fresh
+
+
+def test_requests_go_to_the_tokenizer_workers_in_turn_and_skip_one_that_left(fake):
+    other = fake.zmq.socket(zmq.DEALER)
+    other.setsockopt(zmq.LINGER, 0)
+    other.setsockopt(zmq.ROUTING_ID, b"other")
+    other.connect(fake.addrs.tokenize)
+    other.send(encode(WorkerReady("other")))
+    fake.wait(lambda: len(fake.gateway.core.workers) == 2)
+    calls = [fake.client.stream("x", request_id=f"w{i}") for i in range(2)]
+    assert other.poll(5000), "the second worker got nothing"
+    assert {fake.next_request().rid, decode(other.recv()).rid} == {"w0", "w1"}  # one each
+    calls[1].cancel()  # not started: its abort goes to the worker that took it, whichever it was
+    other.close()
+
+    async def gone() -> bool:  # once the gateway's socket saw the disconnect, a send to it fails
+        return not fake.gateway.core._to_worker(b"other", b"")
+
+    fake.wait(lambda: fake.run(gone()))
+    assert fake.gateway.core.workers == [b"fake-worker"]
+    more = [fake.client.stream("y", request_id=f"y{i}") for i in range(3)]
+    assert sorted(fake.next_request().rid for _ in more) == ["y0", "y1", "y2"]  # all to the one left
+    for rid in ("w0", "y0", "y1", "y2"):
+        fake.send([(rid, "", [], "stop")])
+    assert [list(c)[-1].finish_reason for c in [calls[0], *more]] == ["stop"] * 4
+
+
+def test_without_a_tokenizer_worker_the_gateway_is_not_serving(tmp_path):
+    fake = FakePipeline(str(tmp_path))
+    try:
+        fake.tokenize.close()
+
+        async def gone() -> bool:
+            return not fake.gateway.core._to_worker(b"fake-worker", b"")
+
+        fake.wait(lambda: fake.run(gone()))
+        fake.wait(lambda: fake.client.health() == "NOT_SERVING")
+        err = rpc_error(fake.client.stream("x"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "tokenizer" in err.details()
+    finally:
+        fake.close()

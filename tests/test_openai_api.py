@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -377,7 +378,7 @@ def test_a_streamed_n_request_refused_in_one_choice_before_any_token_is_an_http_
     response = httpx.post(api.url + "/v1/completions", json={"prompt": "x", "stream": True, "n": 2},
                           timeout=10)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
-    assert api.next_abort().rids[0].endswith("-0")  # the other choice is aborted in the engine
+    assert api.next_abort(via="worker").rids[0].endswith("-0")  # the other choice: aborted behind its add
     api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
 
 
@@ -399,7 +400,7 @@ def test_disconnect_aborts_in_the_engine(api, stream):
             thread.start()
             rid = api.next_request().rid
             thread.join()
-    assert api.next_abort().rids == [rid]
+    assert api.next_abort(via="control" if stream else "worker").rids == [rid]
     api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
 
 
@@ -557,3 +558,67 @@ def test_generate_cli_on_the_http_port_says_to_use_the_grpc_one(api, capsys, jso
     assert f"{target} is an HTTP port" in text and "gRPC port (--port, 50051" in text
     assert len(text.strip().splitlines()) == 1
     assert client.http_hint(api.target) is None  # the gRPC port is no HTTP/1 port
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_that_is_not_json_by_its_content_type_is_415(api, path, kind):
+    """Bodies a browser may send from any page without a CORS preflight are refused unread."""
+    headers = {"Content-Type": kind} if kind else {}
+    body = b'{"model": "fake", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}'
+    response = httpx.post(api.url + path, content=body, headers=headers, timeout=10)
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+    assert api.tokenize.poll(50) == 0
+    ok = httpx.post(api.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 0}',
+                    headers={"Content-Type": "application/json; charset=utf-8"}, timeout=10)
+    assert ok.status_code == 400 and ok.json()["error"]["param"] == "max_tokens"  # parsed: JSON it is
+
+
+def test_unknown_paths_and_methods_answer_in_openai_error_shape(api):
+    missing = httpx.get(api.url + "/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(api.url + "/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST" and "GET /v1/completions" in wrong.json()["error"]["message"]
+
+
+def test_top_logprobs_is_checked_as_top_logprobs(api):
+    for body in ({"top_logprobs": 3}, {"top_logprobs": 3, "logprobs": False},
+                 {"top_logprobs": 6, "logprobs": True}):  # the engine allows 5 (INFO)
+        response = httpx.post(api.url + "/v1/chat/completions", timeout=10,
+                              json={"messages": [{"role": "user", "content": "x"}], **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "top_logprobs" and "top_logprobs" in error["message"]
+    assert api.tokenize.poll(50) == 0
+
+
+def test_cancels_and_disconnects_count_as_aborted_requests_quietly(fresh, caplog):
+    """A client that leaves (HTTP disconnect, gRPC cancel, the Abort RPC) ends its request under
+    finished_reason="abort"; it is normal: no error and no traceback in the log."""
+    api = fresh
+    caplog.set_level("DEBUG")
+    metric = 'pipeserve:request_success_total{finished_reason="abort"}'
+    assert api.metric(metric) == 0
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        def leave() -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json={"prompt": "x"}, timeout=0.5)
+
+        thread = threading.Thread(target=leave)
+        thread.start()
+        api.next_request()
+        thread.join()
+    call = api.client.stream("x", request_id="cancelled")
+    assert api.serve([("a", [1], "")]) == "cancelled"
+    next(call)
+    call.cancel()
+    held = api.client.stream("x", request_id="held")
+    api.next_request()
+    assert api.client.abort("held")
+    assert list(held)[-1].finish_reason == "abort"
+    api.wait(lambda: api.metric(metric) == 3)
+    api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text

@@ -1,5 +1,6 @@
 """The engine process loop around a recording fake engine, over real (inproc) ZeroMQ sockets: wire
-conversion of the engine's plain updates, tombstones, clocks, heartbeats on the status socket."""
+conversion of the engine's plain updates, aborts in order with their adds, clocks, heartbeats (with
+the engine's counters) on the status socket."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeserve.config import ABORTED_HOLD, TOMBSTONE_TTL
-from pipeserve.engine import process
 from pipeserve.engine.process import EngineLoop, step_output
 from pipeserve.engine.sequence import Sequence, StepUpdate, TokenLogprobs
 from pipeserve.messages import (
-    PROMPT_TAIL,
     Abort,
     EngineInfo,
     EngineRequest,
@@ -167,13 +165,14 @@ def test_drains_everything_queued_then_aborts_then_steps(h):
     assert out.rids == ["r0", "r2", "r3", "r4", "r1"] and out.finish[-1] == "abort"
     assert unpack_ids(out.tokens).tolist() == [7, 7, 7, 7, -1]
     assert [n.rid for n in out.new] == out.rids  # every request's first step announces it
-    # every step carries the counters; "finished" counts this engine's completed requests (r1)
-    assert out.stats == {"running": 4, "steps": 1, "tombstones": 1, "finished": 1}
+    # the counters travel in the heartbeat only (the next is 10 s away); "finished" counts this
+    # engine's completed requests
+    assert h.received(h.status) == [] and h.loop.stats() == {"running": 4, "steps": 1, "finished": 1}
     while h.engine.has_work():
         h.loop.once()
     outs = h.received(h.steps)
     assert [o.step for o in outs] == [2, 3] and outs[-1].finish == ["length"] * 4
-    assert outs[-1].stats["running"] == 0 and all(o.new == [] for o in outs)
+    assert all(o.new == [] for o in outs)
 
 
 def test_busy_loop_never_blocks_on_input(h):
@@ -190,7 +189,7 @@ def test_bad_and_malformed_requests_never_stop_the_loop(h):
     h.request("unvalidated", [1], temperature=-1.0)  # the gateway's job: here an assertion, INTERNAL
     h.request("long", list(range(11)))  # only the engine knows its pool: the client's error
     h.requests.send(b"\x93garbage")
-    h.requests.send(encode(Abort(rids=["x"])))  # a valid message on the wrong socket
+    h.requests.send(encode(StepOutput(step=0, rids=[], tokens=b"", finish=[])))  # valid, on the wrong socket
     h.control.send(encode(EngineRequest(rid="y", prompt_ids=pack_ids([1]), sampling=SamplingParams())))
     h.requests.send(encode(EngineRequest(rid="odd", prompt_ids=b"\x01\x02\x03", sampling=SamplingParams())))
     h.request("fine", [1], max_tokens=1)
@@ -216,10 +215,9 @@ def test_idle_heartbeats_go_to_the_status_socket():
             h.loop.once()
         assert 0.3 < time.monotonic() - start < 1.5  # idle: blocks until the next heartbeat is due
         steps, infos = h.received(h.steps), h.received(h.status)
-        assert len(steps) == 3 and all(
-            s.rids == [] and s.stats == {"running": 0, "steps": 0, "tombstones": 0, "finished": 0}
-            for s in steps)
+        assert len(steps) == 3 and all(s.rids == [] for s in steps)
         assert len(infos) == 3 and all(isinstance(i, EngineInfo) for i in infos)
+        assert all(i.stats == {"running": 0, "steps": 0, "finished": 0} for i in infos)
         assert infos[0].info.max_logprobs == 7 and infos[0].info.name == "fake"
         assert len({i.boot for i in infos}) == 1
         assert h.received(h.errors) == []  # request failures only
@@ -236,53 +234,42 @@ def test_wall_clock_arrival_becomes_monotonic(h):
     assert adds["b"] is None
 
 
-# -- tombstones: aborts that overtake their add ---------------------------------------------------
+# -- aborts: behind their adds, nothing kept for ids the engine does not hold -----------------------
 
-def test_abort_overtaking_its_add_ends_it_at_once(h):
-    h.control.send(encode(Abort(rids=["late"])))
-    h.settle()
-    assert h.loop.stats()["tombstones"] == 1
+def test_an_abort_behind_its_add_ends_it_at_once(h):
+    """A tokenizer forwards the gateway's abort on the socket that carried the add: it comes after
+    the add, in the same drain, and the request ends at the next step without a token."""
     h.request("late", [1, 5, 6], max_tokens=5)
+    h.requests.send(encode(Abort(rids=["late"])))
     h.settle()
+    assert [c[:2] for c in h.engine.calls] == [("add", "late"), ("abort", "late"), ("step",)]
     (out,) = [s for s in h.received(h.steps) if s.rids]
     assert (out.rids, unpack_ids(out.tokens).tolist(), out.finish) == (["late"], [-1], ["abort"])
     assert [n.rid for n in out.new] == ["late"]  # announced, so the detokenizer reports the finish
-    assert h.loop.stats()["tombstones"] == 0 and not h.engine.has_work()
+    assert not h.engine.has_work()
 
 
-def test_stale_tombstones_expire(h, monkeypatch):
-    """An abort for an id the engine never saw (say, queued for a dead engine's request) must not end
-    a request that reuses the id much later."""
-    now = [1000.0]
-    monkeypatch.setattr(process.time, "monotonic", lambda: now[0])
-    h.control.send(encode(Abort(rids=["old", "older-still"])))
+def test_an_abort_for_an_id_the_engine_does_not_hold_leaves_nothing_behind(h):
+    """The engine keeps no memory of aborts it could not apply: a later request with that id (a
+    reused client id) runs normally."""
+    h.control.send(encode(Abort(rids=["ghost"])))
+    h.requests.send(encode(Abort(rids=["ghost"])))
     h.settle()
-    assert h.loop.stats()["tombstones"] == 2
-    now[0] += TOMBSTONE_TTL + 1
-    assert h.loop.stats()["tombstones"] == 0
-    h.control.send(encode(Abort(rids=["recent"])))
-    h.settle()
-    now[0] += 1
-    h.request("old", [1, 5], max_tokens=2)
-    h.request("recent", [1, 5], max_tokens=2)
+    h.request("ghost", [1, 5], max_tokens=2)
     h.settle()
     while h.engine.has_work():
         h.loop.once()
     finish = {rid: f for s in h.received(h.steps) for rid, f in zip(s.rids, s.finish, strict=True) if f}
-    assert finish == {"old": "length", "recent": "abort"}
+    assert finish == {"ghost": "length"}
 
 
-def test_abort_of_a_finished_request_leaves_no_tombstone(h):
+def test_an_abort_of_a_finished_request_changes_nothing(h):
     h.request("done", [1, 5], max_tokens=1)
     h.settle()
     assert not h.engine.has_work()
     h.control.send(encode(Abort(rids=["done"])))
     h.settle()
-    assert h.loop.stats()["tombstones"] == 0
-
-
-def test_tombstones_are_dropped_before_the_gateway_frees_an_aborted_id():
-    assert TOMBSTONE_TTL < ABORTED_HOLD
+    assert not h.engine.has_work() and [s for s in h.received(h.steps) if s.rids][-1].finish == ["length"]
 
 
 # -- wire conversion --------------------------------------------------------------------------------
@@ -295,14 +282,13 @@ def test_step_output_is_the_wire_form_of_the_updates():
     lp = TokenLogprobs(-0.25, np.array([40, 41]), np.array([-0.25, -1.5], dtype=np.float32))
     updates = [StepUpdate(a, [40], "", [lp], new=True), StepUpdate(b, [7], "length", new=True),
                StepUpdate(c, [], "abort")]
-    out = decode(encode(step_output(12, updates, {"running": 1})))
-    assert isinstance(out, StepOutput) and out.step == 12 and out.stats == {"running": 1}
+    a.num_cached_tokens = 8
+    out = decode(encode(step_output(12, updates)))
+    assert isinstance(out, StepOutput) and out.step == 12
     assert (out.rids, unpack_ids(out.tokens).tolist(), out.finish) == (["a", "b", "c"], [40, 7, -1],
                                                                       ["", "length", "abort"])
-    na, nb = out.new
-    assert (na.rid, na.prompt_len, unpack_ids(na.prompt_tail).tolist(), na.stop, na.logprobs) == (
-        "a", 12, prompt[-PROMPT_TAIL:], ["x"], 2)
-    assert (nb.rid, unpack_ids(nb.prompt_tail).tolist(), nb.skip_special_tokens) == ("b", [5, 6], False)
+    na, nb = out.new  # what only the engine knows; stop strings and the like go tokenizer -> detokenizer
+    assert (na.rid, na.cached_prompt_tokens, nb.rid, nb.cached_prompt_tokens) == ("a", 8, "b", 0)
     la, lb, lc = out.logprobs
     assert lb is None and lc is None and la.logprob == -0.25
     assert unpack_ids(la.top_ids).tolist() == [40, 41]

@@ -9,17 +9,21 @@ import selectors
 import subprocess
 import sys
 import time
+from typing import Any
 
 import msgpack
 import pytest
 import zmq
 
 from pipeserve.messages import (
+    PROMPT_TAIL,
+    Abort,
     ChatMessage,
     EngineRequest,
     MessageError,
     RequestError,
     TokenizeRequest,
+    WorkerReady,
     decode,
     encode,
     pack_ids,
@@ -99,7 +103,12 @@ def test_prompt_becomes_ids(worker: Tokenizer, stories) -> None:
     ids = unpack_ids(out.prompt_ids).tolist()
     assert ids == stories.encode("Once upon a time 中😀") and ids[0] == stories.bos_token_id
     assert (out.rid, out.app, out.arrival) == ("r", "chat", 3.5)
-    assert out.sampling == SamplingParams(max_tokens=8, stop=["x"])
+    assert out.sampling == SamplingParams(max_tokens=8)  # stop strings are the detokenizer's only
+    settings = worker.detokenize_request(request(prompt="x", sampling={"stop": ["x"], "logprobs": 2},
+                                                 n=2, engine=1), out)
+    assert (settings.rids, settings.prompt_len, settings.stop, settings.logprobs, settings.engine) == (
+        ["r-0", "r-1"], len(ids), ["x"], True, 1)
+    assert unpack_ids(settings.prompt_tail).tolist() == ids[-PROMPT_TAIL:] and settings.skip_special_tokens
 
 
 def test_chat_messages_use_the_template(chat_worker: Tokenizer, worker: Tokenizer, stories) -> None:
@@ -180,37 +189,60 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 30) ->
 
 
 def test_two_worker_processes(stories_dir: str, stories, tmp_path) -> None:
-    addr = {name: f"ipc://{tmp_path}/{name}" for name in ("tokenize", "requests", "errors")}
+    """Two workers announce themselves to the gateway's ROUTER, tokenize what each is sent, tell the
+    detokenizer each request's settings before its add, and forward an abort behind its add."""
+    addr = {name: f"ipc://{tmp_path}/{name}" for name in ("tokenize", "requests", "errors", "steps")}
     ctx = zmq.Context()
-    push, requests, errors = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
-    push.bind(addr["tokenize"])
+    router, requests, errors = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    detok = ctx.socket(zmq.PULL)
+    router.bind(addr["tokenize"])
     requests.bind(addr["requests"])
     errors.bind(addr["errors"])
+    detok.bind(addr["steps"])
     cmd = [sys.executable, "-m", "pipeserve.cli", "tokenizer", "--model", stories_dir,
            "--max-model-len", "32", "--log-level", "debug", *[f"--{k}={v}" for k, v in addr.items()]]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        for p in procs:
-            wait_for_line(p, "ready")
-        time.sleep(0.3)  # let both connections finish so round-robin reaches each
-        push.send(b"not msgpack")  # malformed: dropped, the worker keeps serving
-        push.send(encode(EngineRequest("wrong-type", b"", SamplingParams())))
+        workers: set[bytes] = set()
+        while len(workers) < 2:
+            assert router.poll(30_000), "the workers did not announce themselves"
+            worker, data = router.recv_multipart()
+            assert isinstance(decode(data), WorkerReady)
+            workers.add(worker)
+        one, two = sorted(workers)
+
+        def send(worker: bytes, msg: Any) -> None:
+            router.send_multipart([worker, msg if isinstance(msg, bytes) else encode(msg)])
+
+        send(one, b"not msgpack")  # malformed: dropped, the worker keeps serving
+        send(two, EngineRequest("wrong-type", b"", SamplingParams()))
         n = 40
         for i in range(n):
-            req = request(f"r{i}", prompt=f"Lily had {i} red balls.", sampling={"max_tokens": 12})
-            push.send(encode(req))
-        push.send(encode(request("long", prompt="Once upon a time " * 10)))
-        push.send(encode(request("greedy", prompt="Lily had 7 red balls.", sampling={"max_tokens": 60})))
-        push.send(encode(request("bad", prompt_ids=pack_ids([9999]))))
-        got = {}
-        while len(got) < n:
+            req = request(f"r{i}", prompt=f"Lily had {i} red balls.", sampling={"max_tokens": 12,
+                                                                                 "stop": ["."]})
+            send(one if i % 2 else two, req)
+            if i == 7:
+                send(one, Abort(["r7"]))  # through the worker that took its add: it comes after it
+        send(one, request("long", prompt="Once upon a time " * 10))
+        send(two, request("greedy", prompt="Lily had 7 red balls.", sampling={"max_tokens": 60}))
+        send(one, request("bad", prompt_ids=pack_ids([9999])))
+        got, order = {}, []
+        while len(got) < n + 1:
             assert requests.poll(10_000), f"only {len(got)} of {n} requests came back"
             msg = decode(requests.recv())
-            got[msg.rid] = msg
+            got[msg.rid if isinstance(msg, EngineRequest) else "abort"] = msg
+            order.append(msg.rid if isinstance(msg, EngineRequest) else "abort")
+        assert order.index("abort") > order.index("r7") and got["abort"].rids == ["r7"]
         ids = stories.encode("Lily had 7 red balls.")
         assert unpack_ids(got["r7"].prompt_ids).tolist() == ids
-        assert got["r7"].sampling.max_tokens == 12
+        assert got["r7"].sampling.max_tokens == 12 and got["r7"].sampling.stop == []
+        settings = {}
+        while len(settings) < n:
+            assert detok.poll(10_000), f"settings of {len(settings)} requests came"
+            msg = decode(detok.recv())
+            settings[msg.rids[0]] = msg
+        assert (settings["r7"].stop, settings["r7"].prompt_len) == (["."], len(ids))
         failed = {}
         while len(failed) < 3:
             assert errors.poll(10_000), f"errors so far: {failed}"

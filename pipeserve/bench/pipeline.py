@@ -145,7 +145,6 @@ class SyntheticEngine:
             "pages_reserved": 0,
             "preemptions": 0,
             "requests": len(self.running),
-            "tombstones": 0,
             "steps": self.step_count,
         }
 

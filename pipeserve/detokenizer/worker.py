@@ -1,15 +1,20 @@
-"""The detokenizer process: PULL StepOutput from the engine (binds `steps`), PUSH one TextDeltas per
-receive to the gateway (`deltas`) and Abort to the engine (`control`) when a stop string matches.
+"""The detokenizer process: PULL StepOutput from the engine and DetokenizeRequest from the tokenizers
+(binds `steps`), PUSH one TextDeltas per receive to the gateway (`deltas`) and Abort to the engine
+(`control`) when a stop string matches.
 
 Each receive drains what is queued, so a slow moment costs one bigger message, not a backlog.
-Per-request state comes from the NewRequestInfo in the request's first step and is dropped when
-the request finishes; rows of requests without state (already stopped, or from before a restart)
-are dropped."""
+A request's state starts with its DetokenizeRequest (its stop strings, special tokens and prompt
+tail, from the tokenizer that sent its add), takes what only the engine knows (prefix-cache hits,
+queue time, prompt logprobs) from the NewRequestInfo in its first step, and is dropped when the
+request finishes. The tokenizer sends the settings before the add, so they come first; should a
+request's first step still arrive before them (two pipes, no order between them), its rows wait
+for them. Rows of requests without state (already stopped, or from before a restart) are dropped."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,11 +24,14 @@ from pipeserve.detokenizer.incremental import IncrementalDetokenizer, RequestTex
 from pipeserve.detokenizer.logprobs import TokenTexts, format_logprobs, format_prompt_logprobs
 from pipeserve.messages import (
     Abort,
+    DetokenizeRequest,
     MessageError,
     NewRequestInfo,
+    StepLogprobs,
     StepOutput,
     TextDeltas,
     TokenLogprob,
+    decode,
     encode,
     pack_ids,
     unpack_ids,
@@ -38,7 +46,9 @@ from pipeserve.tokenizer.load import (
 
 log = logging.getLogger(__name__)
 
-MAX_DRAIN = 256  # step messages folded into one TextDeltas
+MAX_DRAIN = 256  # messages folded into one TextDeltas
+MAX_REQUESTS = 1 << 18  # request states kept; beyond, the oldest go (bounds what lost requests leave)
+MAX_EARLY = 4096  # requests whose first step came before their settings, held until those come
 
 
 @dataclass
@@ -46,10 +56,19 @@ class RequestState:
     text: RequestText
     prompt_tokens: int
     logprobs: bool
+    engine: int = 0  # data parallel: the engine running it (its stop abort goes there)
+    started: bool = False  # the engine reported it (its first step came)
     cached_prompt_tokens: int = 0
     queue_time: float = 0.0
     prompt_logprobs: list[TokenLogprob] | None = None  # sent with the request's first row
-    engine: int = 0  # data parallel: the engine running it (its stop abort goes there)
+
+
+@dataclass
+class Early:
+    """A request whose first step came before its settings: what the engine said, held."""
+
+    info: NewRequestInfo
+    steps: list[tuple[int, str, StepLogprobs | None]] = field(default_factory=list)  # token, finish, logprobs
 
 
 @dataclass
@@ -72,79 +91,115 @@ class Detokenizer:
         self._decode = make_decoder(tokenizer)
         self._skip = skipped_ids(tokenizer)
         self.texts = TokenTexts(tokenizer)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: OrderedDict[str, RequestState] = OrderedDict()
+        self.early: OrderedDict[str, Early] = OrderedDict()
         self.last_step: dict[int, int] = {}  # engine -> its latest step (each engine counts its own)
-        self.engine_stats: dict[int, dict[str, int]] = {}
+
+    def handle(self, msg: DetokenizeRequest | StepOutput, rows: dict[str, Row]) -> list[tuple[int, str]]:
+        """Fold one message into rows (by rid); returns (engine, rid) of the requests a stop string
+        ended while running."""
+        return self.settings(msg, rows) if isinstance(msg, DetokenizeRequest) else self.process(msg, rows)
+
+    def settings(self, msg: DetokenizeRequest, rows: dict[str, Row]) -> list[tuple[int, str]]:
+        """A request's settings: its state starts (and output that came before them is fed)."""
+        try:
+            tail = unpack_ids(msg.prompt_tail).tolist()
+        except MessageError as exc:
+            log.warning("dropping a malformed DetokenizeRequest: %s", exc)
+            return []
+        stopped = []
+        for rid in msg.rids:
+            if rid in self.requests:
+                continue
+            detok = IncrementalDetokenizer(self.tokenizer, tail, msg.stop, msg.skip_special_tokens,
+                                           decode=self._decode, skip=self._skip)
+            state = self.requests[rid] = RequestState(RequestText(detok), msg.prompt_len, msg.logprobs,
+                                                      msg.engine)
+            early = self.early.pop(rid, None)
+            if early is not None:
+                self._started(state, early.info)
+                for token, finish, lp in early.steps:
+                    if self._feed(rid, state, token, finish, lp, rows):
+                        stopped.append((state.engine, rid))
+        while len(self.requests) > MAX_REQUESTS:
+            rid, _ = self.requests.popitem(last=False)
+            log.warning("over %d request states: dropped the oldest, %s", MAX_REQUESTS, rid)
+        return stopped
 
     def process(self, step: StepOutput, rows: dict[str, Row]) -> list[tuple[int, str]]:
-        """Fold one step into rows (by rid); returns (engine, rid) of the requests a stop string ended
-        while running."""
+        """Fold one step into rows (by rid)."""
         tokens = unpack_ids(step.tokens)
         n = len(step.rids)
         lp_rows = n if step.logprobs is None else len(step.logprobs)
         if len(tokens) != n or len(step.finish) != n or lp_rows != n:
             raise MessageError(f"step {step.step}: {n} rids, {len(tokens)} tokens, {len(step.finish)} finish")
-        if step.stats is not None:
-            self.engine_stats[step.engine] = step.stats
         if n or step.new:
             last = self.last_step.get(step.engine, -1)
-            if step.step < last:
-                lost = [rid for rid, state in self.requests.items() if state.engine == step.engine]
+            if step.step < last:  # a new engine: its predecessor's requests are gone (not those to come)
+                lost = [rid for rid, state in self.requests.items()
+                        if state.engine == step.engine and state.started]
                 log.warning("engine %d restarted (step %d after %d): dropping %d requests", step.engine,
                             step.step, last, len(lost))
                 for rid in lost:
                     del self.requests[rid]
             self.last_step[step.engine] = step.step
         for info in step.new:
-            self._start(info, step.engine)
+            state = self.requests.get(info.rid)
+            if state is not None:
+                self._started(state, info)
+            elif len(self.early) < MAX_EARLY:
+                self.early[info.rid] = Early(info)
+            else:
+                log.warning("dropping %s: over %d requests wait for their settings", info.rid, MAX_EARLY)
         stopped = []
         for i, rid in enumerate(step.rids):
+            lp = step.logprobs[i] if step.logprobs is not None else None
             state = self.requests.get(rid)
             if state is None:
+                early = self.early.get(rid)
+                if early is not None:
+                    early.steps.append((int(tokens[i]), step.finish[i], lp))
                 continue
-            row = rows.get(rid)
-            if row is None or row.state is not state:
-                row = rows[rid] = Row(state, prompt_logprobs=state.prompt_logprobs)
-                state.prompt_logprobs = None
-            token = int(tokens[i])
-            ids = [token] if token >= 0 else []
-            if ids:
-                row.tokens.append(token)
-                lp = step.logprobs[i] if step.logprobs is not None else None
-                if state.logprobs and lp is not None:
-                    try:
-                        entry = format_logprobs(token, lp, self.texts)
-                        row.logprobs = row.logprobs if row.logprobs is not None else []
-                        row.logprobs.append(entry)
-                    except MessageError as exc:
-                        log.warning("dropping malformed logprobs of %s: %s", rid, exc)
-            update = state.text.feed(ids, step.finish[i])
-            row.text.append(update.text)
-            if update.abort:
+            if self._feed(rid, state, int(tokens[i]), step.finish[i], lp, rows):
                 stopped.append((state.engine, rid))
-            if update.finish:
-                row.finish = update.finish
-                del self.requests[rid]
         return stopped
 
-    def _start(self, info: NewRequestInfo, engine: int) -> None:
-        try:
-            tail = unpack_ids(info.prompt_tail)
-        except MessageError as exc:
-            log.warning("dropping malformed NewRequestInfo: %s", exc)
-            return
-        if info.rid in self.requests:
-            return  # announced again (e.g. after preemption): keep the text state
-        detok = IncrementalDetokenizer(self.tokenizer, tail.tolist(), info.stop, info.skip_special_tokens,
-                                       decode=self._decode, skip=self._skip)
-        prompt = None
+    def _started(self, state: RequestState, info: NewRequestInfo) -> None:
+        if state.started:
+            return  # announced again (e.g. after preemption): keep what came first
+        state.started = True
+        state.cached_prompt_tokens, state.queue_time = info.cached_prompt_tokens, info.queue_time
         if info.prompt_logprobs is not None:
             try:
-                prompt = format_prompt_logprobs(info.prompt_logprobs, self.texts)
+                state.prompt_logprobs = format_prompt_logprobs(info.prompt_logprobs, self.texts)
             except MessageError as exc:
                 log.warning("dropping malformed prompt logprobs of %s: %s", info.rid, exc)
-        self.requests[info.rid] = RequestState(RequestText(detok), info.prompt_len, info.logprobs is not None,
-                                               info.cached_prompt_tokens, info.queue_time, prompt, engine)
+
+    def _feed(self, rid: str, state: RequestState, token: int, finish: str, lp: StepLogprobs | None,
+              rows: dict[str, Row]) -> bool:
+        """One step's token (-1: none) and finish of a request into its row; whether a stop string
+        ended it while it runs (the engine must be told)."""
+        state.started = True
+        row = rows.get(rid)
+        if row is None or row.state is not state:
+            row = rows[rid] = Row(state, prompt_logprobs=state.prompt_logprobs)
+            state.prompt_logprobs = None
+        ids = [token] if token >= 0 else []
+        if ids:
+            row.tokens.append(token)
+            if state.logprobs and lp is not None:
+                try:
+                    entry = format_logprobs(token, lp, self.texts)
+                    row.logprobs = row.logprobs if row.logprobs is not None else []
+                    row.logprobs.append(entry)
+                except MessageError as exc:
+                    log.warning("dropping malformed logprobs of %s: %s", rid, exc)
+        update = state.text.feed(ids, finish)
+        row.text.append(update.text)
+        if update.finish:
+            row.finish = update.finish
+            del self.requests[rid]
+        return update.abort
 
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
@@ -163,14 +218,13 @@ class Detokenizer:
             stats={"detok_requests": len(self.requests)},
             queue_time=[row.state.queue_time for row in rows.values()],
             prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None,
-            row_engines=[row.state.engine for row in rows.values()],
-            engines={str(engine): stats for engine, stats in self.engine_stats.items()})
+            row_engines=[row.state.engine for row in rows.values()])
 
 
 def serve(
     detok: Detokenizer, steps: zmq.Socket[bytes], deltas: zmq.Socket[bytes], control: list[zmq.Socket[bytes]]
 ) -> None:
-    """Forever: block for a step, drain the queue, send one TextDeltas (and one Abort if needed)."""
+    """Forever: block for a message, drain the queue, send one TextDeltas (and one Abort if needed)."""
     while True:
         frames = [steps.recv()]
         while len(frames) < MAX_DRAIN:
@@ -182,7 +236,10 @@ def serve(
         stopped: list[tuple[int, str]] = []
         for frame in frames:
             try:
-                stopped += detok.process(StepOutput.decode(frame), rows)
+                msg = decode(frame)
+                if not isinstance(msg, (StepOutput, DetokenizeRequest)):
+                    raise MessageError(f"a {msg.TAG} message on the steps socket")
+                stopped += detok.handle(msg, rows)
             except MessageError as exc:
                 log.warning("dropping malformed message: %s", exc)
             except Exception:  # a bug on one message must not take the pipeline down
@@ -195,7 +252,8 @@ def serve(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_worker_arguments(parser, {"steps": "bind: step outputs from the engine",
+    add_worker_arguments(parser, {"steps": "bind: step outputs from the engine, request settings from the "
+                                           "tokenizers",
                                   "deltas": "connect: text deltas to the gateway",
                                   "control": "connect: stop aborts to the engine (data parallel: one "
                                              "endpoint per engine, comma-separated)"})

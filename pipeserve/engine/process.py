@@ -1,19 +1,20 @@
 """The engine process (`pipeserve engine`): the loop that wraps the Engine core in sockets.
 
-Binds `requests` (PULL EngineRequest from the tokenizers) and `control` (PULL Abort from the
-gateway and the detokenizer), connects `steps` (PUSH StepOutput to the detokenizer), `errors`
+Binds `requests` (PULL EngineRequest and Abort from the tokenizers) and `control` (PULL Abort from
+the gateway and the detokenizer), connects `steps` (PUSH StepOutput to the detokenizer), `errors`
 (PUSH RequestError to the gateway) and `status` (PUSH EngineInfo to the gateway). It binds only
 once the model is loaded, so an open port means ready.
 
 Between two steps it drains everything queued on both inputs without blocking (a blocking poll
-only when idle, woken by input or the heartbeat), adds the requests, then applies the aborts: at
-a step boundary, after the adds they may refer to. An abort for an id the engine has not seen
-overtook its add (through the tokenizers) and is kept as a tombstone for TOMBSTONE_TTL, so that
-the add ends at once. This loop owns everything the Engine core leaves out: the wire format (each
-step's updates become ONE columnar StepOutput carrying the engine's counters), the tombstones, and
-the clocks (the gateway's wall-clock arrival becomes monotonic here). Idle, it sends an empty
-StepOutput every heartbeat (the detokenizer forwards its stats, proving the path alive); always,
-an EngineInfo (ModelInfo's data; the boot id tells the gateway of a restart).
+only when idle, woken by input or the heartbeat) and applies it in order: the requests socket's
+adds and aborts as they came (an abort travels behind its add, through the tokenizer that took the
+add), then the control socket's aborts (of requests whose output already came, so the engine holds
+them). An abort for an id the engine does not hold is of a request already finished: ignored. This
+loop owns everything the Engine core leaves out: the wire format (each step's updates become ONE
+columnar StepOutput) and the clocks (the gateway's wall-clock arrival becomes monotonic here).
+Idle, it sends an empty StepOutput every heartbeat (the detokenizer passes one on, proving the path
+alive); always, an EngineInfo (ModelInfo's data, the engine's counters; the boot id tells the
+gateway of a restart): the one channel its counters take.
 
 Requests arrive validated (gateway: shape and sampling parameters; tokenizer: token-level limits),
 so a request the Engine's assertions reject is a bug upstream: it fails that request, INTERNAL.
@@ -27,18 +28,16 @@ import math
 import os
 import signal
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from pipeserve import config as cfg
-from pipeserve.config import TOMBSTONE_TTL, Addresses, EngineConfig, engine_endpoint
+from pipeserve.config import Addresses, EngineConfig, engine_endpoint
 from pipeserve.engine.sequence import StepUpdate, one_token_updates
 from pipeserve.messages import (
     MAX_MESSAGE_BYTES,
-    PROMPT_TAIL,
     Abort,
     EngineInfo,
     EngineRequest,
@@ -61,27 +60,22 @@ log = logging.getLogger("pipeserve.engine")
 
 HEARTBEAT = 0.5  # seconds
 MAX_DRAIN = 4096  # messages taken from one socket between two steps (bounded so steps keep coming)
-MAX_TOMBSTONES = 65536  # bounds memory under an abort flood; the oldest go first
 
 
-def step_output(
-    step: int, updates: list[StepUpdate], stats: dict[str, int] | None = None, engine: int = 0
-) -> StepOutput:
+def step_output(step: int, updates: list[StepUpdate], engine: int = 0) -> StepOutput:
     """The wire form of one step's updates: columns, packed ids, NewRequestInfo for new requests."""
     updates = one_token_updates(updates)
     new = []
     for u in updates:
         if u.new:
-            seq, p = u.seq, u.seq.params
-            tail = pack_ids(seq.token_ids[max(0, seq.prompt_len - PROMPT_TAIL) : seq.prompt_len])
+            seq = u.seq
             queued = (seq.first_scheduled or seq.arrival) - seq.arrival
             prompt = None
             if u.prompt_logprobs is not None:
                 lp = u.prompt_logprobs
                 prompt = PromptLogprobs(pack_ids(seq.token_ids[: seq.prompt_len]), pack_floats(lp.logprobs),
                                         pack_ids(lp.top_ids.ravel()), pack_floats(lp.top_logprobs.ravel()))
-            new.append(NewRequestInfo(seq.rid, seq.prompt_len, tail, list(p.stop), p.skip_special_tokens,
-                                      p.logprobs, seq.num_cached_tokens, queued, prompt))
+            new.append(NewRequestInfo(seq.rid, seq.num_cached_tokens, queued, prompt))
     logprobs: list[StepLogprobs | None] | None = None
     if any(u.logprobs for u in updates):
         logprobs = [
@@ -96,35 +90,8 @@ def step_output(
         finish=[u.finish_reason for u in updates],
         new=new,
         logprobs=logprobs,
-        stats=stats,
         engine=engine,
     )
-
-
-class Tombstones:
-    """Aborts of ids the engine has not seen: rid -> expiry, kept in expiry order."""
-
-    def __init__(self, ttl: float = TOMBSTONE_TTL, limit: int = MAX_TOMBSTONES) -> None:
-        self.ttl, self.limit = ttl, limit
-        self._expiry: OrderedDict[str, float] = OrderedDict()
-
-    def __len__(self) -> int:
-        self.prune()
-        return len(self._expiry)
-
-    def add(self, rid: str) -> None:
-        self._expiry.pop(rid, None)  # re-inserted at the end: the dict stays in expiry order
-        self._expiry[rid] = time.monotonic() + self.ttl
-        self.prune()
-
-    def take(self, rid: str) -> bool:
-        """Whether a live tombstone for rid existed (it is consumed)."""
-        return self._expiry.pop(rid, 0.0) > time.monotonic()
-
-    def prune(self) -> None:
-        now = time.monotonic()
-        while self._expiry and (len(self._expiry) > self.limit or next(iter(self._expiry.values())) <= now):
-            self._expiry.popitem(last=False)
 
 
 class EngineLoop:
@@ -146,10 +113,6 @@ class EngineLoop:
         self.heartbeat = heartbeat
         self.boot = time.time_ns()  # differs across restarts
         self.info = ModelInfo(**engine.model_info(), max_logprobs=engine.config.max_logprobs)
-        self.tombstones = Tombstones()
-        # Ids finished lately: an abort arriving after the finish must leave no tombstone, since the
-        # gateway frees the id on the finish and may reuse it at once.
-        self.recently_done: OrderedDict[str, None] = OrderedDict()
         self.poller = zmq.Poller()
         self.poller.register(requests, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
@@ -162,7 +125,7 @@ class EngineLoop:
 
     def stats(self) -> dict[str, int]:
         stats: dict[str, int] = self.engine.stats()
-        return stats | {"tombstones": len(self.tombstones), "finished": self.finished}
+        return stats | {"finished": self.finished}
 
     def once(self) -> None:
         """One iteration: wait (only when idle), drain inputs, step, heartbeat."""
@@ -172,35 +135,26 @@ class EngineLoop:
         else:
             timeout = math.ceil(max(0.0, self.last_beat + self.heartbeat - now) * 1000)
         ready = dict(self.poller.poll(timeout))
-        aborts: list[Abort] = []
         if self.requests in ready:
-            for msg in self._drain(self.requests):
+            for msg in self._drain(self.requests):  # adds and their aborts, in the order they came
                 if isinstance(msg, EngineRequest):
                     self._add(msg)
+                elif isinstance(msg, Abort):
+                    self._abort(msg)
                 else:
                     log.warning("dropped a %s message on the requests socket", msg.TAG)
         if self.control in ready:
             for msg in self._drain(self.control):
                 if isinstance(msg, Abort):
-                    aborts.append(msg)
+                    self._abort(msg)
                 else:
                     log.warning("dropped a %s message on the control socket", msg.TAG)
-        for abort in aborts:
-            for rid in abort.rids:
-                if not self.engine.abort(rid, abort.reason) and rid not in self.recently_done:
-                    self.tombstones.add(rid)
         stepped = False
         if self.engine.has_work():
             updates = self.engine.step()
-            for u in updates:
-                if u.finish_reason:
-                    self.recently_done[u.seq.rid] = None
-                    self.finished += 1
-            while len(self.recently_done) > MAX_TOMBSTONES:
-                self.recently_done.popitem(last=False)
+            self.finished += sum(1 for u in updates if u.finish_reason)
             if updates:
-                output = step_output(self.engine.step_count, updates, self.stats(), self.index)
-                self.steps.send(encode(output))
+                self.steps.send(encode(step_output(self.engine.step_count, updates, self.index)))
                 stepped = True
         if time.monotonic() - self.last_beat >= self.heartbeat:
             self.last_beat = time.monotonic()
@@ -209,7 +163,7 @@ class EngineLoop:
             self.status.send(encode(EngineInfo(boot=self.boot, info=self.info, stats=stats, engine=self.index,
                                                tensor_parallel_size=tp)))
             if not stepped:
-                self.steps.send(encode(step_output(self.engine.step_count, [], stats, self.index)))
+                self.steps.send(encode(step_output(self.engine.step_count, [], self.index)))
 
     def _drain(self, sock: zmq.Socket[Any]) -> list[Message]:
         out = []
@@ -223,6 +177,10 @@ class EngineLoop:
             except MessageError as exc:
                 log.warning("dropped a malformed message: %s", exc)
         return out
+
+    def _abort(self, msg: Abort) -> None:
+        for rid in msg.rids:
+            self.engine.abort(rid, msg.reason)  # False: already finished (an abort never precedes its add)
 
     def _fail(self, rid: str, code: str, message: str) -> None:
         self.errors.send(encode(RequestError(rid=rid, code=code, message=message)))
@@ -240,11 +198,8 @@ class EngineLoop:
             return
         # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
         arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
-        self.recently_done.pop(msg.rid, None)
         try:
             self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt)
-            if self.tombstones.take(msg.rid):  # its abort overtook it: it ends at the next step
-                self.engine.abort(msg.rid)
         except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine
             log.exception("adding %s failed", msg.rid)
             self._fail(msg.rid, "INTERNAL", f"engine: {exc}")

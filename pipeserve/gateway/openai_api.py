@@ -39,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pipeserve.config import EngineConfig, GatewayConfig
@@ -51,6 +52,7 @@ MAX_N = 128
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]  # what the int32 wire fields can hold
 RETRY_AFTER = "1"  # seconds a client refused for capacity should wait
 CLIENT_CLOSED = 499  # the status a request whose client left is logged with (nobody reads it)
+ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
 # How the core's error codes reach an HTTP client: (status, OpenAI error type).
 STATUS = {
     ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -372,6 +374,15 @@ class OpenAIServer:
         async def refused(request: Request, exc: HTTPError) -> JSONResponse:
             return exc.response()
 
+        @app.exception_handler(StarletteHTTPException)
+        async def routing(request: Request, exc: StarletteHTTPException) -> Response:
+            """An unknown path (404) or a wrong method (405), in OpenAI's error shape."""
+            error = HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                              code=ROUTING_CODES.get(exc.status_code))
+            response = error.response()
+            response.headers.update(exc.headers or {})  # 405: Allow
+            return response
+
         # --api-key guards the API; probes and metrics carry no secrets (as vLLM). The two generation
         # routes are plain Starlette routes (key checked inline, body parsed straight from its
         # bytes): FastAPI's dependency solving and body machinery cost each request time on the
@@ -379,7 +390,7 @@ class OpenAIServer:
         app.add_route("/v1/completions", self._parsed(CompletionRequest, self.completions, "prompt"),
                       ["POST"])
         app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat, "messages"), ["POST"])
-        keyed = [Depends(self._check_key)]
+        keyed = [Depends(self._check_key), Depends(_json_body)]
         app.get("/v1/models", dependencies=keyed)(self.models)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
         app.post("/detokenize", dependencies=keyed)(self.detokenize)
@@ -396,6 +407,7 @@ class OpenAIServer:
 
         async def endpoint(request: Request) -> Response:
             self._authorize(request)
+            _check_json(request)
             try:
                 data = await request.body()
             except ClientDisconnect:
@@ -482,6 +494,13 @@ class OpenAIServer:
         model = self._model(body.model)
         if not body.messages:
             raise HTTPError(400, "messages must not be empty", "messages")
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            most = self.core.model_info().max_logprobs  # type: ignore[union-attr]  # _model checked it
+            if body.top_logprobs > most:
+                raise HTTPError(400, f"top_logprobs must be at most {most} (--max-logprobs), got "
+                                     f"{body.top_logprobs}", "top_logprobs")
         messages = [ChatMessage(m.role, m.text()) for m in body.messages]
         max_tokens = body.max_completion_tokens or body.max_tokens
         given = body.params() | {"max_tokens": max_tokens,
@@ -677,6 +696,21 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _check_json(request: Request) -> None:
+    """A body must say it is JSON (415 otherwise): a browser sends text/plain and form bodies from
+    any page without asking the server first (CORS "simple requests"), JSON only after a preflight."""
+    if request.method != "POST":
+        return
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise HTTPError(415, f"Content-Type must be application/json, got {kind or 'none'!r}",
+                        code="unsupported_media_type")
+
+
+async def _json_body(request: Request) -> None:  # async: FastAPI runs sync dependencies on threads
+    _check_json(request)
 
 
 class Disconnected(Exception):

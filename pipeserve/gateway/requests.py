@@ -1,11 +1,13 @@
 """The gateway's core, shared by its front ends (gRPC: grpc_api.py, HTTP: openai_api.py): request
 state and the pipeline's sockets, free of any transport.
 
-It binds `tokenize` (PUSH TokenizeRequest to the tokenizer workers), `deltas` (PULL TextDeltas from
-the detokenizer), `errors` (PULL RequestError from tokenizers/engine) and `status` (PULL EngineInfo
-heartbeats from the engine, ProcessStatus from the supervisor), and connects `control` (PUSH Abort
-to the engine; one socket per engine under data parallelism, where it also picks each request's
-engine: gateway/router.py).
+It binds `tokenize` (a ROUTER: each TokenizeRequest to one tokenizer worker in turn, and later its
+Abort to the same worker, which forwards it to the engine behind the add; the workers announce
+themselves with WorkerReady), `deltas` (PULL TextDeltas from the detokenizer), `errors` (PULL
+RequestError from tokenizers/engine) and `status` (PULL EngineInfo heartbeats, with each engine's
+counters, from the engines; ProcessStatus from the supervisor), and connects `control` (PUSH Abort
+to the engine, for requests whose output already came, which the engine therefore holds; one socket
+per engine under data parallelism, where it also picks each request's engine: gateway/router.py).
 
 It does no CPU-heavy work: validate, assign ids, admit, route each delta to its stream. It is the
 one place a request's shape and sampling parameters are validated (a front end only turns its
@@ -13,8 +15,9 @@ transport's request into SamplingParams and a Prompt); the tokenizer checks only
 tokenizer (prompt length, vocabulary), and the engine trusts both. Deltas that arrive while a
 client is still reading land in its Stream's pending list, so a slow reader gets them coalesced
 into one message instead of an unbounded queue. Any way a call ends without its finish (cancel,
-deadline, abort, a pipeline failure) sends an Abort to the engine, and the id stays reserved until
-the engine confirms, so a reused id can never meet stale deltas.
+deadline, abort, a pipeline failure) sends an Abort to the engine, ordered behind its add, and the
+id stays reserved until the engine confirms (its finish or error arrives; ABORTED_HOLD bounds the
+wait), so a client reusing its request id can never meet the old request's deltas.
 
 Refusals and failures carry a neutral ErrorCode; each front end maps it to its own status (gRPC
 status code, HTTP status).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,6 +56,7 @@ from pipeserve.messages import (
     TextDeltas,
     TokenizeRequest,
     TokenLogprob,
+    WorkerReady,
     decode,
     encode,
     pack_ids,
@@ -135,6 +140,7 @@ class Stream:
     last_token: float = 0.0  # monotonic time of the latest token (inter-token latency)
     abort_in_engine: bool = True  # when closed without a finish, does the engine need an Abort?
     done: bool = False  # the final message was written
+    worker: bytes = b""  # the tokenizer worker that took its add (its abort goes the same way)
 
     def fail(self, code: ErrorCode, message: str, abort_in_engine: bool) -> None:
         if self.error is None and not self.finish:
@@ -165,6 +171,8 @@ class Core:
         self.info: ModelInfo | None = None
         self.router = Router(len(engine_endpoints(addrs.control)), config.dp_balance_threshold)
         self.detok_stats: dict[str, int] = {}
+        self.workers: list[bytes] = []  # tokenizer workers' routing ids, in announcement order
+        self._turn = 0  # the next request's worker: workers[_turn % len(workers)]
         self.health = PipelineHealth()
         self.serving = False
         # Called with the new state whenever serving changes (the gRPC health service follows it).
@@ -178,14 +186,18 @@ class Core:
     def bind(self) -> None:
         """Bind and connect the pipeline's sockets (before any front end takes calls)."""
 
-        def socket(kind: int, addr: str, bind: bool) -> zmq.asyncio.Socket:
+        def socket(kind: int, addr: str, bind: bool, **options: int) -> zmq.asyncio.Socket:
             sock = self._zmq.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
+            for option, value in options.items():
+                sock.setsockopt(getattr(zmq, option), value)
             sock.bind(addr) if bind else sock.connect(addr)
             return sock
 
-        self.tokenize = socket(zmq.PUSH, self.addrs.tokenize, True)
+        # ROUTER_MANDATORY: a send to a worker that left fails (and picks another) instead of vanishing;
+        # no send limit: admission (--max-inflight) bounds what can queue.
+        self.tokenize = socket(zmq.ROUTER, self.addrs.tokenize, True, ROUTER_MANDATORY=1, SNDHWM=0)
         self.deltas = socket(zmq.PULL, self.addrs.deltas, True)
         self.errors = socket(zmq.PULL, self.addrs.errors, True)
         self.status = socket(zmq.PULL, self.addrs.status, True)
@@ -195,7 +207,8 @@ class Core:
         """Start receiving from the pipeline and watching its health."""
         self._tasks = [
             asyncio.create_task(coro)
-            for coro in (self._recv_deltas(), self._recv_errors(), self._recv_status(), self._monitor())
+            for coro in (self._recv_deltas(), self._recv_errors(), self._recv_status(), self._recv_workers(),
+                         self._monitor())
         ]
 
     async def stop(self) -> None:
@@ -236,11 +249,18 @@ class Core:
         except Refusal as refusal:
             raise self.refused(refusal) from None
         message.fit_max_tokens = fit_max_tokens
-        streams = [Stream(r, self.router.engines[message.engine].boot, message.engine)
+        data = encode(message)
+        while True:
+            worker = self._worker()
+            if worker is None:
+                why = "not serving: no tokenizer worker is connected"
+                raise self.refused(Refusal(ErrorCode.UNAVAILABLE, why))
+            if self._to_worker(worker, data):
+                break
+        streams = [Stream(r, self.router.engines[message.engine].boot, message.engine, worker=worker)
                    for r in message.engine_rids()]
         for stream in streams:
             self.streams[stream.rid] = stream
-        await self.tokenize.send(encode(message))
         return streams
 
     async def output(self, stream: Stream) -> AsyncIterator[tuple[list[Delta], bool]]:
@@ -269,8 +289,11 @@ class Core:
             self.outcomes[stream.finish] += 1
         else:
             self.outcomes[stream.error.code.name if stream.error else ErrorCode.CANCELLED.name] += 1
+            if stream.error is None and not stream.finish:  # the client left: a request aborted
+                self.metrics.finished(stream.arrival, "abort", stream.prompt_tokens, stream.completion_tokens,
+                                      time.monotonic())
             if not stream.finish and stream.abort_in_engine:
-                self._abort_in_engine([stream.rid], stream.engine)
+                self._abort([stream])
         stream.done = True
 
     def abort(self, rid: str) -> bool:
@@ -279,8 +302,10 @@ class Core:
         stream = self.streams.get(rid)
         if stream is None or stream.finish or stream.error is not None:
             return False
-        self._abort_in_engine([stream.rid], stream.engine)
+        self._abort([stream])
         stream.finish = "abort"  # the stream ends now; the engine's own finish is awaited in self.aborted
+        self.metrics.finished(stream.arrival, "abort", stream.prompt_tokens, stream.completion_tokens,
+                              time.monotonic())
         stream.wake.set()
         return True
 
@@ -323,7 +348,8 @@ class Core:
         if any(r in self.streams or r in self.aborted for r in message.engine_rids()):
             raise Refusal(ErrorCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if not self.serving:
-            raise Refusal(ErrorCode.UNAVAILABLE, self.health.why_not(self.router, self.info))
+            why = self.health.why_not(self.router, self.info, len(self.workers))
+            raise Refusal(ErrorCode.UNAVAILABLE, why)
         blocks = self._prefix(prompt, cache_salt) if len(self.router.engines) > 1 else []
         message.engine = self.router.pick(blocks, n)
         return message
@@ -336,14 +362,62 @@ class Core:
             return prefix_blocks(cache_salt, text=prompt)
         return prefix_blocks(cache_salt, text="".join(f"{m.role}\n{m.content}\n" for m in prompt))
 
-    # ---- request state ---------------------------------------------------------------------
-    def _abort_in_engine(self, rids: list[str], engine: int) -> None:
-        """Abort rids in the engine running them (only there: an abort elsewhere would leave a
-        tombstone that could end a later request reusing the id)."""
+    # ---- tokenizer workers and aborts ------------------------------------------------------
+    def _worker(self) -> bytes | None:
+        """The next tokenizer worker in turn (None: none connected)."""
+        if not self.workers:
+            return None
+        self._turn = (self._turn + 1) % len(self.workers)
+        return self.workers[self._turn]
+
+    def _to_worker(self, worker: bytes, data: bytes) -> bool:
+        """Send to one worker now; False when it is gone (it is forgotten until it announces again)."""
+        # A non-blocking send completes at once (no send limit); zmq.asyncio reports its error on the
+        # future it returns rather than raising.
+        sent = self.tokenize.send_multipart([worker, data], flags=zmq.NOBLOCK)
+        error = sent.exception() if sent.done() else None  # type: ignore[attr-defined]
+        if error is None:
+            return True
+        if not isinstance(error, zmq.ZMQError) or error.errno != errno.EHOSTUNREACH:
+            raise error
+        if worker in self.workers:
+            self.workers.remove(worker)
+            log.warning("tokenizer worker %s is gone", worker.decode(errors="replace"))
+        return False
+
+    async def _recv_workers(self) -> None:
+        while True:
+            worker, data = (await self.tokenize.recv_multipart())[-2:]
+            msg = _decode(data, "tokenize")
+            if isinstance(msg, WorkerReady) and worker not in self.workers:
+                self.workers.append(worker)
+                log.info("tokenizer worker %s connected (%d now)", msg.name, len(self.workers))
+            elif msg is not None and not isinstance(msg, WorkerReady):
+                log.warning("dropped a %s message on the tokenize socket", msg.TAG)
+
+    def _abort(self, streams: list[Stream]) -> None:
+        """Abort streams in the engine running them; their ids stay reserved until it confirms. One
+        whose output came is held by the engine: straight to it. One still on its way goes through
+        the worker that took its add, behind it (straight to the engine if that worker is gone: its
+        add went with it, or through already)."""
         expiry = time.monotonic() + ABORTED_HOLD
-        for rid in rids:
-            self.aborted[rid] = expiry
-        future = self.controls[engine].send(encode(Abort(rids=rids)))
+        direct: dict[int, list[str]] = collections.defaultdict(list)
+        queued: dict[tuple[bytes, int], list[str]] = collections.defaultdict(list)
+        for stream in streams:
+            self.aborted[stream.rid] = expiry
+            if stream.started or not stream.worker:
+                direct[stream.engine].append(stream.rid)
+            else:
+                queued[stream.worker, stream.engine].append(stream.rid)
+        for (worker, engine), rids in queued.items():
+            if not self._to_worker(worker, encode(Abort(rids=rids, engine=engine))):
+                direct[engine] += rids
+        for engine, rids in direct.items():
+            self._abort_in_engine(rids, engine)
+
+    def _abort_in_engine(self, rids: list[str], engine: int) -> None:
+        """Abort rids the engine holds on its control socket (only that engine's)."""
+        future = self.controls[engine].send(encode(Abort(rids=rids, engine=engine)))
         future.add_done_callback(_log_failure)  # type: ignore[attr-defined]  # pyzmq types it as Awaitable
 
     def _fail(self, code: ErrorCode, message: str, abort_in_engine: bool,
@@ -352,8 +426,7 @@ class Core:
         for stream in victims:
             stream.fail(code, message, abort_in_engine=False)  # one batched Abort below
         if abort_in_engine:
-            for engine in sorted({s.engine for s in victims}):
-                self._abort_in_engine([s.rid for s in victims if s.engine == engine], engine)
+            self._abort(victims)
         if victims:
             log.warning("%d streams end with %s: %s", len(victims), code.name, message)
 
@@ -384,9 +457,6 @@ class Core:
         now = self.health.seen = time.monotonic()
         if msg.stats is not None:
             self.detok_stats.update(msg.stats)
-        for key, stats in (msg.engines or {}).items():
-            if key.isdigit() and int(key) < len(self.router.engines):
-                self.router.report(int(key), stats, heartbeat=False)
         orphans: list[tuple[int, str]] = []
         for i, rid in enumerate(msg.rids):
             stream = self.streams.get(rid)
@@ -394,7 +464,8 @@ class Core:
                 if msg.finish[i]:
                     self.aborted.pop(rid, None)  # the engine is done with it: the id is free again
                 elif stream is None and rid not in self.aborted:
-                    # Output nobody reads (its abort was lost): stop it, in the engine running it.
+                    # Output nobody reads (its abort was lost with a worker): stop it, in the engine
+                    # running it, which holds it.
                     engine = msg.row_engines[i] if msg.row_engines is not None else 0
                     if 0 <= engine < len(self.controls):
                         orphans.append((engine, rid))
@@ -417,8 +488,11 @@ class Core:
             stream.wake.set()
         if orphans:
             log.warning("aborting %d requests run for no stream, e.g. %s", len(orphans), orphans[0][1])
+            expiry = time.monotonic() + ABORTED_HOLD
             for engine in sorted({engine for engine, _ in orphans}):
-                self._abort_in_engine([rid for where, rid in orphans if where == engine], engine)
+                rids = [rid for where, rid in orphans if where == engine]
+                self.aborted.update(dict.fromkeys(rids, expiry))
+                self._abort_in_engine(rids, engine)
 
     async def _recv_errors(self) -> None:
         while True:
@@ -464,7 +538,7 @@ class Core:
         view.seen = time.monotonic()
         view.tensor_parallel_size = msg.tensor_parallel_size
         if msg.stats is not None:
-            self.router.report(index, msg.stats, heartbeat=True)
+            self.router.report(index, msg.stats)
 
     def _on_process(self, msg: ProcessStatus) -> None:
         log.info("supervisor: %s is %s", msg.process, "up" if msg.up else "down")
@@ -477,14 +551,13 @@ class Core:
             else:
                 view.down = True
                 # Aborted in that engine too: its successor may still get adds queued on the way
-                # (tombstones drop them). The other engines' requests go on.
+                # (each abort follows its add there). The other engines' requests go on.
                 self._fail(ErrorCode.UNAVAILABLE, f"the engine {index} died", abort_in_engine=True,
                            which=on_engine(index))
         elif msg.process in PIPELINE:
             self.health.process(msg.process, msg.up, time.monotonic())
             if not msg.up:
-                # Abort them in the engine too: a dead detokenizer leaves them running there, and a
-                # dead engine's successor may still get adds queued on the way (tombstones drop them).
+                # Abort them in the engine too: a dead detokenizer leaves them running there.
                 self._fail(ErrorCode.UNAVAILABLE, f"the {msg.process} died", abort_in_engine=True)
         elif msg.process.startswith("tokenizer") and not msg.up:
             # Requests queued at the dead worker are lost; the gateway cannot tell which ones (PUSH
@@ -504,13 +577,14 @@ class Core:
                     if not live:  # its streams end; the other engines' go on
                         self._fail(ErrorCode.UNAVAILABLE, f"engine {index} stopped responding", True,
                                    on_engine(index))
-            healthy = self.health.healthy(self.router, self.info, now, self.config.liveness_timeout)
+            healthy = self.health.healthy(self.router, self.info, now, self.config.liveness_timeout,
+                                          len(self.workers))
             if healthy != self.serving:
                 self.serving = healthy  # admission follows at once, the health services right after
                 log.info("health: %s", "SERVING" if healthy else "NOT_SERVING")
                 if not healthy:
-                    self._fail(ErrorCode.UNAVAILABLE, self.health.why_not(self.router, self.info),
-                               abort_in_engine=True)
+                    why = self.health.why_not(self.router, self.info, len(self.workers))
+                    self._fail(ErrorCode.UNAVAILABLE, why, abort_in_engine=True)
                 for listener in self.on_serving:
                     await listener(healthy)
 

@@ -80,13 +80,12 @@ class Router:
         self.balance_threshold = balance_threshold
         self.owners: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> engine that last took it
 
-    def report(self, engine: int, stats: dict[str, int], heartbeat: bool) -> None:
-        """An engine's counters. Only a heartbeat (sent after the engine drained its inputs) settles
-        the requests routed since the previous one; counters relayed with output may predate them."""
+    def report(self, engine: int, stats: dict[str, int]) -> None:
+        """An engine's counters, from its heartbeat (sent after it drained its inputs, so it settles
+        the requests routed since the previous one)."""
         view = self.engines[engine]
         view.stats.update(stats)
-        if heartbeat:
-            view.routed_since_report = 0
+        view.routed_since_report = 0
 
     def pick(self, blocks: list[bytes], copies: int = 1) -> int:
         """The engine for a request with these prefix blocks; at least one engine must be live.

@@ -1,6 +1,13 @@
-"""A tokenizer worker process: PULL TokenizeRequest from the gateway, PUSH EngineRequest (token ids
-only) to the engine, or RequestError to the gateway. Stateless: run as many as the load needs; they
-connect, the gateway and the engine bind.
+"""A tokenizer worker process: a DEALER on the gateway's `tokenize` ROUTER takes TokenizeRequest and
+Abort; it PUSHes EngineRequest (token ids only) to the engine, the request's DetokenizeRequest (stop
+strings, special tokens, the prompt's tail) to the detokenizer, or RequestError to the gateway.
+Stateless: run as many as the load needs; they connect, the gateway, the engine and the
+detokenizer bind. A worker announces itself (WorkerReady) on connecting and every second after, so a
+restarted gateway learns of it too.
+
+Aborts come through the worker that took the request's add and leave on the same socket to the
+engine, after it: ZeroMQ keeps one pipe's order, so an abort never overtakes its add and the engine
+needs no memory of aborts for ids it has not seen.
 
 It trusts the gateway's validation (request shape, sampling parameters) and checks only what needs
 the tokenizer: prompt length against the context, ids against the vocabulary, the chat template,
@@ -12,17 +19,24 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import zmq
 
 from pipeserve.messages import (
+    PROMPT_TAIL,
+    Abort,
     ChatMessage,
+    DetokenizeRequest,
     EngineRequest,
     MessageError,
     RequestError,
     TokenizeRequest,
+    WorkerReady,
+    decode,
     encode,
     pack_ids,
     unpack_ids,
@@ -38,6 +52,8 @@ from pipeserve.tokenizer.load import (
 )
 
 log = logging.getLogger(__name__)
+
+READY_PERIOD = 1.0  # seconds between two WorkerReady announcements
 
 
 class InvalidRequest(ValueError):
@@ -102,7 +118,17 @@ class Tokenizer:
             raise InvalidRequest(f"max_tokens is {params.max_tokens}, but the context is "
                                  f"{self.max_model_len} tokens and {name} takes {len(ids)}: at most {room} "
                                  "can be generated; lower max_tokens")
-        return EngineRequest(req.rid, pack_ids(ids), params, req.app, req.arrival, req.cache_salt)
+        # Stop strings are the detokenizer's (DetokenizeRequest): the engine never reads them.
+        return EngineRequest(req.rid, pack_ids(ids), replace(params, stop=[]), req.app, req.arrival,
+                             req.cache_salt)
+
+    @staticmethod
+    def detokenize_request(req: TokenizeRequest, add: EngineRequest) -> DetokenizeRequest:
+        """What the detokenizer needs of req (tokenized as add), for all its engine requests."""
+        ids = unpack_ids(add.prompt_ids)
+        params = req.sampling
+        return DetokenizeRequest(req.engine_rids(), len(ids), pack_ids(ids[-PROMPT_TAIL:]), list(params.stop),
+                                 params.skip_special_tokens, params.logprobs is not None, req.engine)
 
     @staticmethod
     def _check_constraint(params: SamplingParams) -> None:
@@ -140,29 +166,44 @@ class Tokenizer:
         return result
 
 
-def serve(
-    worker: Tokenizer, pull: zmq.Socket[bytes], requests: list[zmq.Socket[bytes]], errors: zmq.Socket[bytes]
-) -> None:
-    """Forever: tokenize, then send to the engine the gateway routed the request to (requests[i] is
-    connected to engine i)."""
-    while True:
-        frame = pull.recv()
+def serve(worker: Tokenizer, gateway: zmq.Socket[bytes], requests: list[zmq.Socket[bytes]],
+          errors: zmq.Socket[bytes], detokenizer: zmq.Socket[bytes], name: str,
+          should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Until should_stop(): tokenize, tell the detokenizer, then send to the engine the gateway routed
+    the request to (requests[i] is connected to engine i); forward aborts behind their adds."""
+    ready = encode(WorkerReady(name))
+    gateway.send(ready)
+    while not should_stop():
+        if not gateway.poll(int(READY_PERIOD * 1000)):
+            gateway.send(ready)  # idle: say so again (a restarted gateway learns of this worker)
+            continue
         try:
-            req = TokenizeRequest.decode(frame)
+            msg = decode(gateway.recv())
         except MessageError as exc:
             log.warning("dropping malformed message: %s", exc)
             continue
+        if isinstance(msg, Abort):
+            if 0 <= msg.engine < len(requests):
+                requests[msg.engine].send(encode(msg))
+            continue
+        if not isinstance(msg, TokenizeRequest):
+            log.warning("dropping malformed message: a %s is no request", msg.TAG)
+            continue
+        outs = worker.handle_all(msg)
+        if isinstance(outs[0], EngineRequest):  # before the adds: its output finds it there
+            detokenizer.send(encode(worker.detokenize_request(msg, outs[0])))
         # All n copies go to the one engine the gateway chose, so they share its prefix cache.
-        for out in worker.handle_all(req):
+        for out in outs:
             log.debug("tokenized %s: %s", out.rid, out.TAG)
-            (requests[req.engine] if isinstance(out, EngineRequest) else errors).send(encode(out))
+            (requests[msg.engine] if isinstance(out, EngineRequest) else errors).send(encode(out))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --max-model-len: give the engine's value when it serves a shorter context than the model's.
-    add_worker_arguments(parser, {"tokenize": "connect: requests from the gateway",
-                                  "requests": "connect: token ids to the engine (data parallel: one "
-                                              "endpoint per engine, comma-separated)",
+    add_worker_arguments(parser, {"tokenize": "connect: requests and aborts from the gateway",
+                                  "requests": "connect: token ids and aborts to the engine (data parallel: "
+                                              "one endpoint per engine, comma-separated)",
+                                  "steps": "connect: each request's detokenizer settings",
                                   "errors": "connect: rejections to the gateway"})
 
 
@@ -171,12 +212,15 @@ def main(args: argparse.Namespace) -> int:
     limits = model_limits(model_dir)
     max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
     worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
+    name = f"tokenizer@{socket.gethostname()}:{os.getpid()}"
     with worker_sockets() as ctx:
-        pull, errors = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        gateway, errors, detokenizer = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        gateway.setsockopt(zmq.ROUTING_ID, name.encode())
         requests = connect_engines(ctx, args.requests)
-        pull.connect(args.tokenize)
+        gateway.connect(args.tokenize)
         errors.connect(args.errors)
+        detokenizer.connect(args.steps)
         log.info("ready (pid %d): %s -> %s, context %d", os.getpid(), args.tokenize, args.requests,
                  max_model_len)
-        serve(worker, pull, requests, errors)
+        serve(worker, gateway, requests, errors, detokenizer, name)
     return 0
