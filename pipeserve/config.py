@@ -229,6 +229,9 @@ class GatewayConfig:
     http_port: int | None = opt(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port; "
                                 "unset: 8000 under `pipeserve up`, off for `pipeserve gateway` alone")
     api_key: str | None = opt(None, 'require "authorization: Bearer KEY" on every call but health')
+    allowed_origins: str | None = opt(None, "HTTP API: web origins (comma-separated, e.g. "
+                                      "https://app.example.com; * for any) whose pages a browser lets call "
+                                      "it (CORS); unset: none")
     tls_cert: str | None = opt(None, "PEM certificate: serve gRPC over TLS only (with --tls-key)")
     tls_key: str | None = opt(None, "PEM private key of --tls-cert")
     dp_balance_threshold: int = opt(32, "data parallel: a request follows its prompt prefix to the engine "

@@ -622,3 +622,22 @@ def test_cancels_and_disconnects_count_as_aborted_requests_quietly(fresh, caplog
     api.wait(lambda: api.metric(metric) == 3)
     api.wait(lambda: api.metric("pipeserve_gateway_inflight") == 0)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+
+
+def test_cors_only_for_the_allowed_origins(tmp_path, api):
+    """--allowed-origins: a browser's preflight from a listed origin is answered, others are not; by
+    default no origin is (the preflight is a 405 like any OPTIONS)."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    default = httpx.options(api.url + "/v1/completions", headers={"Origin": "https://app.test", **preflight})
+    assert default.status_code == 405 and "access-control-allow-origin" not in default.headers
+    cors = HTTPPipeline(str(tmp_path), allowed_origins="https://app.test, https://other.test")
+    try:
+        ok = httpx.options(cors.url + "/v1/completions", headers={"Origin": "https://app.test", **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.test"
+        evil = {"Origin": "https://evil.test", **preflight}
+        bad = httpx.options(cors.url + "/v1/completions", headers=evil)
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+        models = httpx.get(cors.url + "/v1/models", headers={"Origin": "https://other.test"})
+        assert models.headers["access-control-allow-origin"] == "https://other.test"
+    finally:
+        cors.close()

@@ -141,7 +141,7 @@ def test_cancel_mid_stream_frees_the_engine(server):
     call = server.client.stream("Once upon a time", max_tokens=400, ignore_eos=True, request_id="cancel-me")
     chunks = [next(call) for _ in range(3)]
     assert all(c.request_id == "cancel-me" for c in chunks)
-    assert server.engine("running") == 1
+    server.wait(lambda: server.engine("running") == 1, what="the engine reports it running")  # next heartbeat
     call.cancel()
     server.wait_idle()
     steps = server.engine("steps")

@@ -216,6 +216,11 @@ class ServingMetrics:
             self.request_prompt.observe(prompt_tokens)
             self.request_generation.observe(generation_tokens)
 
+    def aborted(self) -> None:
+        """A request the client ended (cancel, disconnect, Abort): counted, but kept out of the latency
+        and length histograms, which describe requests that ran to their end."""
+        self.success.labels("abort").inc()
+
     def render(self) -> bytes:
         """The exposition text of every series."""
         return generate_latest(self.registry)

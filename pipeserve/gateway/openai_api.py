@@ -36,6 +36,7 @@ import numpy as np
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -365,6 +366,10 @@ class OpenAIServer:
     # ---- routes ---------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="pipeserve", docs_url=None, redoc_url=None, openapi_url=None)
+        if self.config.allowed_origins:  # --allowed-origins: without it no browser page may call the API
+            origins = [o.strip() for o in self.config.allowed_origins.split(",") if o.strip()]
+            app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                               allow_headers=["Authorization", "Content-Type"])
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

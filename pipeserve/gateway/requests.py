@@ -290,8 +290,7 @@ class Core:
         else:
             self.outcomes[stream.error.code.name if stream.error else ErrorCode.CANCELLED.name] += 1
             if stream.error is None and not stream.finish:  # the client left: a request aborted
-                self.metrics.finished(stream.arrival, "abort", stream.prompt_tokens, stream.completion_tokens,
-                                      time.monotonic())
+                self.metrics.aborted()
             if not stream.finish and stream.abort_in_engine:
                 self._abort([stream])
         stream.done = True
@@ -304,8 +303,7 @@ class Core:
             return False
         self._abort([stream])
         stream.finish = "abort"  # the stream ends now; the engine's own finish is awaited in self.aborted
-        self.metrics.finished(stream.arrival, "abort", stream.prompt_tokens, stream.completion_tokens,
-                              time.monotonic())
+        self.metrics.aborted()
         stream.wake.set()
         return True
 
