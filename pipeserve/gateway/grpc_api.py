@@ -204,7 +204,11 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
         context.add_done_callback(lambda _: self.core.close(stream))
         try:
             async for rows, last in self.core.output(stream):
-                yield response(stream, rows, last)
+                # Logprob tables become protobuf off the loop (see openai_api's events).
+                if any(r.logprobs or r.prompt_logprobs for r in rows):
+                    yield await asyncio.to_thread(response, stream, rows, last)
+                else:
+                    yield response(stream, rows, last)
         except Refusal as refusal:
             await context.abort(status(refusal.code), refusal.message)
         except asyncio.CancelledError:

@@ -264,6 +264,10 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
                         for e in entries]}
 
 
+def _json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -553,7 +557,11 @@ class OpenAIServer:
             return StreamingResponse(self._events(call, first, merged, usage_last),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            return JSONResponse(await _until_disconnect(request, self._collect(call)))
+            result = await _until_disconnect(request, self._collect(call))
+            if not call.logprobs:
+                return JSONResponse(result)
+            # Logprob tables can be megabytes of JSON: encoded off the loop (see _events).
+            return Response(await asyncio.to_thread(_json, result), media_type="application/json")
         except Refusal as refusal:
             raise from_refusal(refusal) from None
         finally:
@@ -569,7 +577,7 @@ class OpenAIServer:
                 c.add(rows)
 
         await asyncio.gather(*(one(c) for c in call.choices))
-        return call.final()
+        return await asyncio.to_thread(call.final) if call.logprobs else call.final()
 
     async def _events(self, call: Call, first: tuple[Choice, list[Delta], bool],
                       rest: AsyncGenerator[tuple[Choice, list[Delta], bool], None], usage_last: bool
@@ -588,10 +596,18 @@ class OpenAIServer:
                     continue  # nothing a client reads (e.g. text held back by the detokenizer)
                 if first_of_choice and not call.generated and not last:
                     continue  # max_tokens 0: the prompt goes out with the finish
-                choice = call.choice(c, text, entries, c.stream.finish if last else None, first_of_choice,
-                                     True, ids)
+
+                def event(c: Choice = c, text: str = text, entries: list[TokenLogprob] = entries,
+                          last: bool = last, first_of_choice: bool = first_of_choice, ids: list[int] = ids
+                          ) -> bytes:
+                    choice = call.choice(c, text, entries, c.stream.finish if last else None, first_of_choice,
+                                         True, ids)
+                    return sse(call.head(True) | {"choices": [choice]})
+
+                # Logprob tables (top-k per token, n choices) are rendered off the loop, which then
+                # only moves bytes: no request delays another's tokens, health or metrics.
                 c.sent = True
-                yield sse(call.head(True) | {"choices": [choice]})
+                yield await asyncio.to_thread(event) if entries else event()
             if usage_last:
                 totals = usage(call.choices, call.per_prompt, call.generated)
                 yield sse(call.head(True) | {"choices": [], "usage": totals})

@@ -72,6 +72,10 @@ MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32; the tokenizer checks them against the vocabulary
 MONITOR_PERIOD = 0.1
+# A deltas message this large (logprob tables, many choices) is decoded on a worker thread: the loop
+# keeps answering (health, metrics, other streams) while it is, the GIL handing it turns. Smaller ones
+# decode in well under a millisecond.
+OFF_LOOP_BYTES = 16 * 1024
 # A request's input: text, token ids (an integer array) or chat messages.
 Prompt = str | np.ndarray | list[ChatMessage]
 
@@ -431,11 +435,18 @@ class Core:
     # ---- pipeline input --------------------------------------------------------------------
     async def _recv_deltas(self) -> None:
         while True:
-            msg = _decode(await self.deltas.recv(), "deltas")
+            data = await self.deltas.recv()
+            if len(data) < OFF_LOOP_BYTES:
+                msg = _decode(data, "deltas")
+            else:  # awaited here: messages are still routed in order
+                msg = await asyncio.to_thread(_decode, data, "deltas")
             if isinstance(msg, TextDeltas):
                 self._route(msg)
             elif msg is not None:
                 log.warning("dropped a %s message on the deltas socket", msg.TAG)
+            # One message per turn of the loop: a recv of a queued message completes without yielding,
+            # so a backlog would otherwise hold the loop (health, metrics, writes) until it is drained.
+            await asyncio.sleep(0)
 
     def _route(self, msg: TextDeltas) -> None:
         n = len(msg.rids)
