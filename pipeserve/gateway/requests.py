@@ -76,6 +76,7 @@ MONITOR_PERIOD = 0.1
 # keeps answering (health, metrics, other streams) while it is, the GIL handing it turns. Smaller ones
 # decode in well under a millisecond.
 OFF_LOOP_BYTES = 16 * 1024
+TURN_BUDGET = 0.002  # seconds of routing before the deltas receiver lets the loop run something else
 # A request's input: text, token ids (an integer array) or chat messages.
 Prompt = str | np.ndarray | list[ChatMessage]
 
@@ -434,19 +435,24 @@ class Core:
 
     # ---- pipeline input --------------------------------------------------------------------
     async def _recv_deltas(self) -> None:
+        turn = time.perf_counter()
         while True:
             data = await self.deltas.recv()
             if len(data) < OFF_LOOP_BYTES:
                 msg = _decode(data, "deltas")
             else:  # awaited here: messages are still routed in order
                 msg = await asyncio.to_thread(_decode, data, "deltas")
+                turn = time.perf_counter()
             if isinstance(msg, TextDeltas):
                 self._route(msg)
             elif msg is not None:
                 log.warning("dropped a %s message on the deltas socket", msg.TAG)
-            # One message per turn of the loop: a recv of a queued message completes without yielding,
-            # so a backlog would otherwise hold the loop (health, metrics, writes) until it is drained.
-            await asyncio.sleep(0)
+            # A recv of a queued message completes without yielding, so a backlog would hold the loop
+            # (health, metrics, writes) until drained: yield once this turn's budget is spent. Within
+            # it, a burst of small deltas lands at once and reaches a slow reader coalesced.
+            if time.perf_counter() - turn > TURN_BUDGET:
+                await asyncio.sleep(0)
+                turn = time.perf_counter()
 
     def _route(self, msg: TextDeltas) -> None:
         n = len(msg.rids)
