@@ -79,10 +79,21 @@ def test_n_seeds_and_async(cluster, client):
     assert first == grpc
 
 
-def test_chat_without_a_template_is_refused_naming_the_cause(client):
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_without_a_template_is_refused_naming_the_cause(client, stream):
+    """The tokenizer refuses it before any token: a 400 streamed or not (the stream never starts)."""
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "hi"}])
+        messages = [{"role": "user", "content": "hi"}]
+        out = client.chat.completions.create(model="stories260K", messages=messages, stream=stream)
+        if stream:
+            list(out)
     assert "chat template" in info.value.message and info.value.param == "messages"
+
+
+def test_max_tokens_beyond_the_context_is_refused_before_the_stream_starts(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        list(client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=600, stream=True))
+    assert info.value.param == "max_tokens" and "context" in info.value.message
 
 
 def test_echo_prompt_logprobs_equal_hf(stories_dir, client):
