@@ -232,6 +232,14 @@ class GatewayConfig:
     allowed_origins: str | None = opt(None, "HTTP API: web origins (comma-separated, e.g. "
                                       "https://app.example.com; * for any) whose pages a browser lets call "
                                       "it (CORS); unset: none")
+    http_max_connections: int = opt(4096, "HTTP API: most connections open at once; another gets 503 "
+                                    "and is closed (counted in pipeserve_gateway_http_refused_total)")
+    http_header_timeout: float = opt(10.0, "HTTP API: seconds a client has to send a request's headers "
+                                     "(from connecting or from the request's first byte); then the "
+                                     "connection closes")
+    http_body_timeout: float = opt(30.0, "HTTP API: seconds a client has to send a request's body after its "
+                                   "headers; then the connection closes")
+    http_keepalive_timeout: float = opt(30.0, "HTTP API: seconds an idle keep-alive connection stays open")
     tls_cert: str | None = opt(None, "PEM certificate: serve gRPC over TLS only (with --tls-key)")
     tls_key: str | None = opt(None, "PEM private key of --tls-cert")
     dp_balance_threshold: int = opt(32, "data parallel: a request follows its prompt prefix to the engine "
@@ -241,6 +249,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_request_bytes < 1024 or self.max_response_bytes < 1024:
             raise ValueError("max_inflight must be >= 1, max_request_bytes and max_response_bytes >= 1024")
+        if self.http_max_connections < 1 or min(self.http_header_timeout, self.http_body_timeout,
+                                                self.http_keepalive_timeout) <= 0:
+            raise ValueError("http_max_connections must be >= 1 and the http timeouts > 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -641,3 +642,45 @@ def test_cors_only_for_the_allowed_origins(tmp_path, api):
         assert models.headers["access-control-allow-origin"] == "https://other.test"
     finally:
         cors.close()
+
+
+def _raw(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_slow_headers_slow_bodies_and_too_many_connections_are_cut_and_counted(tmp_path):
+    api = HTTPPipeline(str(tmp_path), http_header_timeout=0.3, http_body_timeout=0.3, http_max_connections=3)
+    port = api.gateway.http.port
+    refused = 'pipeserve_gateway_http_refused_total{reason="%s"}'
+    try:
+        slow = _raw(port)
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert _read_all(slow) == b""  # closed without an answer
+        body = _raw(port)
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        assert _read_all(body) == b""
+        assert (api.metric(refused % "header_timeout"), api.metric(refused % "body_timeout")) == (1, 1)
+        held = [_raw(port) for _ in range(2)]  # with the client below: 3 open, the limit
+        for sock in held:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # answered, kept alive
+        with httpx.Client(base_url=api.url, timeout=10) as http:
+            assert http.get("/health").status_code == 200  # the third connection
+            full = _read_all(_raw(port))  # the fourth
+            assert full.startswith(b"HTTP/1.1 503") and b'"code": "max_connections"' in full
+            assert api.metric(refused % "max_connections") == 1
+        for sock in held:
+            sock.close()
+        assert httpx.get(api.url + "/health", timeout=10).status_code == 200  # room again
+    finally:
+        api.close()

@@ -37,6 +37,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+HTTP_LIMITS = ("max_connections", "header_timeout", "body_timeout")  # gateway/http_limits.py
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -179,6 +180,10 @@ class ServingMetrics:
                              buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "engine arrival to first scheduled",
                                buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.http_refused = Counter("pipeserve_gateway_http_refused", "HTTP connections refused or closed "
+                                    "by a limit", ["reason"], registry=r)
+        for reason in HTTP_LIMITS:
+            self.http_refused.labels(reason)
         self.request_prompt: Histogram | None = None  # buckets need the context length: set_context()
         self.request_generation: Histogram | None = None
 

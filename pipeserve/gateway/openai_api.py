@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.gateway.http_limits import uvicorn_options
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.messages import ChatMessage, TokenLogprob
 
@@ -354,8 +355,9 @@ class OpenAIServer:
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
+        refused = self.core.metrics.http_refused
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30)
+                                **uvicorn_options(self.config, lambda reason: refused.labels(reason).inc()))
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started and not self._task.done():
