@@ -1,6 +1,6 @@
 """Abort storm: 1,000 streams, each cancelled at a random point (before admission, in prefill,
 mid-decode, after the last token); afterwards nothing is left in the gateway, the detokenizer or the
-engine (requests, tombstones, pages), and the server still serves."""
+engine (requests, pages), and the server still serves."""
 
 from __future__ import annotations
 
