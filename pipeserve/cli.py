@@ -1,8 +1,9 @@
 """The `pipeserve` command. Each subcommand lives in its own module, imported only when used, so
-the gateway and tokenizer processes never import torch.
+the gateway and tokenizer processes never import torch. `serve` is `up` with the model as its
+first argument, as vLLM users type it.
 
 A command module defines `add_arguments(parser)` and `main(args) -> int`. The benchmark commands
-live in the top-level `bench` package and need the optional `pipeserve[bench]` extra (tables and
+live in the `pipeserve.bench` package and need the optional `pipeserve[bench]` extra (tables and
 plots); without it they say how to install it instead of failing with a traceback.
 """
 
@@ -13,13 +14,15 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import typing
 
 # What `pipeserve[bench]` adds to the serving dependencies (pyproject.toml).
 BENCH_EXTRA = ("matplotlib", "rich", "aiohttp")
 INSTALL_BENCH = "pip install 'pipeserve[bench]'"
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("pipeserve.launcher", "start every process on this host and serve gRPC"),
+    "serve": ("pipeserve.launcher", "serve MODEL over gRPC and the OpenAI HTTP API (= up --model MODEL)"),
+    "up": ("pipeserve.launcher", "start every process on this host and serve gRPC and the OpenAI HTTP API"),
     "gateway": ("pipeserve.gateway.server", "run the gRPC gateway process"),
     "tokenizer": ("pipeserve.tokenizer.worker", "run one tokenizer worker process"),
     "engine": ("pipeserve.engine.process", "run the engine process"),
@@ -111,13 +114,22 @@ def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
         print(f"{prog} {name} needs {', '.join(missing)}: {INSTALL_BENCH}", file=sys.stderr)
         return 1
     parser = build_parser(table, prog, name)
-    return int(importlib.import_module(module_name).main(parser.parse_args(rest)) or 0)
+    args = parser.parse_args(rest)
+    args.prog = parser.prog  # how the command names itself in its one-line errors
+    return int(importlib.import_module(module_name).main(args) or 0)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line naming it (argparse prints its whole usage first), exit status 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser(table: dict[str, tuple[str, str]], prog: str, name: str) -> argparse.ArgumentParser:
     """The argument parser of one command (its module imported)."""
     module = importlib.import_module(table[name][0])
-    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=table[name][1])
+    parser = OneLineParser(prog=f"{prog} {name}", description=table[name][1])
     parser.add_argument("--version", action="version", version=version())
     module.add_arguments(parser)
     # Hand-written flags state their default the way the config's flags do (pipeserve/config.py).

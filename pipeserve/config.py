@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import typing
 import uuid
 from collections.abc import Callable
@@ -101,6 +102,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0 (GB; unset: the default size), got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("num_pages", "max_model_len"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not 0 < self.predictor_quantile < 1:
+            raise ValueError(f"predictor_quantile must be in (0, 1), got {self.predictor_quantile}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -115,6 +129,39 @@ class EngineConfig:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
         if (self.speculative_method == "draft") != (self.draft_model is not None):
             raise ValueError("--draft-model goes with --speculative-method draft, and only with it")
+
+
+# The devices an engine runs on (torch's names); auto picks cuda when present.
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+PORTS = (1, 65535)  # what a port flag accepts; a config made in code may also say 0 (any free port)
+
+
+def check_ports(obj: Any, names: tuple[str, ...]) -> None:
+    """ValueError naming the port field that is no TCP port (0, any free port, only from code)."""
+    for name in names:
+        port = getattr(obj, name)
+        if port is not None and not 0 <= port <= PORTS[1]:
+            raise ValueError(f"{name} {port} is not a TCP port: give {PORTS[0]}-{PORTS[1]}")
+
+
+def port_number(text: str) -> int:
+    """argparse's type of a port flag: an integer in PORTS (a wrapped 70000 would listen on 4464)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give {PORTS[0]}-{PORTS[1]}") from None
+    if not PORTS[0] <= port <= PORTS[1]:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: give {PORTS[0]}-{PORTS[1]}")
+    return port
+
+
+def as_flags(message: str, *classes: type) -> str:
+    """A config error as the CLI user reads it: the fields it names spelled as their flags (a field
+    named by a plain word, e.g. port, only where it starts the message)."""
+    names = sorted({f.name for cls in classes for f in fields(cls)}, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    return pattern.sub(lambda m: "--" + m.group(1).replace("_", "-")
+                       if "_" in m.group(1) or m.start() == 0 else m.group(1), message)
 
 
 def check_choices(obj: Any) -> None:
@@ -247,6 +294,9 @@ class GatewayConfig:
                                     "this much above the least loaded engine's")
 
     def __post_init__(self) -> None:
+        check_ports(self, ("port", "metrics_port", "http_port"))
+        if self.liveness_timeout <= 0 or self.grace < 0:
+            raise ValueError("liveness_timeout must be > 0 and grace >= 0")
         if self.max_inflight < 1 or self.max_request_bytes < 1024 or self.max_response_bytes < 1024:
             raise ValueError("max_inflight must be >= 1, max_request_bytes and max_response_bytes >= 1024")
         if self.http_max_connections < 1 or min(self.http_header_timeout, self.http_body_timeout,
@@ -269,6 +319,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, only: tuple[str, .
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
                                else {"type": kind, "metavar": kind.__name__.upper()})
+        if f.name.endswith("port"):
+            how["type"] = port_number
         if f.metadata.get("choices"):
             how |= {"choices": f.metadata["choices"], "metavar": "{" + ",".join(f.metadata["choices"]) + "}"}
         shown = "unset" if default is None else default

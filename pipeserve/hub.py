@@ -61,7 +61,7 @@ def resolve(name: str, revision: str | None = None) -> str:
         offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
         raise ModelNotFound(f"{where} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and the "
                             f"hub cannot be reached{offline}: download it where there is network "
-                            "(`hf download '{name}'`) or point HF_HOME at a cache that has it") from None
+                            f"(`hf download '{name}'`) or point HF_HOME at a cache that has it") from None
     except HfHubHTTPError as exc:
         raise ModelNotFound(f"{where}: the Hugging Face hub refused the download: {exc}") from None
     return path

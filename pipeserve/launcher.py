@@ -46,9 +46,10 @@ import zmq
 from pipeserve import config as cfg
 from pipeserve import preflight
 from pipeserve.config import Addresses, EngineConfig, GatewayConfig, LaunchConfig, new_instance_id
-from pipeserve.cpus import cpu_split, cpus_env, engine_core_sets
+from pipeserve.cpus import CpuSplit, claim_split, cpu_split, cpus_env, engine_core_sets
 from pipeserve.messages import ProcessStatus, encode
-from pipeserve.preflight import StartupError, check_ports
+from pipeserve.preflight import check_ports
+from pipeserve.startup import EXIT_STARTUP, StartupError, fail
 
 log = logging.getLogger("pipeserve.up")
 
@@ -201,13 +202,15 @@ class Supervisor:
 
 
 def plan(
-    engine: EngineConfig, gateway: GatewayConfig, workers: int, engines: int = 1, pin: bool = True
+    engine: EngineConfig, gateway: GatewayConfig, workers: int, engines: int = 1, pin: bool = True,
+    split: CpuSplit | None = None,
 ) -> list[Child]:
     """The children: `engines` engines (data parallel; each binds its own requests/control
     endpoint), one detokenizer, the tokenizers and the gateway. On a CPU-only host (pin: the
     children run on this host) the engines get cores of their own (pipeserve/cpus.py), dealt out
-    among them."""
-    split = cpu_split(engine) if pin else None
+    among them: `split`'s (cores claimed host-wide), else this host's split."""
+    if split is None and pin:
+        split = cpu_split(engine)
     engine_children = []
     others_env: dict[str, str] = {}
     if split is not None:
@@ -232,31 +235,40 @@ def plan(
 def wait_serving(
     target: str, instance_id: str, supervisor: Supervisor, timeout: float, stopping: list[int],
     **security: Any,
-) -> bool:
-    """Poll the gateway's health for its instance id (over TLS when security says so) until SERVING:
-    only our own gateway knows that id."""
+) -> int | None:
+    """Poll the gateway's health for its instance id (over TLS when security says so) until SERVING
+    (None): only our own gateway knows that id. Otherwise the exit status `up` ends with:
+    EXIT_STARTUP when a child found a start-up problem (it printed the one line), else 1."""
     from pipeserve.gateway.client import Client
 
     deadline = time.monotonic() + timeout
     with Client(target, **security) as client:
         while not stopping:
             if client.health(instance_id, timeout=1.0) == "SERVING":
-                return True
+                return None
             for child, code in supervisor.dead():
+                if code == EXIT_STARTUP:
+                    log.info("%s could not start: stopping", child.name)
+                    return EXIT_STARTUP
                 log.error("%s exited with %d during start-up", child.name, code)
-                return False
+                return 1
             if time.monotonic() > deadline:
                 hint = ""
                 if security.get("tls_root_cert"):
                     name = security["tls_server_name"]
                     hint = f" (checked over TLS for the name {name!r}: see --tls-server-name)"
-                log.error("not SERVING after %.0f s%s", timeout, hint)
-                return False
+                log.error("not SERVING after %.0f s%s: raise --startup-timeout if it was still starting",
+                          timeout, hint)
+                return 1
             time.sleep(0.1)
-    return False
+    return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL",
+                        help="the model to serve (as --model): a checkpoint directory or a hub id")
+    parser.add_argument("--debug", action="store_true",
+                        help="a start-up failure prints its traceback too (every process's)")
     parser.add_argument("--tokenizer-workers", type=int, default=2, help="tokenizer processes")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     cfg.add_arguments(parser, LaunchConfig)
@@ -276,6 +288,7 @@ class Running:
     target: str  # host:port of the gateway, for clients on this host
     where: str  # the ipc sockets' directory, or the Ray cluster
     serving: bool  # the gateway said SERVING before the start-up timeout (or a signal)
+    code: int = 0  # when not serving: the exit status (EXIT_STARTUP: a child printed why)
 
 
 @contextlib.contextmanager
@@ -289,19 +302,26 @@ def running(
     engine_argv: list[str] | None = None,
     engines: int = 1,
     ray: str | None = None,
+    debug: bool = False,
 ) -> Iterator[Running]:
     """Start every child and wait for SERVING; on exit stop them in order (the gateway first, within
     gateway.grace). On this host the children are wired through a private run dir (removed at the
     end); with `ray` (a cluster address) they are placed on its nodes (pipeserve/ray_launcher.py).
     engine_argv replaces the engine's subcommand (a benchmark's synthetic engine; one engine only).
-    engines: data parallel size."""
-    children = plan(engine, gateway, workers, engines, pin=ray is None)
-    if engine_argv is not None:
-        assert engines == 1, "a replaced engine runs alone"
-        children[0].argv = engine_argv
-    instance_id = new_instance_id()
-    children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
+    engines: data parallel size. debug: children print a start-up failure's traceback."""
     with contextlib.ExitStack() as stack:
+        # On this host the engines' cores are claimed host-wide for as long as this launcher runs.
+        split = stack.enter_context(claim_split(engine)) if ray is None else None
+        children = plan(engine, gateway, workers, engines, pin=False, split=split)
+        if engine_argv is not None:
+            assert engines == 1, "a replaced engine runs alone"
+            children[0].argv = engine_argv
+        elif debug:
+            for child in children:
+                if child.argv[0] == "engine":
+                    child.argv.append("--debug")
+        instance_id = new_instance_id()
+        children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
         if ray is None:
             run_dir = tempfile.mkdtemp(prefix="pipeserve-")
             stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
@@ -320,9 +340,9 @@ def running(
         try:
             for child in supervisor.children:
                 supervisor.spawn(child)
-            serving = wait_serving(target, instance_id, supervisor, startup_timeout, stopping,
-                                   **(security or {}))
-            yield Running(supervisor, target, where, serving)
+            code = wait_serving(target, instance_id, supervisor, startup_timeout, stopping,
+                                **(security or {}))
+            yield Running(supervisor, target, where, code is None, code or 0)
         finally:
             supervisor.stop(gateway.grace)
 
@@ -331,26 +351,47 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
     """The configs `up` serves, every start-up check passed (StartupError otherwise)."""
     if args.tokenizer_workers < 1:
         raise StartupError(f"--tokenizer-workers must be >= 1, got {args.tokenizer_workers}")
+    if args.startup_timeout <= 0:
+        raise StartupError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
+    model = getattr(args, "model_arg", None)
+    if model is None and args.model is None and getattr(args, "prog", "").endswith(" serve"):
+        raise StartupError("give the model to serve: pipeserve serve MODEL (a checkpoint directory or a "
+                           "hub id; `pipeserve up` alone serves the random-weight demo model)")
+    if model is not None:
+        if args.model is not None and args.model != model:
+            raise StartupError(f"the model is given twice ({model} and --model {args.model}): give one")
+        args.model = model
     if args.http_port is None:
         args.http_port = DEFAULT_HTTP_PORT
     try:
         engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
     except ValueError as exc:  # the configs' own checks (ranges, TLS files that go together)
-        raise StartupError(str(exc)) from None
+        raise StartupError(cfg.as_flags(str(exc), EngineConfig, GatewayConfig)) from None
     for flag, path in (("--tls-cert", gateway.tls_cert), ("--tls-key", gateway.tls_key)):
         if path is not None and not os.path.isfile(path):
             raise StartupError(f"{flag} {path}: no such file")
     check_ports(gateway)
     if engine.model and os.path.isdir(engine.model):
         engine = replace(engine, model=os.path.abspath(engine.model))
-    return preflight.run(engine), gateway
+    return preflight.run(engine, getattr(args, "debug", False)), gateway
+
+
+def endpoints(gateway: GatewayConfig) -> str:
+    """Every endpoint a server listens on, as clients on this host reach them."""
+    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
+    parts = [f"gRPC {host}:{gateway.port}" + (" (TLS)" if gateway.tls_cert else "")]
+    if gateway.http_port is not None:
+        parts.append(f"OpenAI HTTP http://{host}:{gateway.http_port}/v1 (metrics at /metrics)")
+    if gateway.metrics_port is not None:
+        parts.append(f"metrics http://{host}:{gateway.metrics_port}/metrics")
+    return ", ".join(parts)
 
 
 def launch_config(args: argparse.Namespace) -> LaunchConfig:
     try:
         launch: LaunchConfig = cfg.from_args(LaunchConfig, args)
     except ValueError as exc:
-        raise StartupError(str(exc)) from None
+        raise StartupError(cfg.as_flags(str(exc), LaunchConfig)) from None
     if launch.ray and importlib.util.find_spec("ray") is None:
         raise StartupError("--ray needs Ray: pip install 'pipeserve[ray]'")
     return launch
@@ -360,11 +401,10 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_title("up")
     try:
-        engine, gateway = configs(args)
         launch = launch_config(args)
+        engine, gateway = configs(args)
     except StartupError as exc:
-        print(f"pipeserve up: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(getattr(args, "prog", "pipeserve up"), exc, args.debug)
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
@@ -376,10 +416,11 @@ def main(args: argparse.Namespace) -> int:
     )
     code = 1
     with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
-                 engines=launch.data_parallel_size, ray=launch.ray) as up:
+                 engines=launch.data_parallel_size, ray=launch.ray, debug=args.debug) as up:
+        code = up.code or 1
         if up.serving:
-            where = (engine.model, gateway.host, gateway.port, up.where)
-            log.info("serving %s on %s:%d (sockets: %s)", *where)
+            log.info("serving %s: %s (sockets: %s)", engine.served_model_name or engine.model,
+                     endpoints(gateway), up.where)
             code = 0
             while not stopping:
                 for child, status in up.supervisor.dead():

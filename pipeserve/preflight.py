@@ -21,14 +21,14 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 from dataclasses import asdict, replace
 
 from pipeserve.config import EngineConfig, GatewayConfig
 from pipeserve.model_config import ModelConfig, read_config
+from pipeserve.startup import StartupError, explain
 
-
-class StartupError(Exception):
-    """A problem found before start-up: the message is the one line the user sees."""
+__all__ = ["StartupError", "check_port", "check_ports", "resolve", "run"]
 
 
 def check_port(host: str, port: int, flag: str) -> None:
@@ -81,6 +81,11 @@ def resolve(engine: EngineConfig) -> EngineConfig:
         raise StartupError(str(exc)) from None
     what = f"--model {name}" if name else "the demo model"
     model_cfg = checkpoint(what, model_dir)
+    context = model_cfg.max_position_embeddings
+    if engine.max_model_len is not None and engine.max_model_len > context:
+        raise StartupError(f"--max-model-len {engine.max_model_len} is above the context {what} was trained "
+                           f"for ({context} tokens): give at most {context}, or leave it unset")
+    check_device(engine.device)
     if engine.tensor_parallel_size > 1:
         from pipeserve.engine.model.tensor_parallel import check_shardable
 
@@ -116,6 +121,21 @@ def resolve(engine: EngineConfig) -> EngineConfig:
                    draft_model=draft_dir)
 
 
+def check_device(device: str) -> None:
+    """StartupError unless torch can run on the device (a CUDA one needs CUDA and that GPU here)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise StartupError(f"--device {device}: {why} on this host: use --device cpu (or auto)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise StartupError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA GPU(s): "
+                           f"give cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
 def checkpoint(what: str, model_dir: str) -> ModelConfig:
     """The config of a checkpoint directory that pipeserve can load, or StartupError saying why not."""
     try:
@@ -133,11 +153,11 @@ def checkpoint(what: str, model_dir: str) -> ModelConfig:
     return cfg
 
 
-def run(engine: EngineConfig) -> EngineConfig:
+def run(engine: EngineConfig, debug: bool = False) -> EngineConfig:
     """resolve() in a subprocess; StartupError with its one line when something is wrong. Download
-    progress (stderr) reaches the user's terminal."""
-    out = subprocess.run([sys.executable, "-m", "pipeserve.preflight", json.dumps(asdict(engine))],
-                         stdout=subprocess.PIPE, text=True)
+    progress (stderr) reaches the user's terminal (and with debug, a traceback)."""
+    argv = [sys.executable, "-m", "pipeserve.preflight", json.dumps(asdict(engine)), *(["--debug"] * debug)]
+    out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         raise StartupError(lines[-1] if lines else f"the start-up checks failed (exit code {out.returncode})")
@@ -148,8 +168,11 @@ def main(argv: list[str]) -> int:
     engine = EngineConfig(**json.loads(argv[0]))
     try:
         resolved = resolve(engine)
-    except StartupError as exc:
-        print(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure is the one line the launcher prints
+        if "--debug" in argv[1:]:
+            traceback.print_exception(exc)
+        print(explain(exc, engine.device) if isinstance(exc, StartupError) else
+              f"the start-up checks failed: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
         return 1
     print(json.dumps(asdict(resolved)))
     return 0

@@ -241,7 +241,7 @@ def test_launch_flags_are_checked_before_anything_starts(monkeypatch) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert launch_config(parser.parse_args(["--data-parallel-size", "3"])).data_parallel_size == 3
-    with pytest.raises(StartupError, match="data_parallel_size must be >= 1"):
+    with pytest.raises(StartupError, match="--data-parallel-size must be >= 1"):
         launch_config(parser.parse_args(["--data-parallel-size", "0"]))
     args = parser.parse_args(["--ray", "auto"])
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)

@@ -45,6 +45,7 @@ from pipeserve.engine import native_step
 from pipeserve.engine.kv.metadata import AttentionMetadata
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.model.llama import LlamaForCausalLM
+from pipeserve.startup import progress
 
 log = logging.getLogger(__name__)
 
@@ -269,9 +270,9 @@ class CompiledDecode:
         A native step compiles nothing here (its library is built when the backend loads)."""
         if self.mode == "native":
             return
-        for size in self.buckets if every_bucket else sorted(set(WARM_BUCKETS).union(self.exact)):
-            if size > self.buckets[-1]:
-                continue
+        sizes = [s for s in (self.buckets if every_bucket else sorted(set(WARM_BUCKETS).union(self.exact)))
+                 if s <= self.buckets[-1]]
+        for size in progress(sizes, f"compiling decode steps ({self.mode})"):
             zeros = np.zeros(size, np.int64)
             slots = np.full(size, self.scratch_page * self.page_size, np.int64)
             tables = np.full((size, self.pool.max_pages_per_seq), self.scratch_page, np.int32)

@@ -39,6 +39,7 @@ from pipeserve.engine.spec.speculator import Speculator
 from pipeserve.engine.structured import StructuredOutputs
 from pipeserve.model_config import ModelConfig, generation_defaults
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.startup import phase
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,19 @@ class Engine:
             tp = parallel_group.start(config)
         self.tp = tp
         self.device = resolve_device(config.device) if tp is None else tp.device
-        backend = get_backend(resolve_backend(config.backend, self.device))
+        with phase("preparing the kernel backend (a native build on first use)", log):
+            backend = get_backend(resolve_backend(config.backend, self.device))
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.max_model_len = min(
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
-        self.model, self.model_config = load_model(
-            self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp
-        )
-        self.backend = backend.name
-        quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees memory
+        quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
+        with phase(f"loading {self.model_dir} on {self.device}{quantized}", log):
+            self.model, self.model_config = load_model(
+                self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp
+            )
+            self.backend = backend.name
+            quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees it
         if backend.name == "cpu":
             use_cpu_linears(self.model)
         shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
@@ -93,31 +97,33 @@ class Engine:
         drafting = config.speculative_method == "draft" and (tp is None or tp.is_driver)
         draft = self._load_draft(config, backend, model_cfg) if drafting else None
         draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
-        num_pages = config.num_pages or kv_budget_bytes(config, self.device) // (per_page + draft_per_page)
-        if tp is not None:  # every rank holds the same pages
-            num_pages = tp.min_int(num_pages)
-        self.pool = KVPool(
-            shard_cfg,
-            num_pages,
-            config.page_size,
-            self.dtype,
-            self.device,
-            config.max_num_seqs,
-            self.max_model_len,
-            config.kv_cache_dtype,
-            config.prefix_caching,
-        )
-        unquantized = num_pages * per_page // kv_bytes_per_token(shard_cfg, self.dtype)
-        log.info(
-            "KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
-            num_pages,
-            config.page_size,
-            num_pages * config.page_size,
-            num_pages * per_page / 2**20,
-            config.kv_cache_dtype,
-            self.dtype,
-            unquantized,
-        )
+        with phase("sizing and allocating the KV cache", log):
+            budget = kv_budget_bytes(config, self.device)
+            num_pages = config.num_pages or budget // (per_page + draft_per_page)
+            if tp is not None:  # every rank holds the same pages
+                num_pages = tp.min_int(num_pages)
+            self.pool = KVPool(
+                shard_cfg,
+                num_pages,
+                config.page_size,
+                self.dtype,
+                self.device,
+                config.max_num_seqs,
+                self.max_model_len,
+                config.kv_cache_dtype,
+                config.prefix_caching,
+            )
+            unquantized = num_pages * per_page // kv_bytes_per_token(shard_cfg, self.dtype)
+            log.info(
+                "KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
+                num_pages,
+                config.page_size,
+                num_pages * config.page_size,
+                num_pages * per_page / 2**20,
+                config.kv_cache_dtype,
+                self.dtype,
+                unquantized,
+            )
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
         self.structured = StructuredOutputs(
             lambda: self.tokenizer,
@@ -144,7 +150,8 @@ class Engine:
             spec_tokens,
             compiled,
         )
-        self.runner.warm_up()  # compiles before the engine reports ready
+        with phase("compiling and warming up the decode steps", log):
+            self.runner.warm_up()  # compiles before the engine reports ready
         self.speculator = self._speculator(config, draft)
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":

@@ -55,6 +55,7 @@ from pipeserve.messages import (
     pack_ids,
     unpack_ids,
 )
+from pipeserve.startup import StartupError, fail, phase
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -220,6 +221,8 @@ def engine_threads(config: EngineConfig) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, EngineConfig)
     cfg.add_arguments(parser, Addresses)
+    parser.add_argument("--debug", action="store_true",
+                        help="a start-up failure prints its traceback too, not only its one line")
     parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="seconds between heartbeats")
     parser.add_argument("--engine-index", type=int, default=0,
                         help="data parallel: this engine's index (it binds that entry of --requests and "
@@ -230,7 +233,11 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.model is None:
         args.model = os.environ.get("PIPESERVE_MODEL")  # as the tokenizer and detokenizer read it
-    config, addrs = cfg.from_args(EngineConfig, args), cfg.from_args(Addresses, args)
+    try:
+        config, addrs = cfg.from_args(EngineConfig, args), cfg.from_args(Addresses, args)
+    except ValueError as exc:  # the config's own checks, as `pipeserve up` reports them
+        problem = StartupError(cfg.as_flags(str(exc), EngineConfig))
+        return fail(getattr(args, "prog", "pipeserve engine"), problem, args.debug)
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
@@ -238,8 +245,12 @@ def main(args: argparse.Namespace) -> int:
 
     from pipeserve.engine.engine import Engine
 
-    torch.set_num_threads(engine_threads(config))
-    engine = Engine(config)
+    try:
+        torch.set_num_threads(engine_threads(config))
+        with phase("starting the engine", log):
+            engine = Engine(config)
+    except Exception as exc:  # noqa: BLE001 - every start-up failure is one line naming its flag
+        return fail(getattr(args, "prog", "pipeserve engine"), exc, args.debug, config.device)
     ctx = zmq.Context()
     requests, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
     for sock in (requests, control):
