@@ -83,23 +83,24 @@ def claim_split(config: EngineConfig, registry: Path | None = None,
     the block (None: nothing to pin, or every core held elsewhere: the engine runs unpinned)."""
     where = registry or registry_dir()
     held: dict[int, int] = {}  # core -> the open, locked file that holds it
+    elsewhere: list[int] = []  # cores another engine holds
 
     def claim(core: int) -> bool:
         fd = _lock(where, core)
-        if fd is not None:
+        if fd is None:
+            elsewhere.append(core)
+        else:
             held[core] = fd
         return fd is not None
 
     try:
         split = cpu_split(config, allowed, claim)
-        if split is None and cpu_split(config, allowed) is not None:
+        if split is None and elsewhere:
             log.warning("every core is held by another pipeserve engine on this host (%s): this engine "
                         "runs unpinned, sharing cores", where)
-        elif split is not None:
-            wanted = cpu_split(config, allowed)
-            if wanted is not None and len(split.engine) < len(wanted.engine):
-                log.warning("cores %s are held by other pipeserve engines: this one takes %s",
-                            sorted(set(wanted.engine) - set(split.engine)), split.engine)
+        elif split is not None and elsewhere:
+            log.warning("cores %s are held by other pipeserve engines on this host: this one takes %s",
+                        sorted(elsewhere), split.engine)
         yield split
     finally:
         for fd in held.values():

@@ -76,9 +76,12 @@ def resolve(engine: EngineConfig) -> EngineConfig:
     name = engine.model
     try:
         model_dir = resolve_model_dir(engine.model, engine.revision)
+    except hub.ModelNotFound as exc:
+        raise StartupError(f"--model {exc}") from None
+    try:
         tokenizer_dir = hub.resolve(engine.tokenizer, engine.revision) if engine.tokenizer else None
     except hub.ModelNotFound as exc:
-        raise StartupError(str(exc)) from None
+        raise StartupError(f"--tokenizer {exc}") from None
     what = f"--model {name}" if name else "the demo model"
     model_cfg = checkpoint(what, model_dir)
     context = model_cfg.max_position_embeddings

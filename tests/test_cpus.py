@@ -43,3 +43,49 @@ def test_a_child_pins_itself_before_anything_else():
     out = subprocess.run([sys.executable, "-c", code], env=os.environ | {ENV: str(first)},
                          capture_output=True, text=True, timeout=30, check=True)
     assert out.stdout.strip() == f"[{first}]"
+
+
+def test_engines_claim_cores_no_other_engine_on_the_host_holds(tmp_path, caplog):
+    """Two launchers on one host: the second engine gets the cores the first does not hold, and none
+    left means unpinned (said in the log); a claim ends with its holder, even one that was killed."""
+    from pipeserve.cpus import claim_split
+
+    cpu = EngineConfig(device="cpu", cpu_threads=2)
+    cores = {0, 1, 2, 3, 4}
+    with claim_split(cpu, tmp_path, cores) as first:
+        assert first == CpuSplit(engine=(3, 4), others=(0, 1, 2))
+        with claim_split(cpu, tmp_path, cores) as second:
+            assert second == CpuSplit(engine=(1, 2), others=(0, 3, 4))
+            caplog.set_level("WARNING", logger="pipeserve.cpus")
+            with claim_split(cpu, tmp_path, cores) as third:
+                assert third == CpuSplit(engine=(0,), others=(1, 2, 3, 4))
+                assert "cores [1, 2, 3, 4] are held by other pipeserve engines" in caplog.text
+                with claim_split(cpu, tmp_path, cores) as fourth:
+                    assert fourth is None
+                    assert "this engine runs unpinned" in caplog.text
+    with claim_split(cpu, tmp_path, cores) as again:  # every claim above was released
+        assert again == first
+    # Another process's claim (a launcher) holds until that process dies.
+    hold = ("import sys, time, pathlib; from pipeserve.cpus import claim_split; "
+            "from pipeserve.config import EngineConfig; "
+            "c = claim_split(EngineConfig(device='cpu', cpu_threads=2), pathlib.Path(sys.argv[1]), "
+            "{0, 1, 2, 3, 4}); print(c.__enter__().engine, flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "(3, 4)"
+        with claim_split(cpu, tmp_path, cores) as split:
+            assert split is not None and split.engine == (1, 2)
+    finally:
+        holder.kill()
+        holder.wait()
+    with claim_split(cpu, tmp_path, cores) as split:
+        assert split is not None and split.engine == (3, 4)
+
+
+def test_a_gpu_engine_claims_nothing(tmp_path):
+    from pipeserve.cpus import claim_split
+
+    with claim_split(EngineConfig(device="cuda"), tmp_path, {0, 1}) as split:
+        assert split is None
+    assert list(tmp_path.iterdir()) == []

@@ -39,8 +39,9 @@ def test_hub_ids_resolve_from_the_cache_offline(hf_cache: Path) -> None:
 
 def test_missing_models_say_what_to_do(hf_cache: Path, tmp_path: Path) -> None:
     offline = r"not in the Hugging Face cache .* \(HF_HUB_OFFLINE is set\)"
-    with pytest.raises(hub.ModelNotFound, match=offline):
+    with pytest.raises(hub.ModelNotFound, match=offline) as missing:
         hub.resolve("tiny/missing")
+    assert "`hf download 'tiny/missing'`" in str(missing.value) and "{name}" not in str(missing.value)
     with pytest.raises(hub.ModelNotFound, match="revision v9"):
         hub.resolve("tiny/stories", revision="v9")
     with pytest.raises(hub.ModelNotFound, match="no such directory, and not a Hugging Face hub id"):

@@ -90,7 +90,7 @@ def test_up_with_a_wrong_model_prints_one_line_and_starts_nothing(tmp_path: Path
     )
     assert out.returncode == 2, out.stderr
     assert out.stderr.splitlines() == [
-        f"pipeserve up: error: {tmp_path / 'nope'}: no such directory, and not a Hugging Face hub id "
+        f"pipeserve up: error: --model {tmp_path / 'nope'}: no such directory, and not a Hugging Face hub id "
         "(org/name)"
     ], out.stderr
     assert "started" not in out.stdout + out.stderr and time.monotonic() - start < 60
