@@ -52,6 +52,9 @@ class FakeEngine:
     def model_info(self) -> dict:
         return {"name": "fake", "context_length": 64, "vocab_size": 100, "eos_token_ids": [2]}
 
+    def take_refused(self) -> dict[str, str]:
+        return {}
+
     def capacity_problem(self, prompt_len: int) -> str | None:
         return f"prompt has {prompt_len} tokens, more than the KV cache holds" if prompt_len > 10 else None
 

@@ -225,12 +225,27 @@ def test_constraints_cross_the_wire():
         assert decode(encode(sent)) == sent
 
 
-def test_tokenizer_worker_refuses_bad_constraints(stories_dir):
+def test_a_constraint_that_does_not_compile_is_refused_by_the_engine(stories_dir):
+    """The tokenizer worker forwards it (it never imports xgrammar); the engine's compilation refuses
+    it with the reason, before it is scheduled, and the batch goes on."""
     worker = Tokenizer(load_tokenizer(stories_dir), 512)
     out = worker.handle(TokenizeRequest("r1", SamplingParams(regex="(unclosed"), prompt="hi"))
-    assert out.TAG == "error" and out.code == "INVALID_ARGUMENT" and "regex is invalid" in out.message
-    ok = worker.handle(TokenizeRequest("r2", SamplingParams(choice=["a", "b"]), prompt="hi"))
-    assert ok.TAG == "request"
+    assert out.TAG == "request"
+    engine = Engine(model=stories_dir, device="cpu", num_pages=64)
+    ids = engine.tokenizer("Once upon a time").input_ids
+    engine.add("bad", ids, SamplingParams(max_tokens=4, regex="(unclosed"))
+    engine.add("ok", ids, SamplingParams(max_tokens=4, temperature=0.0))
+    ends: dict[str, tuple[str | None, int]] = {}
+    refused: dict[str, str] = {}
+    while engine.has_work():
+        for u in engine.step():
+            if u.finish_reason:
+                ends[u.rid] = (u.finish_reason, len(u.seq.token_ids) - u.seq.prompt_len)
+        refused |= engine.take_refused()
+    assert ends == {"bad": ("abort", 0), "ok": ("length", 4)}
+    assert list(refused) == ["bad"] and refused["bad"].startswith("regex is invalid")
+    assert engine.take_refused() == {}
+    engine.close()
 
 
 def test_llm_refuses_bad_constraints_before_any_engine_work(llm):

@@ -1,7 +1,7 @@
 """Structured outputs over gRPC: the GenerateRequest `constraint` oneof reaches the pipeline as
 SamplingParams; malformed constraints are refused by the gateway, constraints that do not compile
-by the tokenizer workers, both with INVALID_ARGUMENT naming what is wrong, before any engine work,
-and the server keeps serving."""
+by the engine's compilation, both with INVALID_ARGUMENT naming what is wrong, before any token, and
+the server keeps serving."""
 
 from __future__ import annotations
 

@@ -103,6 +103,9 @@ class SyntheticEngine:
             raise ValueError("prompt is empty")
         self.running[rid] = _Seq(rid, list(prompt_ids), params.max_tokens or 16, params=params)
 
+    def take_refused(self) -> dict[str, str]:
+        return {}  # it compiles no constraint
+
     def capacity_problem(self, prompt_len: int) -> str | None:
         return None  # no context, no pool
 

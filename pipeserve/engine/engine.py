@@ -175,6 +175,8 @@ class Engine:
         self.step_count = 0
         self._rng = np.random.default_rng(config.seed)
         self._tokenizer: Any = None
+        self._refused: dict[str, str] = {}  # rid -> why, until take_refused()
+        self.structured.prepare()  # the grammar compiler, built in the background
 
     # -- requests -------------------------------------------------------------------------------
     @property
@@ -331,6 +333,13 @@ class Engine:
             self.speculator.finish(time.perf_counter() - step_start)
         return updates
 
+    def take_refused(self) -> dict[str, str]:
+        """rid -> why of the requests refused since the last call: their constraint did not compile.
+        The step that ended them reported them (finish "abort", no token); the engine process tells
+        the client why instead."""
+        refused, self._refused = self._refused, {}
+        return refused
+
     def _take_compiled(self) -> None:
         """Schedule the requests whose grammar is compiled; when nothing else could run, wait a
         moment for one instead of spinning."""
@@ -339,8 +348,9 @@ class Engine:
         ready, failed = self.structured.ready()
         for seq in ready:
             self.scheduler.add(seq)
-        for seq in failed:  # validated at the edge, so a bug: end it, keep serving the rest
+        for seq, why in failed:  # a constraint that does not compile: the request is refused
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._refused[seq.rid] = why
             self._ended.append(seq)
 
     @staticmethod

@@ -153,6 +153,10 @@ class EngineLoop:
         stepped = False
         if self.engine.has_work():
             updates = self.engine.step()
+            if refused := self.engine.take_refused():  # an error for the client instead of a finish
+                updates = [u for u in updates if u.seq.rid not in refused]
+                for rid, why in refused.items():
+                    self._fail(rid, "INVALID_ARGUMENT", why)
             self.finished += sum(1 for u in updates if u.finish_reason)
             if updates:
                 self.steps.send(encode(step_output(self.engine.step_count, updates, self.index)))

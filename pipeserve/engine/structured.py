@@ -4,7 +4,11 @@ request, and the per-step token bitmask filled on the CPU while the forward pass
 - Compilation. A constrained request waits here, not in the scheduler, until its grammar is
   compiled on a background thread, so a slow compilation delays that request alone and never a
   step. Compiled grammars are cached by a hash of the canonical constraint text (LRU), and
-  requests with the same constraint share one compilation, even while it runs.
+  requests with the same constraint share one compilation, even while it runs. The compiler (the
+  vocabulary read into xgrammar's TokenizerInfo, seconds with its import) is built on that thread
+  as the engine starts (`prepare`), so the first constrained request pays only its own grammar's
+  compilation (milliseconds on a small vocabulary). A constraint that does not compile fails its
+  request (`ready` says why); the tokenizer workers never import xgrammar (nor torch).
 - Matchers. Each request owns an xgrammar GrammarMatcher, advanced by every token it samples. It
   belongs to the request, not to its slot: preemption (recompute) only re-prefills tokens the
   matcher has already accepted, and partial prefill chunks sample nothing, so neither touches it.
@@ -17,8 +21,8 @@ request, and the per-step token bitmask filled on the CPU while the forward pass
   logits' device for the sampler, and `advance` feeds the sampled tokens to the matchers. EOS is
   allowed exactly when the grammar can end (the matcher's stop tokens are the model's EOS ids).
 
-xgrammar (which imports transformers' generation code) is imported on the first constrained
-request, on the compile thread: an engine that never sees one never pays for it.
+xgrammar (which imports transformers' generation code) is imported on the compile thread, never on
+the step's.
 """
 
 from __future__ import annotations
@@ -99,6 +103,12 @@ class StructuredOutputs:
         self._num_rows = 0
 
     # -- compilation ----------------------------------------------------------------------------
+    def prepare(self) -> Future[xgr.GrammarCompiler]:
+        """Start building the compiler in the background (the engine calls it once it is loaded)."""
+        if self._compiler is None or _failed(self._compiler):  # the vocabulary is read once
+            self._compiler = self._compile_pool.submit(self._make_compiler)
+        return self._compiler
+
     def submit(self, seq: Request) -> None:
         """Queue a constrained request until its grammar is compiled (see `ready`)."""
         constraint = seq.params.constraint()
@@ -112,11 +122,7 @@ class StructuredOutputs:
         if future is not None and not _failed(future):
             self._grammars.move_to_end(key)
             return future
-        if self._compiler is None or _failed(
-            self._compiler
-        ):  # the vocabulary is read once, when first needed
-            self._compiler = self._compile_pool.submit(self._make_compiler)
-        compiler = self._compiler
+        compiler = self.prepare()
         future = self._compile_pool.submit(lambda: compiler.result().compile_grammar(_grammar(kind, text)))
         self._grammars[key] = future
         while len(self._grammars) > MAX_CACHED_GRAMMARS:
@@ -131,18 +137,19 @@ class StructuredOutputs:
         )
         return xgr.GrammarCompiler(info, max_threads=max(1, min(4, os.cpu_count() or 1)))
 
-    def ready(self) -> tuple[list[Request], list[Request]]:
+    def ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Requests whose grammar is done, in arrival order, taken off the waiting list: those that
-        can be scheduled, and those whose compilation failed."""
+        can be scheduled, and those whose constraint did not compile, with the reason (the client's
+        to fix: "json_schema is invalid: ...")."""
         ok: list[Request] = []
-        failed: list[Request] = []
+        failed: list[tuple[Request, str]] = []
         still = []
         for seq, future in self.waiting:
             if not future.done():
                 still.append((seq, future))
-            elif future.exception() is not None:
-                log.error("compiling the grammar of %s failed: %s", seq.rid, future.exception())
-                failed.append(seq)
+            elif (exc := future.exception()) is not None:
+                why = str(exc) if isinstance(exc, ValueError) else f"the grammar did not compile: {exc}"
+                failed.append((seq, why))
             else:
                 self._compiled[seq.rid] = future.result()
                 ok.append(seq)

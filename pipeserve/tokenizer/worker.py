@@ -11,8 +11,8 @@ needs no memory of aborts for ids it has not seen.
 
 It trusts the gateway's validation (request shape, sampling parameters) and checks only what needs
 the tokenizer: prompt length against the context, ids against the vocabulary, the chat template,
-and that a structured-output constraint builds into a grammar (xgrammar, and with it torch, is
-imported on the first such request), and that max_tokens fits in what the context leaves."""
+and that max_tokens fits in what the context leaves. A structured-output constraint is compiled (and
+refused when it does not compile) by the engine, so this process never imports xgrammar or torch."""
 
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from pipeserve.messages import (
     pack_ids,
     unpack_ids,
 )
-from pipeserve.sampling_params import SamplingParams
 from pipeserve.tokenizer.load import (
     add_worker_arguments,
     connect_engines,
@@ -105,8 +104,6 @@ class Tokenizer:
             ids = self.encode_messages(req.messages)
         else:
             ids = self._check_ids(req.prompt_ids or b"")
-        if req.sampling.constrained:
-            self._check_constraint(req.sampling)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"{name} is {len(ids)} tokens long, which leaves no room for output in the "
                                  f"context of {self.max_model_len} tokens")
@@ -129,15 +126,6 @@ class Tokenizer:
         params = req.sampling
         return DetokenizeRequest(req.engine_rids(), len(ids), pack_ids(ids[-PROMPT_TAIL:]), list(params.stop),
                                  params.skip_special_tokens, params.logprobs is not None, req.engine)
-
-    @staticmethod
-    def _check_constraint(params: SamplingParams) -> None:
-        from pipeserve.grammar import check_constraint  # imports torch: only when a request needs it
-
-        try:
-            check_constraint(params)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
 
     def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
