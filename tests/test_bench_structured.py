@@ -29,3 +29,5 @@ def test_bench_structured_writes_every_figure(stories_dir, tmp_path):
         assert variant["step_ms"] > 0 and variant["step_thread_constraint_ms"] > 0
     assert set(result["compile"]["grammars"]) == set(structured.COMPILE_CASES)
     assert all(row["cold_ms"] > 0 and row["cached_us"] > 0 for row in result["compile"]["grammars"].values())
+    first = result["first_request"]
+    assert first["new_schema_ttft_ms"] > 0 and first["same_schema_ttft_ms"] > 0 and first["free_ttft_ms"] > 0

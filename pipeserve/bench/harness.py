@@ -21,6 +21,7 @@ import numpy as np
 from pipeserve.bench.machine import MachineRates, floor_cost, measure
 from pipeserve.bench.report import machine_info
 from pipeserve.bench.roofline import PRESETS, CostModel, ModelShape
+from pipeserve.config import BACKENDS
 
 _ids = itertools.count()
 
@@ -34,7 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto: cuda when available")
     parser.add_argument("--dtype", default="auto", help="auto: checkpoint dtype on CUDA, float32 on CPU")
-    parser.add_argument("--backend", default="auto", help="torch or triton; auto: triton on CUDA")
+    parser.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                        help="kernel backend, as the engine's --backend; auto: triton on CUDA, cpu elsewhere")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size (default: engine's)")
     parser.add_argument("--threads", type=int, default=None,

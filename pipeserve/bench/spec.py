@@ -29,7 +29,7 @@ from typing import Any
 
 from pipeserve.bench.report import Panel, Series, machine_info, plot_panels, print_table, write_json
 from pipeserve.bench.structured import build_model
-from pipeserve.bench.workload import shared_dir
+from pipeserve.bench.workload import BatchSizes, shared_dir
 
 PASSAGES = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, "
@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="stories260K,llama-18m",
                         help="comma-separated: stories260K, llama-18m, or checkpoint dirs")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: each model itself)")
-    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--batch", "--batches", dest="batch", action=BatchSizes, default=[1, 32],
+                        help="batch sizes (--batches 1,32: the former spelling)")
     parser.add_argument("--requests-at-1", type=int, default=6, help="requests run one by one at batch 1")
     parser.add_argument("--output-len", type=int, default=48, help="tokens generated per request")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -125,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
     load_start = os.getloadavg()
     stories = shared_dir() / "models" / "stories260K"
     results: list[dict[str, Any]] = []
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = list(args.batch)
     for name in args.models.split(","):
         model = {"stories260K": str(stories), "llama-18m": None}.get(name, name)
         if model is None:

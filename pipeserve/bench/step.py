@@ -35,7 +35,7 @@ import torch
 
 from pipeserve.bench.report import Panel, Series, machine_info, plot_panels, print_table, write_json
 from pipeserve.bench.structured import LLAMA_18M_V512, build_model
-from pipeserve.bench.workload import checkpoint, shared_dir
+from pipeserve.bench.workload import BatchSizes, checkpoint, shared_dir
 from pipeserve.config import cache_dir
 
 # "pipeserve compiled" is the default (the native step for dense fp32 models); "pipeserve inductor"
@@ -47,7 +47,8 @@ LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python release whose converter thi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF checkpoint; default: the random ~18M Llama (vocab 512) built "
                         "in the cache dir with stories260K's tokenizer")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--batch", "--batch-sizes", dest="batch", action=BatchSizes, default=[1, 8, 32],
+                        help="batch sizes (--batch-sizes 1,8,32: the former spelling)")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (medians reported)")
@@ -285,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     if args.startup:
         return startup(args)
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = list(args.batch)
     systems = [s.strip() for s in args.systems.split(",")]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

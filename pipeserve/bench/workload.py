@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import os
@@ -9,8 +10,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+
+class BatchSizes(argparse.Action):
+    """`--batch 1 8 32`, the one spelling of a list of batch sizes across the benchmarks; commas
+    ("1,8,32") are taken too, as the older `--batch-sizes` and `--batches` spellings wrote them."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="+", metavar="N", **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        try:
+            sizes = [int(part) for value in values for part in str(value).split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentError(self, f"batch sizes are integers: {' '.join(values)}") from None
+        if not sizes or min(sizes) < 1:
+            raise argparse.ArgumentError(self, "batch sizes are integers >= 1")
+        setattr(namespace, self.dest, sizes)
 
 
 def shared_dir() -> Path:

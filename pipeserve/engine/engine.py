@@ -74,6 +74,17 @@ class Engine:
             tp = parallel_group.start(config)
         self.tp = tp
         self.device = resolve_device(config.device) if tp is None else tp.device
+        self._tokenizer: Any = None
+        self.structured = StructuredOutputs(
+            lambda: self.tokenizer,
+            model_cfg.vocab_size,
+            model_cfg.eos_token_ids,
+            config.max_num_seqs,
+            self.device,
+        )
+        # The grammar compiler (xgrammar's import, the vocabulary read) is built while the model
+        # loads, so that the first constrained request waits only for its own grammar.
+        compiler = self.structured.prepare() if tp is None or tp.is_driver else None
         with phase("preparing the kernel backend (a native build on first use)", log):
             backend = get_backend(resolve_backend(config.backend, self.device))
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
@@ -125,13 +136,6 @@ class Engine:
                 unquantized,
             )
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
-        self.structured = StructuredOutputs(
-            lambda: self.tokenizer,
-            model_cfg.vocab_size,
-            model_cfg.eos_token_ids,
-            config.max_num_seqs,
-            self.device,
-        )
         # A tensor-parallel forward sends the step plan to the other ranks: it runs eager.
         mode = compile_mode(config.compile, backend.name, self.device) if tp is None else None
         whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
@@ -174,9 +178,13 @@ class Engine:
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
         self.step_count = 0
         self._rng = np.random.default_rng(config.seed)
-        self._tokenizer: Any = None
         self._refused: dict[str, str] = {}  # rid -> why, until take_refused()
-        self.structured.prepare()  # the grammar compiler, built in the background
+        if compiler is not None:
+            with phase("preparing structured outputs (the grammar compiler)", log):
+                try:
+                    compiler.result()
+                except Exception as exc:  # noqa: BLE001 - constrained requests will say why; serve the rest
+                    log.warning("the grammar compiler could not be built: %s", exc)
 
     # -- requests -------------------------------------------------------------------------------
     @property

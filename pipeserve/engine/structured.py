@@ -6,8 +6,8 @@ request, and the per-step token bitmask filled on the CPU while the forward pass
   step. Compiled grammars are cached by a hash of the canonical constraint text (LRU), and
   requests with the same constraint share one compilation, even while it runs. The compiler (the
   vocabulary read into xgrammar's TokenizerInfo, seconds with its import) is built on that thread
-  as the engine starts (`prepare`), so the first constrained request pays only its own grammar's
-  compilation (milliseconds on a small vocabulary). A constraint that does not compile fails its
+  while the engine loads its model (`prepare`), so the first constrained request pays only its own
+  grammar's compilation (milliseconds on a small vocabulary). A constraint that does not compile fails its
   request (`ready` says why); the tokenizer workers never import xgrammar (nor torch).
 - Matchers. Each request owns an xgrammar GrammarMatcher, advanced by every token it samples. It
   belongs to the request, not to its slot: preemption (recompute) only re-prefills tokens the
