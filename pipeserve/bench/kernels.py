@@ -2,10 +2,10 @@
 times it against the torch equivalent (SDPA, cuBLAS bf16, torch._scaled_mm / torch._int_mm) and the
 roofline of this GPU (copy bandwidth and bf16 matmul rate measured in the same run).
 
-    python -m bench.kernels                # Llama-3-8B layer shapes (32 q heads, 8 kv heads, head_dim 128)
-    python -m bench.kernels --only decode,gemm_int8
-    python -m bench.kernels --only moe     # the fused MoE at Mixtral-8x7B and Qwen3-30B-A3B expert shapes
-    python -m bench.kernels --tiny         # tiny shapes: a quick check (without a GPU: the interpreter)
+    python -m pipeserve.bench.kernels             # Llama-3-8B layer shapes (32 q, 8 kv heads, head_dim 128)
+    python -m pipeserve.bench.kernels --only decode,gemm_int8
+    python -m pipeserve.bench.kernels --only moe  # the fused MoE at Mixtral-8x7B and Qwen3-30B-A3B shapes
+    python -m pipeserve.bench.kernels --tiny      # tiny shapes: a quick check (no GPU: the interpreter)
 
 Writes bench/results/<gpu>/kernels.json and kernels.md. Timing: triton.testing.do_bench medians (the
 L2 cache is flushed before each launch). "% bw" = bytes the kernel must move / time / measured copy
@@ -32,11 +32,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 NO_GPU = (
-    "python -m bench.kernels: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was "
-    "measured. "
+    "python -m pipeserve.bench.kernels: no CUDA GPU here (torch.cuda.is_available() is False), so nothing "
+    "was measured. "
     "The suite times the Triton kernels on a GPU; on this machine their correctness is covered by "
-    "`pytest tests/test_kernels_*.py` (TRITON_INTERPRET=1), and `python -m bench.kernels --tiny` runs "
-    "this suite's checks at tiny shapes in the interpreter."
+    "`pytest tests/test_kernels_*.py` (TRITON_INTERPRET=1), and `python -m pipeserve.bench.kernels --tiny` "
+    "runs this suite's checks at tiny shapes in the interpreter."
 )
 
 # Llama-3-8B layer shapes.

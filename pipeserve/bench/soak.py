@@ -1,4 +1,4 @@
-"""`pipeserve bench soak` (or `python -m bench.soak`): does memory stay flat under steady load?
+"""`pipeserve bench soak` (or `python -m pipeserve.bench.soak`): does memory stay flat under steady load?
 
 Starts `pipeserve up` (stories260K by default, any --model) and offers a steady mixed load for
 `--seconds` (10 minutes by default): `--rate` requests per second (at most `--concurrency` streams
@@ -21,8 +21,8 @@ when full: it filled at ~0.6 MiB/min at the default rate here (prompts over 256 
 cached), so it keeps growing for over an hour. After the load, KV pages in use and every
 per-request count in the pipeline must be back to 0. Writes JSON and a PNG plot.
 
-    python -m bench.soak                       # 10 minutes, into bench/results/soak/
-    python -m bench.soak --seconds 3600 --model /path/to/checkpoint --out /tmp/soak
+    python -m pipeserve.bench.soak                       # 10 minutes, into bench/results/soak/
+    python -m pipeserve.bench.soak --seconds 3600 --model /path/to/checkpoint --out /tmp/soak
 
 Not run by the tests at this length: tests/reliability/test_soak.py runs 60 seconds of it.
 """
@@ -294,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def script(argv: list[str] | None = None) -> int:
-    """`python -m bench.soak`: `pipeserve bench soak` writing soak.json and soak.png into --out
+    """`python -m pipeserve.bench.soak`: `pipeserve bench soak` writing soak.json and soak.png into --out
     (bench/results/soak/ by default)."""
     parser = argparse.ArgumentParser(add_help=False)  # --help goes to `pipeserve bench soak`
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "soak"))

@@ -38,8 +38,8 @@ def main() -> None:
     with LocalCluster(log, str(STORIES), startup=300) as cluster:
         new = [ttft(cluster, schema(i)) for i in range(REQUESTS)]
         again = ttft(cluster, schema(0))
-    print(json.dumps({"new_schema_ttft_s": [round(t, 3) for t in new], "same_schema_again_ttft_s": round(again, 3),
-                      "load_average": os.getloadavg()}))
+    print(json.dumps({"new_schema_ttft_s": [round(t, 3) for t in new],
+                      "same_schema_again_ttft_s": round(again, 3), "load_average": os.getloadavg()}))
 
 
 if __name__ == "__main__":
