@@ -89,6 +89,7 @@ def resolve(engine: EngineConfig) -> EngineConfig:
         raise StartupError(f"--max-model-len {engine.max_model_len} is above the context {what} was trained "
                            f"for ({context} tokens): give at most {context}, or leave it unset")
     check_device(engine.device)
+    check_fp8(engine)
     if engine.tensor_parallel_size > 1:
         from pipeserve.engine.model.tensor_parallel import check_shardable
 
@@ -137,6 +138,31 @@ def check_device(device: str) -> None:
     if index >= torch.cuda.device_count():
         raise StartupError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA GPU(s): "
                            f"give cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+# Triton has fp8 e4m3 (every fp8 kernel: W8A8 GEMMs, the fp8 KV cache) from compute capability 8.9:
+# Ada and Hopper; on Ampere its compiler refuses the type.
+FP8_CAPABILITY = (8, 9)
+
+
+def check_fp8(engine: EngineConfig) -> None:
+    """StartupError when fp8 weights or KV cache are asked for on a CUDA GPU without fp8 support."""
+    fp8 = [flag for flag, on in (("--quantization w8a8-fp8", engine.quantization == "w8a8-fp8"),
+                                 ("--kv-cache-dtype fp8", engine.kv_cache_dtype == "fp8")) if on]
+    if not fp8 or engine.device == "cpu" or engine.backend in ("cpu", "torch", "reference"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():  # auto on a host without CUDA: the cpu backend runs fp8 itself
+        return
+    index = int(engine.device.partition(":")[2] or 0)
+    capability = torch.cuda.get_device_capability(index)
+    if capability < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(index)
+        cc = f"{capability[0]}.{capability[1]}"
+        raise StartupError(f"{' and '.join(fp8)}: {name} (compute capability {cc}) has no fp8 (Ada or "
+                           "Hopper, 8.9+, does): use --quantization w8a8-int8 and --kv-cache-dtype int8 "
+                           "instead")
 
 
 def checkpoint(what: str, model_dir: str) -> ModelConfig:

@@ -18,6 +18,7 @@ from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+PLACEHOLDERS = ("...", "COMMAND", "NAME")  # `pipeserve bench NAME --help`
 
 
 def code_of(text: str) -> list[str]:
@@ -81,10 +82,10 @@ def named_commands() -> list[tuple[str, str, str, tuple[str, ...]]]:
                 # Not a command line: an error message ("pipeserve engine: error: ..."), a placeholder,
                 # a benchmark's system name (`pipeserve compiled` in bench step's tables).
                 if (not argv or argv[0].startswith("-") or argv[0].endswith(":")
-                        or argv[0] in ("...", "COMMAND") or f"pipeserve {argv[0]}" in STEP_SYSTEMS):
+                        or argv[0] in PLACEHOLDERS or f"pipeserve {argv[0]}" in STEP_SYSTEMS):
                     continue
                 table, rest = ("bench", argv[1:]) if argv[0] == "bench" else ("top", argv)
-                if not rest or rest[0].startswith("-") or rest[0] == "...":  # `pipeserve bench --help`
+                if not rest or rest[0].startswith("-") or rest[0] in PLACEHOLDERS:  # `bench --help`
                     continue
                 flags = tuple(sorted({m.split("=")[0] for w in rest[1:] for m in FLAG.findall(w)
                                       if w.startswith("--")}))

@@ -94,3 +94,24 @@ def test_up_with_a_wrong_model_prints_one_line_and_starts_nothing(tmp_path: Path
         "(org/name)"
     ], out.stderr
     assert "started" not in out.stdout + out.stderr and time.monotonic() - start < 60
+
+
+def test_fp8_is_refused_on_a_gpu_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's compiler refuses fp8 e4m3 below compute capability 8.9 (Ampere): one line at start-up
+    rather than a compile error in the engine. Checked with torch's CUDA queries stood in."""
+    import torch
+
+    from pipeserve.preflight import check_fp8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
+    with pytest.raises(StartupError, match=r"--quantization w8a8-fp8 and --kv-cache-dtype fp8: NVIDIA A100.*"
+                       r"\(compute capability 8\.0\).*use --quantization w8a8-int8"):
+        check_fp8(EngineConfig(device="cuda", quantization="w8a8-fp8", kv_cache_dtype="fp8"))
+    with pytest.raises(StartupError, match="^--kv-cache-dtype fp8: "):
+        check_fp8(EngineConfig(device="auto", kv_cache_dtype="fp8"))
+    check_fp8(EngineConfig(device="cuda", quantization="w8a8-int8", kv_cache_dtype="int8"))  # int8: any GPU
+    check_fp8(EngineConfig(device="cpu", quantization="w8a8-fp8"))  # the cpu backend has its own fp8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))  # Hopper
+    check_fp8(EngineConfig(device="cuda:0", quantization="w8a8-fp8", kv_cache_dtype="fp8"))
