@@ -16,6 +16,8 @@ import importlib.util
 import sys
 import typing
 
+from pipeserve.startup import StartupError, fail
+
 # What `pipeserve[bench]` adds to the serving dependencies (pyproject.toml).
 BENCH_EXTRA = ("matplotlib", "rich", "aiohttp")
 INSTALL_BENCH = "pip install 'pipeserve[bench]'"
@@ -116,7 +118,10 @@ def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
     parser = build_parser(table, prog, name)
     args = parser.parse_args(rest)
     args.prog = parser.prog  # how the command names itself in its one-line errors
-    return int(importlib.import_module(module_name).main(args) or 0)
+    try:
+        return int(importlib.import_module(module_name).main(args) or 0)
+    except StartupError as exc:  # a process run on its own (compose) reports as `up` does
+        return fail(parser.prog, exc, getattr(args, "debug", False))
 
 
 class OneLineParser(argparse.ArgumentParser):

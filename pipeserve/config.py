@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pipeserve.startup import StartupError
+
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
 PREDICTOR_MODES = ("peak", "reserve")
 BACKENDS = ("reference", "cpu", "torch", "triton")  # torch: the cpu backend's former name
@@ -329,8 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, only: tuple[str, .
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The config the flags describe; StartupError (the one line a command prints) when its checks
+    refuse it, the fields spelled as their flags."""
     values = {f.name: getattr(args, f.name, None) for f, _ in _field_hints(cls)}
-    return cls(**{name: value for name, value in values.items() if value is not None})
+    try:
+        return cls(**{name: value for name, value in values.items() if value is not None})
+    except ValueError as exc:
+        raise StartupError(as_flags(str(exc), cls)) from None
 
 
 def to_argv(obj: Any, only: tuple[str, ...] | None = None) -> list[str]:

@@ -363,10 +363,7 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
         args.model = model
     if args.http_port is None:
         args.http_port = DEFAULT_HTTP_PORT
-    try:
-        engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
-    except ValueError as exc:  # the configs' own checks (ranges, TLS files that go together)
-        raise StartupError(cfg.as_flags(str(exc), EngineConfig, GatewayConfig)) from None
+    engine, gateway = cfg.from_args(EngineConfig, args), cfg.from_args(GatewayConfig, args)
     for flag, path in (("--tls-cert", gateway.tls_cert), ("--tls-key", gateway.tls_key)):
         if path is not None and not os.path.isfile(path):
             raise StartupError(f"{flag} {path}: no such file")
@@ -388,10 +385,7 @@ def endpoints(gateway: GatewayConfig) -> str:
 
 
 def launch_config(args: argparse.Namespace) -> LaunchConfig:
-    try:
-        launch: LaunchConfig = cfg.from_args(LaunchConfig, args)
-    except ValueError as exc:
-        raise StartupError(cfg.as_flags(str(exc), LaunchConfig)) from None
+    launch: LaunchConfig = cfg.from_args(LaunchConfig, args)
     if launch.ray and importlib.util.find_spec("ray") is None:
         raise StartupError("--ray needs Ray: pip install 'pipeserve[ray]'")
     return launch

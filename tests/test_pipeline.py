@@ -319,7 +319,7 @@ def test_a_second_server_on_the_port_exits_and_the_first_serves_every_call(serve
     env = os.environ | Addresses.under(str(tmp_path)).to_env()
     gateway = subprocess.run([sys.executable, "-m", "pipeserve.cli", "gateway", "--port", port],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert gateway.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in gateway.stderr, gateway.stderr
+    assert gateway.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in gateway.stderr, gateway.stderr
     expected = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=0.0))[0].text
     texts = [server.client.generate("Once upon a time", max_tokens=12, temperature=0.0).text
              for _ in range(8)]

@@ -55,7 +55,7 @@ from pipeserve.messages import (
     pack_ids,
     unpack_ids,
 )
-from pipeserve.startup import StartupError, fail, phase
+from pipeserve.startup import fail, phase
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -237,11 +237,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.model is None:
         args.model = os.environ.get("PIPESERVE_MODEL")  # as the tokenizer and detokenizer read it
-    try:
-        config, addrs = cfg.from_args(EngineConfig, args), cfg.from_args(Addresses, args)
-    except ValueError as exc:  # the config's own checks, as `pipeserve up` reports them
-        problem = StartupError(cfg.as_flags(str(exc), EngineConfig))
-        return fail(getattr(args, "prog", "pipeserve engine"), problem, args.debug)
+    config, addrs = cfg.from_args(EngineConfig, args), cfg.from_args(Addresses, args)
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))

@@ -23,6 +23,7 @@ from pipeserve import config as cfg
 from pipeserve.config import TOKENIZER_FIELDS, Addresses, EngineConfig, GatewayConfig, new_instance_id
 from pipeserve.gateway.grpc_api import GrpcFrontEnd
 from pipeserve.gateway.requests import Core
+from pipeserve.startup import StartupError, fail
 
 log = logging.getLogger("pipeserve.gateway")
 
@@ -84,9 +85,8 @@ async def serve(config: GatewayConfig, addrs: Addresses, tokenizer: EngineConfig
     gateway = Gateway(config, addrs, os.environ.get("PIPESERVE_INSTANCE_ID", ""), tokenizer)
     try:
         port = await gateway.start()
-    except PortInUse as exc:
-        log.error("%s", exc)
-        return 1
+    except PortInUse as exc:  # taken since `up` checked it, or a gateway run on its own
+        return fail("pipeserve gateway", StartupError(str(exc)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
