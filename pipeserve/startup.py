@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -59,14 +60,38 @@ def fail(prog: str, exc: BaseException, debug: bool = False, device: str = "auto
 
 
 @contextlib.contextmanager
-def phase(what: str, logger: logging.Logger | None = None) -> Iterator[None]:
+def phase(what: str, logger: logging.Logger | None = None, slow: bool = False) -> Iterator[None]:
     """Log what a start-up phase is doing, then how long it took ("loading the model ... done in
-    1.2 s"), so that a slow start is never silent."""
+    1.2 s"), so that a slow start is never silent. A phase that may be slow (slow: a build, a load,
+    a compile) also shows a ticking clock on stderr while it runs, when that is a terminal."""
     out = logger or log
     out.info("%s ...", what)
     start = time.perf_counter()
-    yield
+    with _clock(what) if slow and sys.stderr.isatty() else contextlib.nullcontext():
+        yield
     out.info("%s: done in %.1f s", what, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _clock(what: str) -> Iterator[None]:
+    """A tqdm bar of unknown length, refreshed by a thread, that shows how long `what` has run."""
+    from tqdm import tqdm
+
+    bar: Any = tqdm(desc=what, total=None, bar_format="{desc}: {elapsed}", leave=False, file=sys.stderr)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(0.5):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="startup-clock", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
 
 
 def progress(items: Iterable[T], what: str, total: int | None = None, slow: bool = True) -> Iterator[T]:

@@ -85,14 +85,14 @@ class Engine:
         # The grammar compiler (xgrammar's import, the vocabulary read) is built while the model
         # loads, so that the first constrained request waits only for its own grammar.
         compiler = self.structured.prepare() if tp is None or tp.is_driver else None
-        with phase("preparing the kernel backend (a native build on first use)", log):
+        with phase("preparing the kernel backend (a native build on first use)", log, slow=True):
             backend = get_backend(resolve_backend(config.backend, self.device))
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.max_model_len = min(
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
         quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
-        with phase(f"loading {self.model_dir} on {self.device}{quantized}", log):
+        with phase(f"loading {self.model_dir} on {self.device}{quantized}", log, slow=True):
             self.model, self.model_config = load_model(
                 self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp
             )
