@@ -4,6 +4,7 @@ CLI flags derived from them."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import typing
@@ -59,7 +60,11 @@ class EngineConfig:
     num_pages: int | None = opt(None, "KV cache pages, overriding --kv-cache-gb (tests use tiny pools)")
     max_num_seqs: int = opt(256, "most sequences running in one step")
     max_num_batched_tokens: int = opt(2048, "most tokens (prefill + decode) in one step")
-    max_model_len: int | None = opt(None, "context length served; unset: the model's")
+    max_model_len: int | None = opt(None, "context length served, at most the model's (or what "
+                                    "--rope-scaling scales it to); unset: the model's")
+    rope_scaling: str | None = opt(None, "override the checkpoint's rope_scaling, as JSON: '{\"rope_type\": "
+                                   "\"linear\", \"factor\": 4}' serves 4x the trained context "
+                                   "(--max-model-len up to it); llama3 scaling states its context itself")
     admission: str = opt("optimistic", "KV admission policy: max reserves the whole budget, optimistic "
                          "admits while pages are free, predicted learns output lengths",
                          choices=ADMISSION_POLICIES)
@@ -113,6 +118,8 @@ class EngineConfig:
         for name in ("num_pages", "max_model_len"):
             if (value := getattr(self, name)) is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not 0 < self.predictor_quantile < 1:
@@ -166,6 +173,27 @@ def as_flags(message: str, *classes: type) -> str:
                        if "_" in m.group(1) or m.start() == 0 else m.group(1), message)
 
 
+ROPE_TYPES = ("linear", "llama3")  # the scalings the model's rope table implements
+
+
+def check_rope_scaling(text: str) -> None:
+    """ValueError unless text is a rope_scaling the engine implements (a JSON object, as in config.json)."""
+    try:
+        scaling = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"rope_scaling is not JSON: {text!r}") from None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling needs a rope_type of {' or '.join(ROPE_TYPES)}: {text!r}")
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 1:
+        raise ValueError(f"rope_scaling needs a factor >= 1: {text!r}")
+    missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if kind == "llama3" and k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type llama3 needs {', '.join(missing)}: {text!r}")
+
+
 def check_choices(obj: Any) -> None:
     """ValueError naming the field whose value is not one of its declared choices."""
     for f in fields(obj):
@@ -176,7 +204,7 @@ def check_choices(obj: Any) -> None:
 
 
 # The EngineConfig fields a tokenizer or detokenizer process reads: which tokenizer, and the context.
-TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "chat_template", "max_model_len")
+TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "chat_template", "max_model_len", "rope_scaling")
 
 
 def cache_dir() -> str:

@@ -34,15 +34,29 @@ CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_le
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
-def read_config(model_dir: str) -> dict[str, Any]:
+def read_config(model_dir: str, rope_scaling: str | None = None) -> dict[str, Any]:
     """config.json as a dict, a multimodal wrapper's `text_config` merged over it (the language model's
-    fields win; the wrapper's `architectures` stays when the inner config has none)."""
+    fields win; the wrapper's `architectures` stays when the inner config has none), with the
+    rope_scaling override (--rope-scaling, JSON) applied."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
     with open(path) as f:
         cfg: dict[str, Any] = json.load(f)
-    return unwrap_text_config(cfg)
+    cfg = unwrap_text_config(cfg)
+    return cfg if rope_scaling is None else with_rope_scaling(cfg, json.loads(rope_scaling))
+
+
+def with_rope_scaling(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """cfg with its rope_scaling replaced. Linear scaling stretches the positions the model was
+    trained on by its factor, so the context grows with it (as vLLM derives it); llama3's config
+    already states the extended context."""
+    out = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_scaling": scaling}
+    if "rope_theta" not in cfg and isinstance(cfg.get("rope_parameters"), dict):  # transformers >= 5
+        out["rope_theta"] = cfg["rope_parameters"].get("rope_theta", 10000.0)
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        out["max_position_embeddings"] = int(context_length(cfg) * float(scaling["factor"]))
+    return out
 
 
 def unwrap_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -149,8 +163,8 @@ class ModelLimits:
     vocab_size: int  # rows of the embedding: larger ids would index out of range
 
 
-def model_limits(model_dir: str) -> ModelLimits:
-    cfg = read_config(model_dir)
+def model_limits(model_dir: str, rope_scaling: str | None = None) -> ModelLimits:
+    cfg = read_config(model_dir, rope_scaling)
     return ModelLimits(context_len=context_length(cfg), vocab_size=int(cfg["vocab_size"]))
 
 
@@ -241,8 +255,10 @@ class ModelConfig:
         return self.num_experts > 0
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> ModelConfig:
-        config = cls.from_dict(read_config(model_dir), name=os.path.basename(os.path.normpath(model_dir)))
+    def from_dir(cls, model_dir: str, rope_scaling: str | None = None) -> ModelConfig:
+        """The checkpoint's config (rope_scaling: the --rope-scaling override, JSON)."""
+        name = os.path.basename(os.path.normpath(model_dir))
+        config = cls.from_dict(read_config(model_dir, rope_scaling), name=name)
         eos = generation_eos(model_dir)  # the ids generation should stop on win over config.json's
         if eos is not None:
             config.eos_token_ids = eos

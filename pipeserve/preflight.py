@@ -83,11 +83,16 @@ def resolve(engine: EngineConfig) -> EngineConfig:
     except hub.ModelNotFound as exc:
         raise StartupError(f"--tokenizer {exc}") from None
     what = f"--model {name}" if name else "the demo model"
-    model_cfg = checkpoint(what, model_dir)
+    model_cfg = checkpoint(what, model_dir, engine.rope_scaling)
     context = model_cfg.max_position_embeddings
     if engine.max_model_len is not None and engine.max_model_len > context:
+        if engine.rope_scaling:
+            raise StartupError(f"--max-model-len {engine.max_model_len} is above the {context} tokens "
+                               f"--rope-scaling scales {what}'s context to: give at most {context}, or a "
+                               "larger factor")
         raise StartupError(f"--max-model-len {engine.max_model_len} is above the context {what} was trained "
-                           f"for ({context} tokens): give at most {context}, or leave it unset")
+                           f"for ({context} tokens): give at most {context}, leave it unset, or scale the "
+                           "context with --rope-scaling")
     check_device(engine.device)
     check_fp8(engine)
     if engine.tensor_parallel_size > 1:
@@ -165,10 +170,10 @@ def check_fp8(engine: EngineConfig) -> None:
                            "instead")
 
 
-def checkpoint(what: str, model_dir: str) -> ModelConfig:
+def checkpoint(what: str, model_dir: str, rope_scaling: str | None = None) -> ModelConfig:
     """The config of a checkpoint directory that pipeserve can load, or StartupError saying why not."""
     try:
-        cfg = ModelConfig.from_dict(read_config(model_dir))
+        cfg = ModelConfig.from_dict(read_config(model_dir, rope_scaling))
     except FileNotFoundError:
         raise StartupError(f"{what}: {model_dir} has no config.json, so it is not a Hugging Face "
                            "checkpoint: give the directory that holds config.json") from None

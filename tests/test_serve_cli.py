@@ -1,5 +1,6 @@
 """`pipeserve serve MODEL` as vLLM users type it: the model positionally (for `up` too), the help that
-says what is served, and the "serving" line naming every endpoint, each of which answers."""
+says what is served, and the "serving" line naming every endpoint, each of which answers; the server
+runs with its context doubled by --rope-scaling, which every process honours."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_serve_names_every_endpoint_and_each_answers(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipeserve.cli", "serve", str(STORIES), "--device", "cpu",
              "--tokenizer-workers", "1", "--port", str(ports["grpc"]), "--http-port", str(ports["http"]),
-             "--metrics-port", str(ports["metrics"])],
+             "--metrics-port", str(ports["metrics"]),
+             "--rope-scaling", '{"rope_type": "linear", "factor": 2}', "--max-model-len", "1024"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
         )
     try:
@@ -68,7 +70,11 @@ def test_serve_names_every_endpoint_and_each_answers(tmp_path: Path) -> None:
         for phase in ("loading ", "sizing and allocating the KV cache", "compiling and warming up"):
             assert re.search(rf"{phase}.*: done in \d+\.\d s", text), phase
         with Client(f"127.0.0.1:{ports['grpc']}") as client:
-            assert client.model_info().name == "stories260K"
+            info = client.model_info()
+            assert info.name == "stories260K" and info.context_length == 1024
+            # Past the trained 512 positions: the tokenizer's limit and the engine's are the scaled ones.
+            long = client.generate("Once upon a time", max_tokens=600, temperature=0.0, ignore_eos=True)
+            assert len(long.token_ids) == 600
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/v1/models", timeout=10) as r:
             assert json.load(r)["data"][0]["id"] == "stories260K"
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10) as r:

@@ -68,7 +68,7 @@ class Engine:
         starts its group itself when config.tensor_parallel_size > 1."""
         self.config = config = config or EngineConfig(**options)
         self.model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
-        model_cfg = ModelConfig.from_dir(self.model_dir)
+        model_cfg = ModelConfig.from_dir(self.model_dir, config.rope_scaling)
         if tp is None and config.tensor_parallel_size > 1:
             check_shardable(model_cfg, config.tensor_parallel_size)  # before any process starts
             tp = parallel_group.start(config)
@@ -94,7 +94,7 @@ class Engine:
         quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
         with phase(f"loading {self.model_dir} on {self.device}{quantized}", log, slow=True):
             self.model, self.model_config = load_model(
-                self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp
+                self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp, config.rope_scaling
             )
             self.backend = backend.name
             quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees it

@@ -197,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     model_dir, tokenizer = load_for(start_worker(args, "tokenizer"))
-    limits = model_limits(model_dir)
+    limits = model_limits(model_dir, args.rope_scaling)
     max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
     worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
     name = f"tokenizer@{socket.gethostname()}:{os.getpid()}"

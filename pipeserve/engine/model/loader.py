@@ -98,11 +98,11 @@ def _target(cfg: ModelConfig, name: str) -> tuple[str, Index] | None:
 
 def load_model(
     model_dir: str, backend: Backend, device: torch.device, dtype: torch.dtype, max_positions: int,
-    tp: TPGroup | None = None,
+    tp: TPGroup | None = None, rope_scaling: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model and the checkpoint's config; with `tp`, this rank's shard (its `config` is then the
-    shard's, pipeserve/engine/model/tensor_parallel.py)."""
-    cfg = ModelConfig.from_dir(model_dir)
+    """The model and the checkpoint's config (rope_scaling: the --rope-scaling override); with `tp`,
+    this rank's shard (its `config` is then the shard's, pipeserve/engine/model/tensor_parallel.py)."""
+    cfg = ModelConfig.from_dir(model_dir, rope_scaling)
     shard = None if tp is None else ShardPlan(cfg, tp.rank, tp.world)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend) if tp is None else TensorParallelLlama(cfg, backend, tp)
