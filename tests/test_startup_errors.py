@@ -58,6 +58,8 @@ CASES: list[tuple[str, list[str], str]] = [
      ["serve", M, "--rope-scaling", '{"rope_type": "linear", "factor": 2}', "--max-model-len", "2000"],
      "--max-model-len"),
     ("no such model", ["up", "--model", "/nonexistent/model"], "--model"),
+    ("hub id not in the cache, offline", ["serve", "Qwen/Qwen2.5-0.5B-Instruct"],
+     "--model Qwen/Qwen2.5-0.5B-Instruct is not in the Hugging Face cache"),
     ("no such tokenizer", ["serve", M, "--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
     ("model given twice", ["serve", M, "--model", "/elsewhere"], "--model"),
     ("serve without a model", ["serve"], "MODEL"),
@@ -85,7 +87,8 @@ def busy_port() -> Iterator[int]:
 
 
 def start(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {"PIPESERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env = os.environ | {"PIPESERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+                        "HF_HUB_CACHE": str(tmp_path / "hub")}  # empty: a hub id is not there
     return subprocess.run([sys.executable, "-m", "pipeserve.cli", *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
 
