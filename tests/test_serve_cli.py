@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def test_serve_names_every_endpoint_and_each_answers(tmp_path: Path) -> None:
             [sys.executable, "-m", "pipeserve.cli", "serve", str(STORIES), "--device", "cpu",
              "--tokenizer-workers", "1", "--port", str(ports["grpc"]), "--http-port", str(ports["http"]),
              "--metrics-port", str(ports["metrics"]),
-             "--rope-scaling", '{"rope_type": "linear", "factor": 2}', "--max-model-len", "1024"],
+             "--rope-scaling", '{"rope_type": "linear", "factor": 2}', "--max-model-len", "1024",
+             "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
         )
     try:
@@ -79,6 +81,17 @@ def test_serve_names_every_endpoint_and_each_answers(tmp_path: Path) -> None:
             assert json.load(r)["data"][0]["id"] == "stories260K"
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10) as r:
             assert r.status == 200
+        # A schema that does not compile (the engine's compilation finds it): a 400 before any stream.
+        body = {"model": "stories260K", "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Once"}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "x", "schema": {"type": "object", "required": 5}}}}
+        post = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/chat/completions",
+                                      json.dumps(body).encode(), {"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=30)
+        assert refused.value.code == 400
+        assert "json_schema is invalid" in json.load(refused.value)["error"]["message"]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log_path.read_text()
