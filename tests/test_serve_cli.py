@@ -82,10 +82,10 @@ def test_serve_names_every_endpoint_and_each_answers(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10) as r:
             assert r.status == 200
         # A schema that does not compile (the engine's compilation finds it): a 400 before any stream.
+        bad = {"name": "x", "schema": {"type": "object", "required": 5}}
         body = {"model": "stories260K", "stream": True, "max_tokens": 4,
                 "messages": [{"role": "user", "content": "Once"}],
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "x", "schema": {"type": "object", "required": 5}}}}
+                "response_format": {"type": "json_schema", "json_schema": bad}}
         post = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/chat/completions",
                                       json.dumps(body).encode(), {"content-type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as refused:
