@@ -17,7 +17,9 @@ from pipeserve.startup import StartupError
 
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
 PREDICTOR_MODES = ("peak", "reserve")
-BACKENDS = ("reference", "cpu", "torch", "triton")  # torch: the cpu backend's former name
+BACKENDS = ("reference", "cpu", "triton")
+BACKEND_ALIASES = {"torch": "cpu"}  # former names, still accepted on the command line and in LLM(...)
+STEP_EXECUTORS = ("auto", "eager", "compiled", "native")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -47,7 +49,7 @@ class EngineConfig:
     dtype: str = opt("auto", "weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
                      choices=("auto", "float32", "float16", "bfloat16"))
     backend: str = opt("auto", "kernel backend; auto: triton on CUDA, cpu elsewhere (torch: cpu's former "
-                       "name)", choices=("auto", *BACKENDS))
+                       "name)", choices=("auto", *BACKENDS, *BACKEND_ALIASES))
     kv_cache_dtype: str = opt("auto", "KV cache storage: auto keeps the model dtype; int8/fp8 quantize it",
                               choices=KV_CACHE_DTYPES)
     quantization: str = opt("none", "weight quantization applied at load time", choices=QUANTIZATIONS)
@@ -86,11 +88,14 @@ class EngineConfig:
     served_model_name: str | None = opt(None, "the model name clients see (ModelInfo); unset: from --model")
     chat_template: str | None = opt(None, "chat template for `messages` requests: a Jinja file or the "
                                     "template itself; unset: the tokenizer's")
-    # The env default lets a test harness turn compilation off for every engine it starts.
-    compile: bool = opt(help="steps run as one unit: on the CPU one native call for dense fp32 models "
-                        "(merged steps of up to 64 rows too), else Inductor per decode batch-size bucket; "
-                        "CUDA graphs on CUDA; the default follows $PIPESERVE_COMPILE (0: off), else on",
-                        factory=lambda: os.environ.get("PIPESERVE_COMPILE", "1") != "0")
+    step_executor: str = opt("auto", "how a step runs: auto picks the fastest for the model and device (the "
+                             "native step for dense fp32 models on the CPU, else Inductor on the CPU, CUDA "
+                             "graphs on CUDA, eager where neither applies); compiled: Inductor or CUDA "
+                             "graphs; native: the native CPU step; eager: the model's ops one by one",
+                             choices=STEP_EXECUTORS)
+    compile: bool = opt(True, "false: every step eager (the same as --step-executor eager)")
+    max_cuda_graph_batch: int = opt(256, "CUDA graphs: the largest batch (decode and verification rows) "
+                                    "captured; larger steps run eager")
     generation_config: str = opt("auto", "auto: the checkpoint's generation_config.json sampling defaults "
                                  "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests "
                                  "that leave them unset; none: pipeserve's defaults",
@@ -124,6 +129,13 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not 0 < self.predictor_quantile < 1:
             raise ValueError(f"predictor_quantile must be in (0, 1), got {self.predictor_quantile}")
+        self.backend = BACKEND_ALIASES.get(self.backend, self.backend)
+        if not self.compile:  # the older switch, kept: compile=False is an eager engine
+            if self.step_executor not in ("auto", "eager"):
+                raise ValueError(f"--no-compile contradicts --step-executor {self.step_executor}")
+            self.step_executor = "eager"
+        if self.max_cuda_graph_batch < 1:
+            raise ValueError(f"max_cuda_graph_batch must be >= 1, got {self.max_cuda_graph_batch}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -12,9 +12,6 @@ import pathlib
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not pathlib.Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines run eager steps (no compile time) unless a test of the compiled path asks for compile=True;
-# subprocesses (LocalCluster, `pipeserve up`) inherit it.
-os.environ.setdefault("PIPESERVE_COMPILE", "0")
 
 import pytest  # noqa: E402
 

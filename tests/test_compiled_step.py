@@ -1,9 +1,9 @@
-"""Compiled decode steps (pipeserve/engine/compiled_step.py): buckets, padding onto the scratch page,
-when the compiler is chosen, and greedy outputs token-identical to eager steps on stories260K and on
+"""Compiled decode steps (pipeserve/engine/executor/: padded.py, inductor.py, cuda_graph.py): buckets,
+padding onto the scratch page, and greedy outputs token-identical to eager steps on stories260K and on
 every architecture the parity tests cover (the compiling tests are marked slow: Inductor builds C++).
 
-Dense fp32 models would take the native step here (tests/test_native_step.py covers it): these tests
-switch it off, so that Inductor's step is what they compile."""
+Dense fp32 models would take the native step under `auto` (tests/test_native_step.py covers it):
+these tests ask for `step_executor="compiled"`, so that Inductor's step is what they compile."""
 
 from __future__ import annotations
 
@@ -11,17 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeserve.config import EngineConfig
 from pipeserve.engine import LLM, SamplingParams
-from pipeserve.engine.compiled_step import CompiledDecode, batch_buckets, compile_mode
+from pipeserve.engine.executor import FlatBatch, StepBuffers
+from pipeserve.engine.executor.cuda_graph import CudaGraphStep
+from pipeserve.engine.executor.inductor import InductorStep
+from pipeserve.engine.executor.padded import batch_buckets
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.model_config import ModelConfig
 from tests.test_engine_parity import STORY_PROMPTS
-
-
-@pytest.fixture(autouse=True)
-def inductor_steps(monkeypatch):
-    monkeypatch.setenv("PIPESERVE_NATIVE_STEP", "0")
 
 
 def test_buckets_are_powers_of_two_up_to_max_num_seqs():
@@ -31,47 +28,39 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert batch_buckets(256)[-3:] == (64, 128, 256)
 
 
+def padded(kind: type, pool: KVPool, max_rows: int, **options) -> InductorStep | CudaGraphStep:
+    """A padded executor without a model (bucket and padding logic only)."""
+    buffers = StepBuffers(shapes={}, device=torch.device("cpu"))
+    return kind(model=None, pool=pool, buffers=buffers, max_rows=max_rows, **options)
+
+
 def test_inductor_buckets_stop_at_its_largest_batch():
-    pool = tiny_pool()
-    assert CompiledDecode(None, pool, 256, "inductor").buckets == (1, 2, 4, 8, 16, 32, 64)  # type: ignore[arg-type]
-    assert CompiledDecode(None, pool, 256, "cuda-graph").buckets[-1] == 256  # type: ignore[arg-type]
-    assert CompiledDecode(None, pool, 6, "inductor").buckets == (1, 2, 4, 6)  # type: ignore[arg-type]
+    assert padded(InductorStep, tiny_pool(), 256).buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert padded(InductorStep, tiny_pool(), 6).buckets == (1, 2, 4, 6)
+    assert padded(InductorStep, tiny_pool(), 4, exact=(2, 3)).buckets == (1, 2, 3, 4)
 
 
-def test_compile_mode_by_backend_and_device():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert compile_mode(True, "cpu", cpu) == "inductor"
-    assert compile_mode(True, "torch", cpu) == "inductor"
-    assert compile_mode(True, "triton", cuda) == "cuda-graph"
-    assert compile_mode(True, "cpu", cuda) is None  # its host-side memos cannot be captured
-    assert compile_mode(True, "triton", cpu) is None  # the Triton interpreter
-    assert compile_mode(True, "reference", cpu) is None  # the oracle stays eager
-    assert compile_mode(False, "cpu", cpu) is None
-
-
-def test_no_cpp_compiler_means_eager_steps(monkeypatch):
-    monkeypatch.setattr("shutil.which", lambda name: None)
-    assert compile_mode(True, "cpu", torch.device("cpu")) is None
-
-
-def test_compile_defaults_on_and_follows_the_env(monkeypatch):
-    monkeypatch.delenv("PIPESERVE_COMPILE")
-    assert EngineConfig().compile is True
-    monkeypatch.setenv("PIPESERVE_COMPILE", "0")
-    assert EngineConfig().compile is False
-    assert EngineConfig(compile=True).compile is True
+def test_cuda_graph_buckets_stop_at_max_cuda_graph_batch():
+    """Every batch size up to --max-cuda-graph-batch has a bucket (captured at start); larger steps,
+    and steps of prefill rows, are not covered: they run eager."""
+    graphs = padded(CudaGraphStep, tiny_pool(), 1280, max_batch=256)
+    assert graphs.buckets[-1] == 256 and graphs.max_rows == 256
+    assert padded(CudaGraphStep, tiny_pool(), 12, max_batch=256).buckets == (1, 2, 4, 8, 12)
+    assert padded(CudaGraphStep, tiny_pool(), 12, max_batch=4).buckets == (1, 2, 4)
+    assert graphs.full_width  # a captured graph's tables span the block table
 
 
 def tiny_pool(num_pages: int = 6, page_size: int = 4) -> KVPool:
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
                                  "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                                  "num_key_value_heads": 1, "vocab_size": 32, "max_position_embeddings": 32})
-    return KVPool(cfg, num_pages, page_size, torch.float32, torch.device("cpu"), 4, 32)
+    return KVPool(cfg=cfg, num_pages=num_pages, page_size=page_size, dtype=torch.float32,
+                  device=torch.device("cpu"), max_num_seqs=4, max_model_len=32)
 
 
 def test_padding_rows_only_touch_the_scratch_page():
     pool = tiny_pool()
-    compiled = CompiledDecode(None, pool, max_rows=4, mode="inductor")  # type: ignore[arg-type]
+    compiled = padded(InductorStep, pool, 4)
     assert pool.num_pages == 5 and pool.stats().pages_used == 0  # the scratch page is out of circulation
     scratch = compiled.scratch_page
     assert scratch not in pool._free
@@ -85,7 +74,16 @@ def test_padding_rows_only_touch_the_scratch_page():
     assert lens.tolist() == [6, 3, 7, 1]
     assert table.shape == (4, 2)  # gather width: the longest row's pages, no more
     assert table[:3].tolist() == tables[:, :2].tolist() and (table[3] == scratch).all()
-    assert compiled.covers(3, 3) and not compiled.covers(3, 5) and not compiled.covers(5, 5)
+    assert compiled.covers(decode_rows(3, 3)) and not compiled.covers(decode_rows(3, 5))
+    assert not compiled.covers(decode_rows(5, 5))
+
+
+def decode_rows(num_decode: int, num_rows: int) -> FlatBatch:
+    """A flat batch of num_rows rows, num_decode of them decode rows (only the counts matter)."""
+    rows = np.zeros(num_rows, np.int64)
+    return FlatBatch(input_ids=rows, positions=rows, slot_mapping=rows, row_slots=rows, num_decode=num_decode,
+                     decode_slots=rows[:num_decode], prefill_slots=rows[:0], prefill_cu_q_lens=rows[:1],
+                     prefill_seq_lens=rows[:0], sample_rows=rows, sample_slots=rows, sample_seq_lens=rows)
 
 
 def greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int], **options) -> list[list[int]]:
@@ -114,12 +112,12 @@ def test_stories_compiled_equals_eager_across_buckets(stories_dir):
     lengths = [8, 20, 20]
     eager = greedy(stories_dir, prompts, lengths, compile=False)
     before = compiled_graphs()
-    llm = LLM(stories_dir, device="cpu", dtype="float32", compile=True, max_num_seqs=4)
+    llm = LLM(stories_dir, device="cpu", dtype="float32", step_executor="compiled", max_num_seqs=4)
     runner = llm.engine.runner
-    assert runner.compiled is not None
+    assert isinstance(runner.executor, InductorStep)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths])
     assert [o.token_ids for o in outs] == eager
-    assert set(runner.compiled._steps) == {1, 2, 4}
+    assert set(runner.executor._steps) == {1, 2, 4}
     assert compiled_graphs() >= before + 3
 
 
@@ -152,7 +150,7 @@ def test_every_architecture_compiled_equals_eager(tiny_model, kind, overrides):
     options = dict(page_size=4, max_num_seqs=1)
     expected = greedy(model_dir, prompts, [12, 12], compile=False, **options)
     before = compiled_graphs()
-    assert greedy(model_dir, prompts, [12, 12], compile=True, **options) == expected
+    assert greedy(model_dir, prompts, [12, 12], step_executor="compiled", **options) == expected
     assert compiled_graphs() > before  # compiled, not fallen back to eager
 
 
@@ -165,30 +163,24 @@ def test_quantized_compiled_equals_eager(tiny_model):
     options = dict(page_size=4, max_num_seqs=2, quantization="w8a8-int8", kv_cache_dtype="int8")
     expected = greedy(model_dir, prompts, [10, 10], compile=False, **options)
     before = compiled_graphs()
-    assert greedy(model_dir, prompts, [10, 10], compile=True, **options) == expected
+    assert greedy(model_dir, prompts, [10, 10], step_executor="compiled", **options) == expected
     assert compiled_graphs() > before
 
 
 def count_compiled_verifications(llm: LLM) -> dict[str, int]:
     """Counts, as the engine runs, steps with verification rows that ran compiled and eager."""
     runner = llm.engine.runner
-    assert runner.compiled is not None
+    executor, eager = runner.executor, runner.eager
     counts = {"compiled": 0, "eager": 0}
-    forward, run = runner.forward, runner.compiled.run
-    state = {"verify": False, "compiled": False}
 
-    def counted_run(*args, **kwargs):
-        state["compiled"] = True
-        return run(*args, **kwargs)
+    def counted(step, name: str):
+        def run(flat):
+            if flat.num_verify_rows:
+                counts[name] += 1
+            return step(flat)
+        return run
 
-    def counted_forward(batch):
-        state["compiled"] = False
-        out = forward(batch)
-        if batch.verify:
-            counts["compiled" if state["compiled"] else "eager"] += 1
-        return out
-
-    runner.forward, runner.compiled.run = counted_forward, counted_run
+    executor.run, eager.run = counted(executor.run, "compiled"), counted(eager.run, "eager")
     return counts
 
 
@@ -198,16 +190,17 @@ def test_stories_verification_steps_compiled_equal_eager(stories_dir, method, mo
     """Verification rows run as compiled decode rows when the step's rows fit a bucket (one request
     verifying 1 + 4 rows: bucket 5) and eager otherwise (two requests: 10 rows, past a top bucket
     of 8 here); the greedy tokens are a plain eager engine's."""
-    monkeypatch.setattr("pipeserve.engine.compiled_step.MAX_INDUCTOR_BATCH", 8)
+    monkeypatch.setattr("pipeserve.engine.executor.inductor.MAX_INDUCTOR_BATCH", 8)
     prompts = ["Once upon a time, there was a little girl. Once upon a time, there",
                "Lily and Ben went to the park. They saw a dog. Lily and Ben went to"]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 30)]
     base = LLM(stories_dir, device="cpu", dtype="float32", compile=False)
     want = [o.token_ids for o in base.generate(prompts, params)]
     draft = dict(draft_model=stories_dir) if method == "draft" else dict(prompt_lookup_min=1)
-    llm = LLM(stories_dir, device="cpu", dtype="float32", compile=True, max_num_seqs=2,
+    llm = LLM(stories_dir, device="cpu", dtype="float32", step_executor="compiled", max_num_seqs=2,
               speculative_method=method, speculative_adaptive=False, **draft)
-    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.buckets == (1, 2, 3, 4, 5, 8)
+    assert isinstance(llm.engine.runner.executor, InductorStep)
+    assert llm.engine.runner.executor.buckets == (1, 2, 3, 4, 5, 8)
     counts = count_compiled_verifications(llm)
     drafted = count_draft_rounds(llm) if method == "draft" else None
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
@@ -217,18 +210,18 @@ def test_stories_verification_steps_compiled_equal_eager(stories_dir, method, mo
 
 
 def count_draft_rounds(llm: LLM) -> dict[str, int]:
-    """Counts the draft model's rows that ran through its compiled decode steps."""
+    """Counts the draft model's rows that ran through its own compiled decode steps."""
     speculator = llm.engine.speculator
     assert speculator is not None and speculator.draft is not None
-    compiled = speculator.draft.runner.compiled
-    assert compiled is not None and compiled is not llm.engine.runner.compiled
-    counts, run = {"rows": 0}, compiled.run
+    executor = speculator.draft.runner.executor
+    assert executor.mode != "eager" and executor is not llm.engine.runner.executor
+    counts, run = {"rows": 0}, executor.run
 
-    def counted(input_ids, *args):
-        counts["rows"] += input_ids.shape[0]
-        return run(input_ids, *args)
+    def counted(flat):
+        counts["rows"] += flat.num_rows
+        return run(flat)
 
-    compiled.run = counted
+    executor.run = counted
     return counts
 
 
@@ -246,7 +239,7 @@ def test_tiny_verification_steps_compiled_equal_eager(tiny_model, kind, override
     options = dict(page_size=4, max_num_seqs=1)
     expected = greedy(model_dir, prompts, [16, 16], compile=False, **options)
     spec = dict(prompt_lookup_min=1) if method == "ngram" else dict(draft_model=model_dir)
-    llm = LLM(model_dir, device="cpu", dtype="float32", compile=True, speculative_method=method,
+    llm = LLM(model_dir, device="cpu", dtype="float32", step_executor="compiled", speculative_method=method,
               speculative_adaptive=False, num_speculative_tokens=3, **spec, **options)
     counts = count_compiled_verifications(llm)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 2)

@@ -139,7 +139,7 @@ def portable_lib():
     """The kernels built without AVX-512: the portable loops a host without it (or not x86) runs."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag (other hosts run the portable loops anyway)")
-    compiler = native._compiler()
+    compiler = native.compiler()
     assert compiler is not None
     return native._declare(ctypes.CDLL(str(native._build(compiler, (*native.FLAGS, "-mno-avx512f")))))
 

@@ -1,18 +1,24 @@
-"""The native decode step (pipeserve/engine/native_step.py, backend/csrc/decode_step.cpp): its logits
-and KV writes against the per-op forward pass on the same inputs, which models it takes, and greedy
-outputs token-identical to eager steps through the engine (no Inductor build: these run fast)."""
+"""The native step (pipeserve/engine/executor/native.py, backend/csrc/decode_step.cpp): its logits
+and KV writes against the per-op forward pass on the same inputs, which models it takes (as
+model/llama.py declares), and greedy outputs token-identical to eager steps through the engine (no
+Inductor build: these run fast)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from pipeserve.engine import LLM, SamplingParams
-from pipeserve.engine.backend import native
-from pipeserve.engine.compiled_step import NATIVE_MERGED_ROWS, CompiledDecode, step_mode
-from pipeserve.engine.native_step import NativeStep, unsupported
-from tests.test_compiled_step import ARCHITECTURES
+from pipeserve.engine.backend import get_backend, native
+from pipeserve.engine.executor.inductor import InductorStep
+from pipeserve.engine.executor.native import NATIVE_MERGED_ROWS, NativeStep, unsupported
+from pipeserve.engine.executor.select import StepPlan, choose
+from pipeserve.engine.model import llama
+from tests.test_compiled_step import ARCHITECTURES, padded
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need a C++ compiler")
 
@@ -21,7 +27,7 @@ IDS = ["llama-gqa", "llama-mqa", "llama-tied", "llama3-rope", "qwen2-bias", "mis
 
 
 def engine_parts(model_dir: str, **options):
-    llm = LLM(model_dir, device="cpu", dtype="float32", compile=False, page_size=4, max_num_seqs=4,
+    llm = LLM(model_dir, device="cpu", dtype="float32", step_executor="eager", page_size=4, max_num_seqs=4,
               num_pages=24, **options)
     return llm, llm.engine.model, llm.engine.pool
 
@@ -34,7 +40,8 @@ def test_native_step_matches_the_per_op_forward(tiny_model, kind, overrides):
     assert pool.kv is not None
     g = torch.Generator().manual_seed(0)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
-    per_op = CompiledDecode(model, pool, 8, "inductor")  # its _forward, called eagerly
+    per_op = padded(InductorStep, pool, 8)  # its forward, called eagerly
+    per_op.model = model
     native_step = NativeStep(model, pool, 8)
     width = pool.max_pages_per_seq
     tables = np.zeros((4, width), np.int32)
@@ -47,7 +54,7 @@ def test_native_step_matches_the_per_op_forward(tiny_model, kind, overrides):
             torch.from_numpy(slots), torch.from_numpy(tables), torch.from_numpy(positions + 1).int()]
     kv_before = pool.kv.clone()
     with torch.inference_mode():
-        want = per_op._forward(*args)
+        want = per_op.forward(*args)
         kv_want = pool.kv.clone()
         pool.kv.copy_(kv_before)  # the native step writes the same K/V into the same slots
         got = native_step(*(a.numpy() for a in args))  # host arrays, as the runner passes them
@@ -57,13 +64,17 @@ def test_native_step_matches_the_per_op_forward(tiny_model, kind, overrides):
 
 
 def test_which_models_the_native_step_takes(tiny_model):
+    cpu, auto = torch.device("cpu"), StepPlan(requested="auto", max_rows=4)
     llm, model, pool = engine_parts(tiny_model("llama"))
     assert unsupported(model, pool) is None
-    assert step_mode("inductor", model, pool) == "native"
-    assert step_mode("cuda-graph", model, pool) == "cuda-graph"
+    assert choose(auto, get_backend("cpu"), model, pool, cpu)[0] == "native"
+    compiled = StepPlan(requested="compiled", max_rows=4)
+    assert choose(compiled, get_backend("cpu"), model, pool, cpu)[0] == "inductor"
     _, moe, moe_pool = engine_parts(tiny_model("mixtral"))
-    assert "MLP" in (unsupported(moe, moe_pool) or "")
-    assert step_mode("native", moe, moe_pool) == "inductor"  # a draft of another kind than its target
+    assert "mixture of experts" in (unsupported(moe, moe_pool) or "")
+    assert choose(auto, get_backend("cpu"), moe, moe_pool, cpu)[0] == "inductor"
+    with pytest.raises(ValueError, match="mixture of experts"):
+        choose(StepPlan(requested="native", max_rows=4), get_backend("cpu"), moe, moe_pool, cpu)
     _, quant, quant_pool = engine_parts(tiny_model("llama"), quantization="w8a8-int8")
     assert unsupported(quant, quant_pool) is not None
     _, _, int8_pool = engine_parts(tiny_model("llama"), kv_cache_dtype="int8")
@@ -72,10 +83,14 @@ def test_which_models_the_native_step_takes(tiny_model):
     assert unsupported(bf16.model, bf16.pool) is not None
 
 
-def test_native_steps_can_be_switched_off_for_comparisons(tiny_model, monkeypatch):
-    _, model, pool = engine_parts(tiny_model("llama"))
-    monkeypatch.setenv("PIPESERVE_NATIVE_STEP", "0")
-    assert step_mode("inductor", model, pool) == "inductor"
+def test_the_native_step_declares_every_feature_the_model_reads():
+    """Each ModelConfig field model/llama.py reads is declared there as mirrored by the native step
+    or refused by it: a new feature of the model fails here until the native step declares it."""
+    source = Path(llama.__file__).read_text()
+    read = set(re.findall(r"\bcfg\.([a-z_]+)", source)) - {"refusal"}
+    declared = llama.NATIVE_STEP.mirrors | set(llama.NATIVE_STEP.refuses)
+    assert read <= declared, f"declare in llama.NATIVE_STEP: {sorted(read - declared)}"
+    assert not llama.NATIVE_STEP.mirrors & set(llama.NATIVE_STEP.refuses)
 
 
 def greedy(model_dir: str, prompts: list[list[int]], n: int, **options) -> tuple[list[list[int]], LLM]:
@@ -87,15 +102,15 @@ def greedy(model_dir: str, prompts: list[list[int]], n: int, **options) -> tuple
 
 def counted_rows(llm: LLM) -> list[int]:
     """The row count of every step the engine runs through its native step, appended as it runs."""
-    compiled = llm.engine.runner.compiled
-    assert compiled is not None and compiled.mode == "native"
-    rows, run = [], compiled.run
+    executor = llm.engine.runner.executor
+    assert executor.mode == "native"
+    rows, run = [], executor.run
 
-    def counted(input_ids, *args):
-        rows.append(input_ids.shape[0])
-        return run(input_ids, *args)
+    def counted(flat):
+        rows.append(flat.num_rows)
+        return run(flat)
 
-    compiled.run = counted  # type: ignore[method-assign]
+    executor.run = counted  # type: ignore[method-assign]
     return rows
 
 
@@ -111,9 +126,8 @@ def test_every_dense_architecture_native_equals_eager(tiny_model, kind, override
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
     eager = LLM(model_dir, device="cpu", dtype="float32", page_size=4, compile=False, max_num_seqs=2)
     expected = [o.token_ids for o in eager.generate(prompts, params)]
-    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, compile=True, max_num_seqs=2)
-    compiled = llm.engine.runner.compiled
-    assert compiled is not None and compiled.buckets == tuple(range(1, NATIVE_MERGED_ROWS + 1))  # no padding
+    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, max_num_seqs=2)  # auto: native
+    assert llm.engine.runner.executor.max_rows == NATIVE_MERGED_ROWS  # every row count as itself
     rows = counted_rows(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert rows[:2] == [16, 2] and 4 in rows and llm.engine.stats()["pages_used"] == 0
@@ -125,7 +139,7 @@ def test_long_chunks_stay_eager(tiny_model):
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 320, (NATIVE_MERGED_ROWS + 9,), generator=g).tolist()
     expected, _ = greedy(model_dir, [prompt], 6, compile=False, max_num_seqs=1)
-    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, compile=True, max_num_seqs=1)
+    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, max_num_seqs=1)
     rows = counted_rows(llm)
     assert llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids == expected[0]
     assert rows == [1] * 5
@@ -139,8 +153,8 @@ def test_stories_native_equals_eager(stories_dir):
     tok = AutoTokenizer.from_pretrained(stories_dir)
     prompts = [tok(p).input_ids for p in STORY_PROMPTS[:3]]
     expected, _ = greedy(stories_dir, prompts, 24, compile=False, max_num_seqs=4)
-    got, llm = greedy(stories_dir, prompts, 24, compile=True, max_num_seqs=4)
-    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.mode == "native"
+    got, llm = greedy(stories_dir, prompts, 24, max_num_seqs=4)
+    assert llm.engine.runner.executor.mode == "native"
     assert got == expected
 
 
@@ -154,9 +168,9 @@ def test_verification_rows_run_native_and_equal_eager(tiny_model, method):
     prompts = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 5, 17], [7, 8, 9, 7, 8, 9, 7]]
     expected, _ = greedy(model_dir, prompts, 16, compile=False, max_num_seqs=2)
     spec = dict(prompt_lookup_min=1) if method == "ngram" else dict(draft_model=model_dir)
-    llm = LLM(model_dir, device="cpu", dtype="float32", compile=True, page_size=4, max_num_seqs=2,
+    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, max_num_seqs=2,
               speculative_method=method, speculative_adaptive=False, num_speculative_tokens=3, **spec)
-    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.mode == "native"
+    assert llm.engine.runner.executor.mode == "native"
     counts = count_compiled_verifications(llm)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 2)
     assert [o.token_ids for o in outs] == expected
@@ -164,5 +178,4 @@ def test_verification_rows_run_native_and_equal_eager(tiny_model, method):
     if method == "draft":
         speculator = llm.engine.speculator
         assert speculator is not None and speculator.draft is not None
-        draft_compiled = speculator.draft.runner.compiled
-        assert draft_compiled is not None and draft_compiled.mode == "native"
+        assert speculator.draft.runner.executor.mode == "native"

@@ -56,7 +56,8 @@ def drive(policy, seqs: list[Sequence], outputs: list[int], num_pages: int, page
     """Run the requests to completion on an accounting-only pool; the fake model emits EOS at the
     given output length. Checks the pool after every schedule and postprocess."""
     pool = KVPool.accounting_only(num_pages, page_size, max_num_seqs, MAX_LEN)
-    sched = Scheduler(pool, policy, max_num_seqs, budget, MAX_LEN, lambda s: None, lambda s: None)
+    sched = Scheduler(pool=pool, policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=MAX_LEN, on_admit=lambda s: None, on_release=lambda s: None)
     target = {s: n for s, n in zip(seqs, outputs, strict=True)}
     for s in seqs:
         sched.add(s)

@@ -25,8 +25,9 @@ class Harness:
     def __init__(self, num_pages: int = 32, max_num_seqs: int = 4, max_num_batched_tokens: int = 64,
                  max_model_len: int = 64, policy: OptimisticPolicy | None = None) -> None:
         self.pool = KVPool.accounting_only(num_pages, PAGE, max_num_seqs, max_model_len, prefix_caching=True)
-        self.sched = Scheduler(self.pool, policy or OptimisticPolicy(), max_num_seqs, max_num_batched_tokens,
-                               max_model_len, on_admit=lambda s: None, on_release=lambda s: None)
+        self.sched = Scheduler(pool=self.pool, policy=policy or OptimisticPolicy(), max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                               on_admit=lambda s: None, on_release=lambda s: None)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, salt: str = "") -> Sequence:
         seq = Sequence(rid, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), arrival=0.0,

@@ -29,11 +29,11 @@ class Harness:
         self.released: list[str] = []
         self.sampled: list[Sequence] = []  # the last step's sampling rows, in row order
         self.sched = Scheduler(
-            self.pool,
-            policy or OptimisticPolicy(),
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
+            pool=self.pool,
+            policy=policy or OptimisticPolicy(),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             on_admit=lambda s: self.admitted.append(s.rid),
             on_release=lambda s: self.released.append(s.rid),
         )

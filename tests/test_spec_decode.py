@@ -333,7 +333,7 @@ def test_rests_grow_past_max_hold_when_steps_are_cheap():
 
 def test_a_rest_skips_the_proposer_entirely():
     """Inside a rest at the running batch size, propose() returns before looking at a request."""
-    spec = Speculator(4, 2, 256, ngram=NgramProposer(1, 3), exact_rows=8)
+    spec = Speculator(k=4, max_num_seqs=2, max_model_len=256, ngram=NgramProposer(1, 3), exact_rows=8)
     spec.adaptive.rest(np.array([0]), 1)
     seq = Sequence("r", [1, 2, 1, 2, 1], 5, SamplingParams(), 0.0, status=Status.RUNNING, slot=0)
     seq.num_computed = 4
@@ -422,7 +422,9 @@ def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
     from pipeserve.engine.scheduler import Scheduler
 
     pool = KVPool.accounting_only(32, 4, 2, 64)
-    sched = Scheduler(pool, OptimisticPolicy(), 2, 16, 64, lambda s: None, lambda s: None)
+    sched = Scheduler(pool=pool, policy=OptimisticPolicy(), max_num_seqs=2, max_num_batched_tokens=16,
+                      max_model_len=64,
+                      on_admit=lambda s: None, on_release=lambda s: None)
     short = Sequence("short", [1, 2, 3], 3, SamplingParams(max_tokens=3), 0.0)
     long = Sequence("long", [1, 2, 3], 3, SamplingParams(max_tokens=20), 0.0)
     for seq in (short, long):

@@ -155,9 +155,11 @@ def run_hf(model_dir: str, work: Workload, batch_size: int) -> float:
 
 def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> float:
     """ms of CPU per step for schedule + batch metadata + postprocess, with a no-op model."""
+    from pipeserve.engine.backend import get_backend
+    from pipeserve.engine.executor import StepPlan
     from pipeserve.engine.kv.policy import OptimisticPolicy
     from pipeserve.engine.kv.pool import KVPool
-    from pipeserve.engine.runner import ModelRunner
+    from pipeserve.engine.runner import ForwardRunner
     from pipeserve.engine.scheduler import Scheduler
     from pipeserve.engine.sequence import Sequence
     from pipeserve.model_config import ModelConfig
@@ -166,11 +168,13 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
     cfg = ModelConfig.from_dict(LLAMA_20M | {"num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 8})
     pages = num_requests * (context + steps + 16) // 16 + 1
     pool = KVPool(cfg, pages, 16, torch.float16, torch.device("cpu"), num_requests, context + steps + 16)
-    sched = Scheduler(
-        pool, OptimisticPolicy(), num_requests, 1 << 30, context + steps + 16, lambda s: None, lambda s: None
-    )
-    # Metadata only: no model and no sampler.
-    runner = ModelRunner(None, pool, None, torch.device("cpu"), num_requests, num_requests, None)  # type: ignore[arg-type]
+    sched = Scheduler(pool=pool, policy=OptimisticPolicy(), max_num_seqs=num_requests,
+                      max_num_batched_tokens=1 << 30,
+                      max_model_len=context + steps + 16, on_admit=lambda s: None, on_release=lambda s: None)
+    # Metadata only: no model (an eager runner never reads it before a step).
+    runner = ForwardRunner(model=None, pool=pool, backend=get_backend("cpu"), device=torch.device("cpu"),  # type: ignore[arg-type]
+                           max_num_seqs=num_requests, max_num_batched_tokens=num_requests,
+                           plan=StepPlan(requested="eager", max_rows=num_requests))
     for i in range(num_requests):
         sched.add(Sequence(str(i), [5] * context, context, SamplingParams(max_tokens=10_000), 0.0))
     batch = sched.schedule()  # the prefill step, not timed
@@ -178,7 +182,7 @@ def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> floa
     start = time.process_time()
     for _ in range(steps):
         batch = sched.schedule()
-        runner.metadata(runner.build(batch))
+        runner.eager.metadata(runner.build(batch))
         sampled = batch.sampling()
         sched.postprocess(batch, sampled, [7] * len(sampled))
     return (time.process_time() - start) / steps * 1000

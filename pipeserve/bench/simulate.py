@@ -179,8 +179,9 @@ def simulate(requests: Sequence[TraceRequest], policy: AdmissionPolicy, step_tim
         if seq.first_scheduled is None:
             seq.first_scheduled = clock
 
-    sched = Scheduler(pool, policy, spec.max_num_seqs, spec.max_num_batched_tokens, spec.context,
-                      on_admit, lambda seq: None)
+    sched = Scheduler(pool=pool, policy=policy, max_num_seqs=spec.max_num_seqs,
+                      max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.context,
+                      on_admit=on_admit, on_release=lambda seq: None)
     pending = deque(enumerate(requests))
     targets: dict[Seq, int] = {}
     records: list[RequestRecord] = [RequestRecord(r.arrival, prompt_tokens=r.prompt_tokens, app=r.app)

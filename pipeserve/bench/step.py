@@ -106,16 +106,9 @@ Runner = Callable[[list[list[int]]], list[list[int]]]
 def pipeserve_runner(model_dir: str, system: str, batch: int, new_tokens: int) -> tuple[Runner, Any]:
     from pipeserve.engine import LLM, SamplingParams
 
-    native_step = os.environ.get("PIPESERVE_NATIVE_STEP")
-    os.environ["PIPESERVE_NATIVE_STEP"] = "0" if system == "pipeserve inductor" else "1"
-    try:
-        llm = LLM(model_dir, device="cpu", dtype="float32", compile=system != "pipeserve eager",
-                  max_num_seqs=max(batch, 1), cpu_threads=torch.get_num_threads(), prefix_caching=False)
-    finally:
-        if native_step is None:
-            del os.environ["PIPESERVE_NATIVE_STEP"]
-        else:
-            os.environ["PIPESERVE_NATIVE_STEP"] = native_step
+    executor = {"pipeserve eager": "eager", "pipeserve inductor": "compiled"}.get(system, "auto")
+    llm = LLM(model_dir, device="cpu", dtype="float32", step_executor=executor, max_num_seqs=max(batch, 1),
+              cpu_threads=torch.get_num_threads(), prefix_caching=False)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
@@ -235,7 +228,7 @@ FIRST_TOKEN_LLM = """
 import sys, time
 start = time.perf_counter()
 from pipeserve.engine import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", compile=True)
+llm = LLM(sys.argv[1], device="cpu")
 llm.generate("Once upon a time", SamplingParams(max_tokens=1, temperature=0.0))
 print(time.perf_counter() - start)
 """
@@ -243,7 +236,7 @@ print(time.perf_counter() - start)
 
 def first_token_llm(model_dir: str, cache: str) -> float:
     """Seconds from a fresh interpreter to LLM(model)'s first token (imports included)."""
-    env = os.environ | {"PIPESERVE_CACHE": cache, "PIPESERVE_COMPILE": "1"}
+    env = os.environ | {"PIPESERVE_CACHE": cache}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", FIRST_TOKEN_LLM, model_dir], env=env, check=True,
                          capture_output=True, text=True).stdout
@@ -254,7 +247,7 @@ def first_token_server(model_dir: str, cache: str) -> float:
     """Seconds from starting `pipeserve up` to the first token of a request sent once it is SERVING."""
     from pipeserve.local_cluster import LocalCluster
 
-    env = {"PIPESERVE_CACHE": cache, "PIPESERVE_COMPILE": "1"}
+    env = {"PIPESERVE_CACHE": cache}
     start = time.perf_counter()
     with LocalCluster(Path(cache) / "up.log", model_dir, workers=1, startup=600.0, env=env) as cluster:
         for _ in cluster.client.stream("Once upon a time", max_tokens=1, temperature=0.0, timeout=60):

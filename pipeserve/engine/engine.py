@@ -16,11 +16,10 @@ import torch
 from pipeserve import hub
 from pipeserve.config import EngineConfig
 from pipeserve.engine.backend import Backend, get_backend, resolve_backend
-from pipeserve.engine.compiled_step import CompiledDecode, compile_mode, step_mode
+from pipeserve.engine.executor import StepPlan
 from pipeserve.engine.kv.policy import make_policy
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
 from pipeserve.engine.kv.predicted import PredictedPolicy
-from pipeserve.engine.model.cpu_linear import use_cpu_linears
 from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
@@ -29,7 +28,7 @@ from pipeserve.engine.model.tensor_parallel import check_shardable
 from pipeserve.engine.parallel import group as parallel_group
 from pipeserve.engine.parallel.group import TPGroup
 from pipeserve.engine.prompt_logprobs import PromptLogprobs
-from pipeserve.engine.runner import ModelRunner, StepResult
+from pipeserve.engine.runner import ForwardRunner, ModelRunner, StepResult
 from pipeserve.engine.sampler import Sampler
 from pipeserve.engine.scheduler import Scheduler
 from pipeserve.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
@@ -98,8 +97,7 @@ class Engine:
             )
             self.backend = backend.name
             quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees it
-        if backend.name == "cpu":
-            use_cpu_linears(self.model)
+        backend.prepare_model(self.model)
         shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
         per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
                                      config.prefix_caching)
@@ -114,15 +112,15 @@ class Engine:
             if tp is not None:  # every rank holds the same pages
                 num_pages = tp.min_int(num_pages)
             self.pool = KVPool(
-                shard_cfg,
-                num_pages,
-                config.page_size,
-                self.dtype,
-                self.device,
-                config.max_num_seqs,
-                self.max_model_len,
-                config.kv_cache_dtype,
-                config.prefix_caching,
+                cfg=shard_cfg,
+                num_pages=num_pages,
+                page_size=config.page_size,
+                dtype=self.dtype,
+                device=self.device,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                kv_cache_dtype=config.kv_cache_dtype,
+                prefix_caching=config.prefix_caching,
             )
             unquantized = num_pages * per_page // kv_bytes_per_token(shard_cfg, self.dtype)
             log.info(
@@ -136,27 +134,29 @@ class Engine:
                 unquantized,
             )
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
-        # A tensor-parallel forward sends the step plan to the other ranks: it runs eager.
-        mode = compile_mode(config.compile, backend.name, self.device) if tp is None else None
-        whole_graph = config.quantization == "none" and not any(model_cfg.moe_layers or ())
         spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
-        compiled = None if mode is None else CompiledDecode(  # verification rows run as decode rows
-            self.model, self.pool, config.max_num_seqs * (1 + spec_tokens),
-            step_mode(mode, self.model, self.pool), whole_graph, tuple(range(2, 2 + spec_tokens)))
+        plan = StepPlan(
+            requested=config.step_executor,
+            max_rows=config.max_num_seqs * (1 + spec_tokens),  # verification rows run as decode rows
+            exact=tuple(range(2, 2 + spec_tokens)),  # a batch-1 verification step's row counts
+            whole_graph=config.quantization == "none" and not any(model_cfg.moe_layers or ()),
+            max_cuda_graph_batch=config.max_cuda_graph_batch,
+            tensor_parallel=tp is not None,
+        )
         self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.sampler,
-            self.device,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.structured,
-            spec_tokens,
-            compiled,
+            model=self.model,
+            pool=self.pool,
+            backend=backend,
+            device=self.device,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            plan=plan,
+            sampler=self.sampler,
+            structured=self.structured,
         )
         with phase("compiling and warming up the decode steps", log):
-            self.runner.warm_up()  # compiles before the engine reports ready
-        self.speculator = self._speculator(config, draft)
+            self.runner.warm_up()  # compiles or captures before the engine reports ready
+        self.speculator = self._speculator(config, backend, plan, draft)
         policy_opts: dict[str, Any] = {}
         if config.admission == "predicted":
             policy_opts = {
@@ -166,13 +166,13 @@ class Engine:
             }
         self.policy = make_policy(config.admission, **policy_opts)
         self.scheduler = Scheduler(
-            self.pool,
-            self.policy,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            self._on_admit,
-            self._on_release,
+            pool=self.pool,
+            policy=self.policy,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            on_admit=self._on_admit,
+            on_release=self._on_release,
         )
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
@@ -277,32 +277,38 @@ class Engine:
             raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) is not the model's "
                              f"({model_cfg.vocab_size}): it must share the tokenizer")
         model, _ = load_model(draft_dir, backend, self.device, self.dtype, self.max_model_len)
-        if backend.name == "cpu":
-            use_cpu_linears(model)
+        backend.prepare_model(model)
         return model, draft_cfg
 
-    def _speculator(self, config: EngineConfig,
+    def _speculator(self, config: EngineConfig, backend: Backend, plan: StepPlan,
                     draft: tuple[LlamaForCausalLM, ModelConfig] | None) -> Speculator | None:
-        sizing = (config.num_speculative_tokens, config.max_num_seqs, self.max_model_len,
-                  config.speculative_adaptive)
-        compiled = self.runner.compiled
-        exact_rows = 0 if compiled is None else compiled.buckets[-1]
+        def speculator(ngram: NgramProposer | None = None, drafter: DraftModel | None = None) -> Speculator:
+            return Speculator(k=config.num_speculative_tokens, max_num_seqs=config.max_num_seqs,
+                              max_model_len=self.max_model_len, adaptive=config.speculative_adaptive,
+                              ngram=ngram, draft=drafter, exact_rows=self.runner.exact_rows)
+
         if config.speculative_method == "ngram":
-            lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            return Speculator(*sizing, ngram=lookup, exact_rows=exact_rows)
+            return speculator(ngram=NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         if draft is None:
             return None
         model, draft_cfg = draft
         # As many tokens as the model's pool: every request it holds can be drafted for.
-        pool = KVPool(draft_cfg, self.pool.num_pages, self.pool.page_size, self.dtype, self.device,
-                      config.max_num_seqs, self.max_model_len)
-        # The draft's one-token rounds run compiled like the model's decode steps (buckets of its own).
-        draft_compiled = None if compiled is None else CompiledDecode(
-            model, pool, config.max_num_seqs, step_mode(compiled.mode, model, pool),
-            not any(draft_cfg.moe_layers or ()))
-        drafter = DraftModel(model, pool, self.sampler, self.device, config.max_num_seqs,
-                             config.max_num_batched_tokens, draft_compiled)
-        return Speculator(*sizing, draft=drafter, exact_rows=exact_rows)
+        pool = KVPool(cfg=draft_cfg, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
+                      dtype=self.dtype, device=self.device, max_num_seqs=config.max_num_seqs,
+                      max_model_len=self.max_model_len)
+        # The draft's one-token rounds run on a step executor of its own, chosen for the draft (an
+        # explicit choice for the model stands for its family: the draft may be another kind).
+        requested = "eager" if self.runner.executor.mode == "eager" else "auto"
+        draft_plan = replace(plan, requested=requested, max_rows=config.max_num_seqs, exact=(),
+                             whole_graph=not any(draft_cfg.moe_layers or ()))
+        runner = ForwardRunner(model=model, pool=pool, backend=backend, device=self.device,
+                               max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens, plan=draft_plan,
+                               role="draft")
+        runner.warm_up()
+        drafter = DraftModel(runner=runner, sampler=self.sampler,
+                             max_num_batched_tokens=config.max_num_batched_tokens)
+        return speculator(drafter=drafter)
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:

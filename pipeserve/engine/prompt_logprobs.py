@@ -14,6 +14,7 @@ Requests that ask are never admitted on cached prefix pages: those rows must run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,15 +78,17 @@ def prompt_rows(prefill: list[Sequence], num_decode: int, cu_q_lens: np.ndarray)
                       np.concatenate(targets), segments)
 
 
-def score(logits: torch.Tensor, rows: PromptRows) -> None:
+Read = Callable[..., list[np.ndarray]]  # device tensors -> host arrays, one readback for them all
+
+
+def score(logits: torch.Tensor, rows: PromptRows, read: Read) -> None:
     """Each extra row's logprob of its target and its top-k (k the largest any request asked for),
     stored into the requests' PromptLogprobs (one host copy for the step)."""
     k = max(seq.params.prompt_logprobs or 0 for seq, *_ in rows.segments)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.from_numpy(rows.targets).to(logits.device)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].cpu().numpy()
     top_lps, top_ids = logprobs.topk(k, dim=-1)
-    top_lps_np, top_ids_np = top_lps.cpu().numpy(), top_ids.cpu().numpy()
+    chosen, top_lps_np, top_ids_np = read(logprobs.gather(1, targets[:, None])[:, 0], top_lps, top_ids)
     for seq, first, end, position in rows.segments:
         store = seq.prompt_logprobs
         if store is None:
@@ -97,14 +100,14 @@ def score(logits: torch.Tensor, rows: PromptRows) -> None:
         store.top_logprobs[span] = top_lps_np[first:end, :width]
 
 
-def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows,
-             every_row: bool) -> torch.Tensor:
+def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows, every_row: bool,
+             read: Read) -> torch.Tensor:
     """Score the extra rows out of the logits of the rows the model read out and return the sampled
     rows' logits. The model returned the rows asked for in that order (sample rows, then extra rows)
     or, when together they are every row of the batch, all rows in batch order."""
     if every_row:
         device = logits.device
-        score(logits.index_select(0, torch.from_numpy(extra.rows).to(device)), extra)
+        score(logits.index_select(0, torch.from_numpy(extra.rows).to(device)), extra, read)
         return logits.index_select(0, torch.from_numpy(sample_rows).to(device))
-    score(logits[len(sample_rows):], extra)
+    score(logits[len(sample_rows):], extra, read)
     return logits[: len(sample_rows)]

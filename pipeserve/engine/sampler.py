@@ -2,7 +2,8 @@
 
 Per-slot parameters live in persistent device buffers written once per request (`set_request`);
 `sample` reads them by slot and never syncs with the host: every branch it takes is decided by
-numpy mirrors of the same parameters. Order per step: structured-output token mask (constrained
+numpy mirrors of the same parameters, and host arrays reach the device by non-blocking copies.
+Order per step: structured-output token mask (constrained
 rows only) -> repetition / presence / frequency penalties -> min_tokens mask -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> exponential race. Logprobs are of the raw model logits.
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pipeserve.engine.executor.buffers import upload
 from pipeserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -194,15 +196,15 @@ class Sampler:
             grown[:, :width] = self.stop_ids
             self.stop_ids, width = grown, grown.shape[1]
         row = stops + [stops[0]] * (width - len(stops))
-        self.stop_ids[slot] = torch.tensor(row, dtype=torch.int64)
+        self.stop_ids[slot] = upload(np.asarray(row, dtype=np.int64), self.device)
 
     def _write_penalty_state(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         if self.output_counts is None or self.prompt_mask is None:
             shape = (len(self._greedy), self.vocab_size)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=self.device)
-        output = torch.as_tensor(np.asarray(output_ids, dtype=np.int64), device=self.device)
+        prompt = upload(np.asarray(prompt_ids, dtype=np.int64), self.device)
+        output = upload(np.asarray(output_ids, dtype=np.int64), self.device)
         self.prompt_mask[slot].zero_()
         self.prompt_mask[slot, prompt] = True
         self.output_counts[slot].zero_()
@@ -305,7 +307,7 @@ class Sampler:
         if isinstance(blocked, np.ndarray):
             if blocked.all():  # one op
                 return x.scatter(1, ids, float("-inf"))
-            blocked = torch.as_tensor(blocked, device=x.device)
+            blocked = upload(blocked, x.device)
         return x.scatter(1, ids, x.gather(1, ids).masked_fill(blocked[:, None], float("-inf")))
 
     def filtered_logits(self, x: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
+        *,
         pool: KVPool,
         policy: AdmissionPolicy,
         max_num_seqs: int,

@@ -5,10 +5,15 @@ chosen once by name (`get_backend`):
 - "reference" (reference.py): plain, readable torch. The oracle the other backends are tested
   against, never tuned for speed.
 - "cpu" (cpu.py): torch tuned for the CPU (persistent workspaces, one SDPA call per batch or chunk,
-  per-step memos, real int8 / fp8 GEMMs). "torch" is its older name and still accepted.
+  per-step memos, real int8 / fp8 GEMMs). ("torch", its older name, is resolved in the config.)
 - "triton" (triton.py): the GPU kernels of pipeserve/engine/triton_kernels/ (run on the CPU under
   TRITON_INTERPRET=1 in tests).
 "auto" is "triton" on CUDA and "cpu" elsewhere (`resolve_backend`).
+
+Besides its ops a backend declares its specifics, so that nothing outside this package asks for it
+by name: `prepare_model` (what it does to a loaded model before serving), `compiled_step` (the
+compiled step executor it supports per device type) and `native_step` (whether the native CPU step
+may run its models).
 
 Shapes: q [T, Hq, D], k / v [T, Hkv, D]; paged caches [P, S, Hkv, D] with, when quantized, fp16
 scales [P, S, Hkv, D // group] passed as k_scale / v_scale (format: pipeserve/engine/kv/quant.py).
@@ -17,12 +22,13 @@ Quantized activations are (codes, fp32 scale [T, 1]).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from pipeserve.config import BACKENDS
 
@@ -148,16 +154,21 @@ class Backend:
     fused_moe: FusedMoE
     fused_moe_w8a8: FusedMoEW8A8
     fused_moe_w4a16: FusedMoEW4A16
+    # Its specifics (not ops): see the module docstring.
+    prepare_model: Callable[[nn.Module], None] = field(default=lambda model: None)
+    compiled_step: Mapping[str, str] = field(default_factory=dict)  # device type -> executor mode
+    native_step: bool = False
 
     @classmethod
-    def collect(cls, name: str, *namespaces: Mapping[str, Any]) -> Backend:
+    def collect(cls, name: str, *namespaces: Mapping[str, Any], **specifics: Any) -> Backend:
         """The backend whose every op is the function of the op's name in the first namespace (a
         module's vars()) that defines one."""
         ops = {op: next(ns[op] for ns in namespaces if op in ns) for op in OP_NAMES}
-        return cls(name, **ops)
+        return cls(name, **ops, **specifics)
 
 
-OP_NAMES = tuple(f.name for f in fields(Backend) if f.name != "name")
+SPECIFICS = ("name", "prepare_model", "compiled_step", "native_step")
+OP_NAMES = tuple(f.name for f in fields(Backend) if f.name not in SPECIFICS)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -174,7 +185,7 @@ def get_backend(name: str) -> Backend:
         from .reference import BACKEND as reference
 
         return reference
-    if name in ("cpu", "torch"):
+    if name == "cpu":
         from . import native
         from .cpu import BACKEND as cpu
 

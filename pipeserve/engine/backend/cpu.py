@@ -21,8 +21,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pipeserve.engine.kv.quant import dequantize_kv
+from pipeserve.engine.model.cpu_linear import use_cpu_linears
 
 from . import Backend, NormOut, NormQuantOut, QuantOut, native, reference
 from .step_memo import StepMemo
@@ -382,4 +384,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 per_token_quant, w4a16_gemm = reference.per_token_quant, reference.w4a16_gemm
 fused_moe_w4a16 = reference.fused_moe_w4a16
 
-BACKEND = Backend.collect("cpu", vars())
+def prepare_model(model: nn.Module) -> None:
+    """Large fp32 linear layers take the packed native product (where the kernels are built)."""
+    use_cpu_linears(model)
+
+
+# Inductor compiles this backend's ops on the CPU; its per-step memos (host-side state) would be
+# frozen into a captured CUDA graph, so on CUDA its steps run eager.
+BACKEND = Backend.collect("cpu", vars(), prepare_model=prepare_model, compiled_step={"cpu": "inductor"},
+                          native_step=True)

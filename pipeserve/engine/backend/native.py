@@ -53,7 +53,8 @@ _tried = False
 _enabled = os.environ.get("PIPESERVE_NATIVE", "1") != "0"  # 0: torch ops throughout (comparisons)
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The host's C++ compiler ($CXX, else g++), which builds these kernels and Inductor's code."""
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
@@ -88,13 +89,13 @@ def _load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    compiler = _compiler()
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         log.warning("no C++ compiler (g++, or $CXX) on this host: the cpu backend's attention runs on "
                     "torch ops")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler_path)))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("building the native CPU kernels failed; attention runs on torch ops: %s", detail)

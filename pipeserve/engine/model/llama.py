@@ -7,7 +7,8 @@ through the model's `Backend` (pipeserve/engine/backend), chosen once when the m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,38 @@ from pipeserve.model_config import ModelConfig
 
 from .moe import MoE
 from .rope import rope_cache
+
+
+@dataclass(frozen=True)
+class NativeSupport:
+    """What the native CPU step (pipeserve/engine/executor/native.py over backend/csrc/decode_step.cpp)
+    mirrors of this model: each ModelConfig field this module reads is either mirrored or refused
+    (tests/test_native_step.py fails on a field read here and declared in neither)."""
+
+    mirrors: frozenset[str]
+    refuses: Mapping[str, str]  # field -> why a model that sets it (true, non-zero, any()) runs elsewhere
+
+    def refusal(self, cfg: ModelConfig) -> str | None:
+        """Why the native step does not mirror this configuration; None when it does."""
+        for name, reason in self.refuses.items():
+            value = getattr(cfg, name)
+            if any(value) if isinstance(value, list) else value:
+                return reason
+        return None
+
+
+NATIVE_STEP = NativeSupport(
+    mirrors=frozenset({
+        "attention_bias", "head_dim", "hidden_size", "intermediate_size", "kv_size", "layer_sliding_windows",
+        "num_heads", "num_kv_heads", "num_layers", "q_size", "rms_norm_eps", "rope_scaling", "rope_theta",
+        "tie_word_embeddings", "vocab_size",
+    }),
+    refuses={
+        "moe_layers": "a mixture of experts",
+        "shared_expert_intermediate_size": "a mixture of experts (shared expert)",
+        "qk_norm": "q/k norms are not in the native step",
+    },
+)
 
 
 class RMSNorm(nn.Module):

@@ -13,10 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeserve.engine.compiled_step import CompiledDecode
-from pipeserve.engine.kv.pool import KVPool
-from pipeserve.engine.model.llama import LlamaForCausalLM
-from pipeserve.engine.runner import ModelRunner
+from pipeserve.engine.executor.buffers import upload
+from pipeserve.engine.runner import ForwardRunner
 from pipeserve.engine.sampler import Sampler, race
 from pipeserve.engine.scheduler import ScheduledBatch
 from pipeserve.engine.sequence import Sequence, Status
@@ -25,15 +23,12 @@ from .verifier import DRAFT_SALT, DraftProposals
 
 
 class DraftModel:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, sampler: Sampler, device: torch.device,
-                 max_num_seqs: int, max_num_batched_tokens: int,
-                 compiled: CompiledDecode | None = None) -> None:
-        """compiled: the draft's compiled decode steps (its rounds of one token per request)."""
-        self.model, self.pool, self.sampler, self.device = model, pool, sampler, device
+    def __init__(self, *, runner: ForwardRunner, sampler: Sampler, max_num_batched_tokens: int) -> None:
+        """runner: the draft model's forward passes (its own pool; its rounds of one token per
+        request run on its step executor), warmed up by the caller."""
+        self.runner, self.pool, self.sampler = runner, runner.pool, sampler
+        self.model, self.device = runner.model, runner.device
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.runner = ModelRunner(model, pool, sampler, device, max_num_seqs, max_num_batched_tokens, None,
-                                  compiled=compiled)
-        self.runner.warm_up()
         self.shadows: dict[int, Sequence] = {}  # by the target request's slot
 
     def _shadow(self, seq: Sequence) -> Sequence:
@@ -90,7 +85,7 @@ class DraftModel:
             index = {id(s): i for i, s in active}
             idx_np = np.fromiter((index[id(s)] for s in order), np.int64, len(order))
             slots = np.fromiter((s.slot for s in order), np.int64, len(order))
-            slots_t = torch.as_tensor(slots, device=self.device)
+            slots_t = upload(slots, self.device)
             steps = self.sampler.generated[slots_t] + j
             logw = self.sampler.processed_logits(logits, slots, slots_t, steps)
             # The target's processing of the draft's logits; greedy rows take the argmax.
@@ -98,11 +93,12 @@ class DraftModel:
                                   race(logw, self.sampler.noise(slots_t, steps, DRAFT_SALT)))
             keep = ~greedy[idx_np]
             if keep.any():
-                sel = torch.as_tensor(np.flatnonzero(keep), device=self.device)
-                rows_q = torch.as_tensor(q_row[idx_np[keep]], device=self.device)
+                sel = upload(np.flatnonzero(keep), self.device)
+                rows_q = upload(q_row[idx_np[keep]], self.device)
                 q[rows_q, j] = torch.softmax(logw.index_select(0, sel), dim=-1)
                 drawn[rows_q, j] = drawn_j.index_select(0, sel)
-            for s, i, t in zip(order, idx_np.tolist(), drawn_j.tolist(), strict=True):
+            (drawn_host,) = self.runner.buffers.read(drawn_j)  # the next round's input ids
+            for s, i, t in zip(order, idx_np.tolist(), drawn_host.tolist(), strict=True):
                 tokens.setdefault(seqs[i], []).append(t)
                 s.token_ids.append(t)
             # The next round: shadows that draw another token and have room for it.

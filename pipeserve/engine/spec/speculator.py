@@ -35,7 +35,7 @@ def speculates(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, k: int, max_num_seqs: int, max_model_len: int, adaptive: bool = True,
+    def __init__(self, *, k: int, max_num_seqs: int, max_model_len: int, adaptive: bool = True,
                  ngram: NgramProposer | None = None, draft: DraftModel | None = None,
                  exact_rows: int = 0) -> None:
         """exact_rows: steps of up to this many decode and verification rows run compiled, one unit

@@ -1,6 +1,6 @@
 """One step's verification on the device and the host: the target has sampled every row of the
 batch (each verification row at its own output index); this keeps the proposals `verify.py` accepts
-and lays out what each request emits. One host sync per step, as without speculation."""
+and lays out what each request emits. One readback per step, as without speculation."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pipeserve.engine.executor.buffers import upload
+from pipeserve.engine.prompt_logprobs import Read
 from pipeserve.engine.sampler import Sampler
 from pipeserve.engine.sequence import Sequence
 
@@ -59,7 +61,11 @@ class Verifier:
         row_tokens: torch.Tensor,
         offsets: tuple[np.ndarray, torch.Tensor],
         drafts: DraftProposals | None,
-    ) -> Verified:
+        read: Read,
+        also: tuple[torch.Tensor, ...] = (),
+    ) -> tuple[Verified, list[np.ndarray]]:
+        """What each request emits; read: the step's one readback, which brings the tensors `also`
+        (the sampled rows' logprobs) to the host in the same wait, returned beside it."""
         nd, nv = num_decode, len(batch.verify)
         lens = np.fromiter((len(p) for p in batch.proposals), np.int64, nv)
         k = int(lens.max())
@@ -79,12 +85,15 @@ class Verifier:
             sampled = np.flatnonzero(~self.sampler.is_greedy(v_slots))
         if sampled.size:
             assert drafts is not None
-            index = torch.as_tensor([drafts.rows[batch.verify[i]] for i in sampled], device=self.device)
+            draft_rows = np.fromiter((drafts.rows[batch.verify[i]] for i in sampled), np.int64, sampled.size)
+            index = upload(draft_rows, self.device)
             pad = max(0, k + 1 - drafts.q.shape[1])  # a greedy request proposed the most: no extra row
             q = torch.nn.functional.pad(drafts.q[index], (0, 0, 0, pad))[:, : k + 1]
             d = torch.nn.functional.pad(drafts.tokens[index], (0, pad))[:, : k + 1]
             sync += self._rejection(logits, rows[sampled], lens[sampled], d, v_slots[sampled], q)
-        host = np.asarray(torch.cat([t.reshape(-1) for t in sync]).tolist(), dtype=np.int64)  # the sync
+        # The step's one readback.
+        flat_sync, *also_host = read(torch.cat([t.reshape(-1) for t in sync]), *also)
+        host = flat_sync.astype(np.int64)
         num_rows = row_tokens.shape[0]
         targets = host[:num_rows][rows]
         kept = accept_matching(targets, proposals, lens)
@@ -106,7 +115,7 @@ class Verifier:
         accepted = [[] for _ in range(nd)] + [e[:-1].tolist() for e in emitted_v]
         accepted += [[] for _ in range(p_rows.size)]
         seq_rows = np.concatenate([np.arange(nd), rows[np.arange(nv), kept], p_rows])
-        return Verified(row_list, tokens, accepted, seq_rows, slots, emitted.astype(np.int64))
+        return Verified(row_list, tokens, accepted, seq_rows, slots, emitted.astype(np.int64)), also_host
 
     def _rejection(
         self,
@@ -121,15 +130,15 @@ class Verifier:
         [tokens [n, k + 1], emitted [n]]."""
         n, k1 = rows.shape
         dev, sampler = self.device, self.sampler
-        slots_t = torch.as_tensor(np.repeat(slots, k1), device=dev)
-        steps = (sampler.generated[torch.as_tensor(slots, device=dev)][:, None]
+        slots_t = upload(np.repeat(slots, k1), dev)
+        steps = (sampler.generated[upload(slots, dev)][:, None]
                  + torch.arange(k1, device=dev)[None, :]).reshape(-1)
-        flat_rows = torch.as_tensor(rows.reshape(-1), device=dev)
+        flat_rows = upload(rows.reshape(-1), dev)
         p_logw = sampler.processed_logits(logits.index_select(0, flat_rows), np.repeat(slots, k1), slots_t,
                                           steps)
         u_race = sampler.noise(slots_t, steps)
         u_accept = sampler.noise(slots_t, steps, ACCEPT_SALT)[:, 0]
         v = p_logw.shape[-1]
-        tokens, emitted = rejection_sample(p_logw.view(n, k1, v), q, draft, torch.as_tensor(lens, device=dev),
+        tokens, emitted = rejection_sample(p_logw.view(n, k1, v), q, draft, upload(lens, dev),
                                            u_accept.view(n, k1), u_race.view(n, k1, v))
         return [tokens, emitted]

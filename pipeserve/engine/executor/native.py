@@ -1,4 +1,4 @@
-"""A decode step of a dense fp32 Llama-family model on the CPU as one native call.
+"""The native step: a step of a dense fp32 Llama-family model on the CPU as one native call.
 
 backend/csrc/decode_step.cpp runs the whole forward pass of a batch of rows (embedding, every
 layer, the final norm, and the logits where the LM head is packed) over the model's own packed
@@ -12,7 +12,11 @@ It covers what the per-op forward pass computes for the dense models (Llama, Mis
 qkv with its bias, rotate-half rotary embedding over the model's table (any scaling), sliding
 windows per layer, grouped-query attention and the SiLU-gated MLP, in fp32 with an fp32 cache.
 Anything else (quantized weights or cache, mixtures of experts and their q/k norms, other dtypes,
-hosts without a C++ compiler) takes Inductor's compiled step: `unsupported` says why.
+hosts without a C++ compiler) takes Inductor's compiled step: `unsupported` says why, from what
+model/llama.py declares the native step mirrors (NATIVE_STEP).
+
+Each row runs as itself (nothing is padded, nothing to compile beyond the kernels' C++), so merged
+steps (decode rows beside a prefill chunk of up to NATIVE_MERGED_ROWS rows) run native too.
 
 Linear layers that model/cpu_linear.py packed are used as they are; smaller ones (left unpacked
 there, where a call of their own would cost more than packing gains) are packed here, once.
@@ -32,13 +36,22 @@ from torch import nn
 from pipeserve.engine.backend import native
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.model.cpu_linear import CpuLinear
-from pipeserve.engine.model.llama import MLP, DecoderLayer, LlamaForCausalLM
+from pipeserve.engine.model.llama import MLP, NATIVE_STEP, DecoderLayer, LlamaForCausalLM
+
+from .base import NATIVE
+from .buffers import StepBuffers
+from .flat import FlatBatch
+from .padded import select_rows
 
 # One layer's entries in the table the C++ step reads, in decode_step.cpp's LayerField order.
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache",
                 "window")
 # The model's sizes, in decode_step.cpp's Dim order.
 DIMS = ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "layers", "rot_dim", "page_size")
+# Rows a native step takes at least, so that merged steps (decode rows beside a short prompt or a
+# chunk of one) run native too; a longer chunk runs eager, where prefill attention reads each page
+# once per chunk instead of once per row (docs/engine.md has the measurements).
+NATIVE_MERGED_ROWS = 64
 TIED_HEAD_COPY = 1 / 8  # most extra memory a packed copy of a tied head may add, of the weights
 _LOGITS = inspect.unwrap(LlamaForCausalLM.compute_logits)  # the caller holds inference mode
 
@@ -55,22 +68,23 @@ def _linears(model: LlamaForCausalLM) -> list[nn.Module]:
 
 def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     """Why the native step cannot run this model over this pool; None when it can."""
-    if model.backend.name != "cpu" or not native.available():
-        return "the native kernels are not built for the cpu backend here"
+    if not model.backend.native_step or not native.available():
+        return "the native kernels are not built for this backend here"
     if pool.kv is None or pool.kv.dtype != torch.float32 or pool.kv_cache_dtype != "auto":
         return "the KV cache is not fp32"
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return "the weights are not fp32 on the CPU"
+    cfg = model.config
+    refusal = NATIVE_STEP.refusal(cfg)  # a feature of the model the step does not mirror
+    if refusal is not None:
+        return refusal
     if any(type(layer.mlp) is not MLP or layer.mlp.act_fn is not model.backend.silu_and_mul
            for layer in _layers(model)):
-        return "a layer's MLP is not the dense SiLU-gated one (experts, or quantized activations)"
+        return "a layer's MLP is not the dense SiLU-gated one (quantized activations)"
     if any(type(m) not in (nn.Linear, CpuLinear) for m in _linears(model)):
         return "a linear layer is quantized or sharded"
     if model.lm_head is not None and type(model.lm_head) not in (nn.Linear, CpuLinear):
         return "the LM head is quantized or sharded"
-    cfg = model.config
-    if cfg.qk_norm:
-        return "q/k norms are not in the native step"
     group = cfg.num_heads // cfg.num_kv_heads
     if cfg.head_dim % 2 or model.cos_sin.shape[-1] > cfg.head_dim or group > native.MAX_GROUP:
         return "the attention's shape is outside the native kernels"
@@ -177,3 +191,27 @@ class NativeStep:
         with torch.inference_mode():
             out: torch.Tensor = _LOGITS(self.model, self.hidden[:n])
         return out
+
+
+class NativeExecutor:
+    """The native step as a step executor: any step of up to max_rows rows (decode, verification
+    and prefill chunks' rows alike), read from the host arrays where they lie."""
+
+    mode = NATIVE
+
+    def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, buffers: StepBuffers, max_rows: int) -> None:
+        self.max_rows = max(max_rows, NATIVE_MERGED_ROWS)
+        self.buffers = buffers
+        self.pool = pool
+        self.step = NativeStep(model, pool, self.max_rows)
+
+    def prepare(self, every_bucket: bool = False) -> None:
+        """Nothing to compile: the kernels were built when the backend loaded."""
+
+    def covers(self, flat: FlatBatch) -> bool:
+        return 0 < flat.num_rows <= self.max_rows
+
+    def run(self, flat: FlatBatch) -> torch.Tensor | None:
+        logits = self.step(flat.input_ids, flat.positions, flat.slot_mapping,
+                           self.pool.block_table[flat.row_slots], flat.positions + 1)
+        return select_rows(logits, flat, self.buffers)

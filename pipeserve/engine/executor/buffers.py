@@ -1,0 +1,61 @@
+"""The persistent device buffers a step's inputs are copied into, and the one way results come back.
+
+Buffers are allocated once at their largest and refilled in place every step (a captured CUDA graph
+reads them at fixed addresses). On CUDA, host arrays go through pinned staging with non-blocking
+copies; on the CPU they are written in place. Results reach the host only through `read`, which
+counts its blocking readbacks: the steady-state step makes one (tests assert it on the CPU too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StepBuffers:
+    def __init__(self, *, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 device: torch.device) -> None:
+        """shapes: each buffer's dtype and largest shape."""
+        self.device = device
+        self.buf = {name: torch.zeros(shape, dtype=dtype, device=device)
+                    for name, (dtype, shape) in shapes.items()}
+        # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
+        self.staging = None if device.type == "cpu" else {
+            name: torch.zeros_like(b, device="cpu", pin_memory=True) for name, b in self.buf.items()}
+        self.readbacks = 0  # blocking device-to-host reads so far
+
+    def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """Copy a host array into the persistent device buffer `name`; return the filled prefix,
+        contiguous in the array's shape."""
+        n = array.size
+        dev = self.buf[name].view(-1)[:n].view(array.shape)
+        if self.staging is None:  # host memory already: write in place
+            dev.numpy()[...] = array
+            return dev
+        host = self.staging[name].view(-1)[:n].view(array.shape)
+        host.numpy()[...] = array
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+    def host_or_stage(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """The array as a tensor on the device: on the CPU the array itself (no copy)."""
+        return torch.from_numpy(array) if self.staging is None else self.stage(name, array)
+
+    def read(self, *tensors: torch.Tensor) -> list[np.ndarray]:
+        """The tensors on the host, with one blocking wait for them all: on CUDA each is copied
+        non-blocking (into pinned memory), then the stream is waited on once."""
+        self.readbacks += 1
+        if self.device.type != "cuda":
+            return [t.detach().cpu().numpy() for t in tensors]
+        host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
+        torch.cuda.current_stream(self.device).synchronize()
+        return [h.numpy() for h in host]
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without waiting for it: on CUDA through pinned memory with a
+    non-blocking copy (a plain copy from pageable memory synchronizes the stream)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,103 @@
+"""The step executor: chosen once from the config and the backend's declared capabilities
+(pipeserve/engine/executor/select.py), and one blocking readback per steady-state step, counted on
+the CPU through the runner's one readback helper (executor/buffers.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.backend import get_backend, native
+from pipeserve.engine.executor.select import StepPlan, choose, compiled_mode
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_config_maps_the_older_switches():
+    assert EngineConfig().step_executor == "auto" and EngineConfig().max_cuda_graph_batch == 256
+    assert EngineConfig(compile=False).step_executor == "eager"
+    assert EngineConfig(backend="torch").backend == "cpu"  # the cpu backend's former name
+    with pytest.raises(ValueError, match="contradicts"):
+        EngineConfig(compile=False, step_executor="native")
+    with pytest.raises(ValueError, match="step_executor"):
+        EngineConfig(step_executor="graphs")
+
+
+def test_compiled_mode_by_backend_and_device(monkeypatch):
+    assert compiled_mode(get_backend("cpu"), CPU)[0] == "inductor"
+    assert compiled_mode(get_backend("triton"), CUDA)[0] == "cuda-graph"
+    assert compiled_mode(get_backend("cpu"), CUDA)[0] is None  # its host-side memos cannot be captured
+    assert compiled_mode(get_backend("triton"), CPU)[0] is None  # the Triton interpreter
+    assert compiled_mode(get_backend("reference"), CPU)[0] is None  # the oracle stays eager
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert "C++ compiler" in compiled_mode(get_backend("cpu"), CPU)[1]
+
+
+def model_and_pool(model_dir: str, **options):
+    engine = LLM(model_dir, device="cpu", dtype="float32", step_executor="eager", max_num_seqs=2,
+                 **options).engine
+    return engine.model, engine.pool
+
+
+def test_choice_follows_request_and_capabilities(tiny_model):
+    model, pool = model_and_pool(tiny_model("llama"))
+    plan = {r: StepPlan(requested=r, max_rows=2) for r in ("auto", "eager", "compiled", "native")}
+    cpu = get_backend("cpu")
+    expected = {"auto": "native", "eager": "eager", "compiled": "inductor", "native": "native"}
+    assert {r: choose(p, cpu, model, pool, CPU)[0] for r, p in plan.items()} == expected
+    ref_model, ref_pool = model_and_pool(tiny_model("llama"), backend="reference")
+    assert choose(plan["auto"], get_backend("reference"), ref_model, ref_pool, CPU)[0] == "eager"
+    assert choose(plan["auto"], get_backend("triton"), model, pool, CUDA)[0] == "cuda-graph"
+    tp = StepPlan(requested="auto", max_rows=2, tensor_parallel=True)
+    assert choose(tp, cpu, model, pool, CPU)[0] == "eager"
+    with pytest.raises(ValueError, match="compiled"):
+        choose(plan["compiled"], get_backend("reference"), ref_model, ref_pool, CPU)
+    with pytest.raises(ValueError, match="native"):
+        choose(plan["native"], get_backend("triton"), model, pool, CUDA)
+
+
+def count_host_reads(monkeypatch) -> dict[str, int]:
+    """Counts tensor-to-host conversions outside the readback helper (which reads with .cpu())."""
+    counts = {"other": 0}
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            counts["other"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("executor", ["auto", "eager"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_one_readback_per_steady_state_step(stories_dir, monkeypatch, executor, speculative):
+    """Decode steps with logprobs, min_tokens, penalties and sampling (and ngram verification) each
+    read the device once, through the helper; nothing else converts a tensor to host values."""
+    spec = {}
+    if speculative:
+        spec = dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    llm = LLM(stories_dir, device="cpu", dtype="float32", step_executor=executor, max_num_seqs=4, **spec)
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=1, logprobs=3, min_tokens=30),
+              SamplingParams(max_tokens=40, temperature=0.7, seed=2, repetition_penalty=1.2,
+                             presence_penalty=0.5)]
+    prompts = [[1, 403, 407, 261, 403, 407, 261, 403], [1, 500, 301], [1, 30, 31, 32]]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add(str(i), prompt, p)
+    for _ in range(3):  # prefill and the first decode steps (admissions)
+        engine.step()
+    counts = count_host_reads(monkeypatch)
+    before, steps = engine.runner.buffers.readbacks, 0
+    while len(engine.scheduler.running) == 3 and steps < 10:
+        engine.step()
+        steps += 1
+    assert steps >= 5
+    assert engine.runner.buffers.readbacks - before == steps
+    assert counts["other"] == 0
+    if speculative:
+        assert engine.stats()["spec_verifications"] > 0
