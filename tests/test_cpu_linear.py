@@ -38,12 +38,9 @@ def test_only_large_plain_fp32_cpu_linears_are_swapped():
         torch.testing.assert_close(model[0](x), first(x), atol=1e-4, rtol=1e-4)
 
 
-def test_nothing_is_swapped_without_the_native_kernels():
-    native.set_enabled(False)
-    try:
-        assert C.use_cpu_linears(nn.Sequential(nn.Linear(512, 1024))) == 0
-    finally:
-        native.set_enabled(True)
+def test_nothing_is_swapped_without_the_native_kernels(monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: False)  # a host without a C++ compiler
+    assert C.use_cpu_linears(nn.Sequential(nn.Linear(512, 1024))) == 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -88,16 +85,15 @@ def test_compiled_op_matches_eager():
 
 
 @pytest.mark.slow  # an engine each way
-def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model):
+def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model, monkeypatch):
+    """Eager engines (the native step needs the kernels): with the native kernels, and with the torch
+    ops of a host without a C++ compiler."""
     model_dir = tiny_model("llama", hidden_size=512, intermediate_size=1024)  # MLPs large enough
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4], [20, 21, 22, 23], [30, 31]]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     outs = []
-    for enabled in (True, False):
-        native.set_enabled(enabled)
-        try:
-            llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=64)
-            outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        finally:
-            native.set_enabled(True)
+    for available in (True, False):
+        monkeypatch.setattr(native, "available", lambda available=available: available)
+        llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=64, step_executor="eager")
+        outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]

@@ -249,7 +249,7 @@ def test_last_layer_for_sampled_rows_only_matches_the_full_forward(stories_dir):
     assert batch.decode and len(batch.prefill) == 2 and batch.prefill_lens[-1] < 70  # chunked
     runner = eng.runner
     flat = runner.build(batch)
-    meta = runner.metadata(flat)
+    meta = runner.eager.metadata(flat)
     ids, pos = torch.as_tensor(flat.input_ids), torch.as_tensor(flat.positions)
     full = eng.model(ids, pos, dataclasses.replace(meta, sample_rows=None), eng.pool.layers)
     rows = meta.sample_rows

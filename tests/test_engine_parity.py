@@ -136,6 +136,6 @@ def test_top_logprobs_match_hf(stories_dir):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(stories_dir, dtype):
-    llm = LLM(stories_dir, device="cpu", dtype=dtype)
+    llm = LLM(stories_dir, device="cpu", dtype=dtype, step_executor="eager")
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert len(out.token_ids) == 12 and out.text.startswith(", there was")

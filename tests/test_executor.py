@@ -4,6 +4,9 @@ the CPU through the runner's one readback helper (executor/buffers.py)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -59,13 +62,17 @@ def test_choice_follows_request_and_capabilities(tiny_model):
 
 
 def count_host_reads(monkeypatch) -> dict[str, int]:
-    """Counts tensor-to-host conversions outside the readback helper (which reads with .cpu())."""
+    """Counts tensor-to-host conversions outside the readback helper (which reads with .cpu()). The
+    cpu backend's own ops are exempt: they read host tensors (chunk lengths) by design, and never
+    run on CUDA, where the Triton backend does."""
     counts = {"other": 0}
     for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, **kwargs):
-            counts["other"] += 1
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.endswith(os.path.join("backend", "cpu.py")):
+                counts["other"] += 1
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)

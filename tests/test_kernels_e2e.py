@@ -33,7 +33,7 @@ def test_triton_ops_keep_the_reference_signatures():
 
 
 def greedy(model: str | None, prompts: list[list[int]], backend: str, kv_cache_dtype: str, max_tokens: int):
-    llm = LLM(model, backend=backend, kv_cache_dtype=kv_cache_dtype, **OPTIONS)
+    llm = LLM(model, backend=backend, kv_cache_dtype=kv_cache_dtype, step_executor="eager", **OPTIONS)
     assert llm.engine.backend == backend
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return [o.token_ids for o in outs]

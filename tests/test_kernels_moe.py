@@ -161,7 +161,8 @@ def test_quantize_model_quantizes_the_experts(tiny_model):
     from pipeserve.engine.quantization.experts import W4A16Experts, W8A8Experts
 
     for method, cls in (("w8a8-int8", W8A8Experts), ("w4a16", W4A16Experts)):
-        llm = LLM(tiny_model("qwen2_moe"), device="cpu", dtype="float32", quantization=method, page_size=4)
+        llm = LLM(tiny_model("qwen2_moe"), device="cpu", dtype="float32", quantization=method, page_size=4,
+                  step_executor="eager")
         sparse = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE)]
         assert sparse and all(isinstance(m.experts, cls) for m in sparse)
         out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=4, temperature=0.0))

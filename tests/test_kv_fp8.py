@@ -101,7 +101,8 @@ def test_the_shift_leaves_the_model_unchanged_in_exact_arithmetic(stories_dir, m
 
 def greedy(stories_dir: str, kv_cache_dtype: str, **options) -> tuple[list, list, int]:
     """Greedy tokens, their log-probabilities and the number of preemptions."""
-    llm = LLM(stories_dir, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype, **options)
+    llm = LLM(stories_dir, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+              step_executor="eager", **options)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
     logprobs = [[lp["logprob"] for lp in o.logprobs] for o in outs]
     return [o.token_ids for o in outs], logprobs, llm.engine.scheduler.num_preemptions
@@ -132,7 +133,7 @@ def test_chunking_and_preemption_keep_every_key_shifted_by_one_mean(stories_dir,
 
 def test_fp8_chunked_prefill_stores_every_chunk_less_the_first_chunks_mean(stories_dir):
     llm = LLM(stories_dir, device="cpu", dtype="float32", kv_cache_dtype="fp8", num_pages=8,
-              max_num_batched_tokens=4)
+              max_num_batched_tokens=4, step_executor="eager")
     engine, prompt = llm.engine, PROMPTS[0]
     engine.add("r", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     seq = engine.requests["r"]
@@ -164,7 +165,8 @@ def test_triton_serves_fp8_kv_with_the_shift_like_torch(stories_dir):
     runs = {}
     for backend in ("torch", "triton"):
         llm = LLM(stories_dir, device="cpu", dtype="float32", backend=backend, kv_cache_dtype="fp8",
-                  page_size=4, num_pages=12, max_num_batched_tokens=4)  # chunked prefill and decode rows
+                  page_size=4, num_pages=12, max_num_batched_tokens=4,  # chunked prefill and decode rows
+                  step_executor="eager")
         outs = llm.generate(PROMPTS[1:], params)
         runs[backend] = ([o.token_ids for o in outs], [[lp["logprob"] for lp in o.logprobs] for o in outs])
         assert llm.engine.pool.layers[0].k_means.abs().sum() > 0

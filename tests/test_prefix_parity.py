@@ -108,7 +108,7 @@ def test_warm_equals_cold_with_quantized_kv(tiny_model, kv_cache_dtype):
     prompts = [base, fresh[0], base[: 6 * PAGE] + fresh[3]]
     # Other requests run in between, in the request slot base had: its pages keep their own mean.
     llm, warm = cold_and_warm(model_dir, base, prompts, between=[fresh[1], fresh[2]],
-                              kv_cache_dtype=kv_cache_dtype)
+                              kv_cache_dtype=kv_cache_dtype, step_executor="eager")
     assert [o.num_cached_tokens for o in warm] == [8 * PAGE, 0, 0]
 
 

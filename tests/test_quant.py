@@ -162,7 +162,7 @@ def test_engine_applies_quantization_and_kv_dtype_and_fits_more_tokens(stories_d
     for kv in ("auto", "int8", "fp8"):
         # Prefix caching off: with it, int8/fp8 pools also keep a mean-key row per page (kv_bytes_per_page).
         llm = LLM(stories_dir, device="cpu", quantization="w8a8-int8", kv_cache_dtype=kv, kv_cache_gb=budget,
-                  prefix_caching=False)
+                  prefix_caching=False, step_executor="eager")
         info = llm.engine.model_info()
         assert info["quantization"] == "w8a8-int8" and info["kv_cache_dtype"] == kv
         assert isinstance(llm.engine.model.layers[0].mlp.down_proj, W8A8Linear)

@@ -51,7 +51,8 @@ def _one_thread():
 
 
 def run(stories_dir: str, seqs: list[list[int]], quantization: str = "none", kv: str = "auto"):
-    llm = LLM(stories_dir, device="cpu", quantization=quantization, kv_cache_dtype=kv, num_pages=64)
+    llm = LLM(stories_dir, device="cpu", quantization=quantization, kv_cache_dtype=kv, num_pages=64,
+              step_executor="eager")
     logits = teacher_forced_logits(llm.engine.model, seqs, kv)
     outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     return llm, logits, outputs

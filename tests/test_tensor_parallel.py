@@ -200,7 +200,8 @@ def test_tp2_w8a8_stays_close_to_tp1(tiny_model) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=True)
     runs = []
     for tp in (1, 2):
-        llm = LLM(model, device="cpu", dtype="float32", quantization="w8a8-int8", tensor_parallel_size=tp)
+        llm = LLM(model, device="cpu", dtype="float32", quantization="w8a8-int8", tensor_parallel_size=tp,
+                  step_executor="eager")
         runs.append(llm.generate(PROMPTS, params))
         llm.engine.close()
     for one, two in zip(*runs, strict=True):

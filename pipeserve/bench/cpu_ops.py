@@ -95,11 +95,7 @@ def decode_attention(repeats: int) -> list[dict[str, Any]]:
         args = (q, k_cache, v_cache, tables, lens, dim**-0.5)
 
         def torch_path(args: tuple[Any, ...] = args) -> torch.Tensor:
-            native.set_enabled(False)
-            try:
-                return cpu.decode_attention(*args)
-            finally:
-                native.set_enabled(True)
+            return cpu.torch_decode_attention(*args)
 
         def kernel(args: tuple[Any, ...] = args) -> torch.Tensor:
             q, k_cache, v_cache, tables, lens, scale = args
@@ -115,8 +111,7 @@ def main(args: argparse.Namespace) -> int:
     from pipeserve.engine.backend import native
 
     if not native.available():
-        raise SystemExit("bench cpu-ops: the native kernels are unavailable (no C++ compiler, or "
-                         "PIPESERVE_NATIVE=0)")
+        raise SystemExit("bench cpu-ops: the native kernels are unavailable (no C++ compiler)")
     torch.set_num_threads(1)
     shapes = [(int(a), int(b)) for a, b in (s.split("x") for s in args.linear_shapes.split(","))]
     rows = [int(r) for r in args.rows.split(",")]

@@ -197,14 +197,15 @@ def host_overhead_ms(llm: Any, prompts: list[list[int]], steps: int) -> dict[str
     from torch.profiler import profile
 
     from pipeserve.engine import SamplingParams
+    from pipeserve.engine.executor.native import NativeExecutor
 
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 2, min_tokens=steps + 2, temperature=0.0)
     for i, p in enumerate(prompts):
         engine.add(f"profile-{i}", p, params)
     engine.step()  # the prefill step, not measured
-    compiled = engine.runner.compiled
-    native = None if compiled is None else compiled._native
+    executor = engine.runner.executor
+    native = executor.step if isinstance(executor, NativeExecutor) else None
     native_before = 0.0 if native is None else native.seconds
     recorder: Any = contextlib.nullcontext() if native is not None else profile()
     with recorder as prof:

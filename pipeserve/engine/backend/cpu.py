@@ -149,6 +149,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return torch.empty_like(q)
     if native.supports_decode(q, k_cache, k_scale):
         return native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    return torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                  max_seq_len, k_scale=k_scale, v_scale=v_scale)
+
+
+def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, max_seq_len: int | None = None, *,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention on torch ops alone: quantized caches, hosts without the native kernels, and
+    comparisons with them."""
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     page_size = k_cache.shape[1]
     def plan() -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,7 +385,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     as plain torch, the write into the pool's one tensor is rewritten as a copy of the whole pool)."""
     if native.supports_store(k, v, k_cache, k_scale):
         native.store_kv(k, v, k_cache, v_cache, slot_mapping)
-    elif torch.compiler.is_compiling():
+    else:
+        torch_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def torch_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """store_kv on torch ops alone."""
+    if torch.compiler.is_compiling():
         torch.ops.pipeserve.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -1,7 +1,7 @@
 """The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
 through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), the fp32
 product with a weight packed at load time (csrc/packed_gemm.cpp), and a whole decode step of a dense
-fp32 model built from them (csrc/decode_step.cpp, driven by engine/native_step.py).
+fp32 model built from them (csrc/decode_step.cpp, driven by engine/executor/native.py).
 
 Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
@@ -50,7 +50,6 @@ MAX_GROUP = 64  # query heads per KV head (the kernel's kMaxGroup)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-_enabled = os.environ.get("PIPESERVE_NATIVE", "1") != "0"  # 0: torch ops throughout (comparisons)
 
 
 def compiler() -> str | None:
@@ -123,14 +122,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the native kernels are built and loaded (and not switched off by set_enabled)."""
-    return _enabled and _load() is not None
-
-
-def set_enabled(enabled: bool) -> None:
-    """Tests compare the native kernels with the torch path they replace."""
-    global _enabled
-    _enabled = enabled
+    """Whether the native kernels are built and loaded."""
+    return _load() is not None
 
 
 def _rows_packed(x: torch.Tensor) -> bool:
