@@ -128,7 +128,7 @@ def test_quantize_model_replaces_projections_and_keeps_the_rest(stories_model, m
     model = stories_model()
     before = weight_bytes(model)
     embed, o_proj = model.embed_tokens.weight.clone(), model.layers[0].self_attn.o_proj
-    quantize_model(model, method, "torch")
+    quantize_model(model, method, "cpu")
     kind = W4A16Linear if method in ("w4a16", "nf4") else W8A8Linear
     for layer in model.layers:
         assert isinstance(layer.self_attn.qkv_proj, kind)
@@ -148,10 +148,10 @@ def test_quantize_model_replaces_projections_and_keeps_the_rest(stories_model, m
 
 def test_quantize_model_rejects_unknown_methods_and_bad_ablations(stories_model):
     with pytest.raises(ValueError, match="quantization must be one of"):
-        quantize_model(stories_model(), "int3", "torch")
+        quantize_model(stories_model(), "int3", "cpu")
     with pytest.raises(ValueError, match="per-tensor"):
-        quantize_model(stories_model(), "w4a16", "torch", per_tensor=True)
-    assert quantize_model(stories_model(), "none", "torch") is not None
+        quantize_model(stories_model(), "w4a16", "cpu", per_tensor=True)
+    assert quantize_model(stories_model(), "none", "cpu") is not None
 
 
 def test_engine_applies_quantization_and_kv_dtype_and_fits_more_tokens(stories_dir):
@@ -201,7 +201,7 @@ def test_per_token_and_per_channel_scales_beat_per_tensor_under_activation_outli
 
     def model(method: str = "none", per_tensor: bool = False):
         m = load_model(path, TORCH, torch.device("cpu"), torch.float32, 256)[0]
-        return quantize_model(_with_outliers(m, 100.0, channels), method, "torch", per_tensor=per_tensor)
+        return quantize_model(_with_outliers(m, 100.0, channels), method, "cpu", per_tensor=per_tensor)
 
     float_model = load_model(path, TORCH, torch.device("cpu"), torch.float32, 256)[0]
     ref = teacher_forced_logits(float_model, seqs)
@@ -220,7 +220,7 @@ def test_bench_quant_writes_json_and_markdown(stories_dir, tmp_path):
 
     rc = main(["bench", "quant", "--model", stories_dir, "--setups", "none", "kv-int8", "w4a16",
                "--stories", "3", "--window", "64", "--greedy-tokens", "4", "--decode-batch", "2",
-               "--decode-tokens", "3", "--gpu", "off", "--out", str(tmp_path)])
+               "--decode-tokens", "3", "--gpu", "off", "--step-executor", "eager", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "quant.json").read_text())
     rows = {r["setup"]: r for r in result["cpu"]["rows"]}
@@ -241,7 +241,8 @@ def test_bench_quant_gpu_section_dry_run_on_the_cpu(stories_dir):
     parser = argparse.ArgumentParser()
     quant.add_arguments(parser)
     args = parser.parse_args(["--gpu-model", stories_dir, "--gpu-setups", "none", "w8a8-int8",
-                              "--gpu-batch", "1", "2", "--gpu-input-len", "8", "--gpu-output-len", "3"])
+                              "--gpu-batch", "1", "2", "--gpu-input-len", "8", "--gpu-output-len", "3",
+                              "--step-executor", "eager"])
     result = quant.gpu_section(args, device="cpu", backend="torch")
     rows = result["rows"]
     assert [(r["setup"], r["batch"]) for r in rows] == [("none", 1), ("none", 2), ("w8a8-int8", 1),

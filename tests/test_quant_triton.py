@@ -29,22 +29,22 @@ def _one_thread():
 def test_triton_quantized_model_matches_the_torch_path(stories_dir, method):
     seqs = [[1, 403, 407, 261, 378], [1, 286, 261]]  # two prefills, one chunk each
     logits = {}
-    for backend in ("torch", "triton"):
+    for backend in ("cpu", "triton"):
         # Attention, RoPE and norms on torch for both: their kernels have their own tests (and the
         # engine test below); this one isolates the quantized GEMMs and fused quantization.
-        model = load_model(stories_dir, get_backend("torch"), torch.device("cpu"), torch.float32, 512)[0]
+        model = load_model(stories_dir, get_backend("cpu"), torch.device("cpu"), torch.float32, 512)[0]
         quantize_model(model, method, backend)
         assert model.layers[0].mlp.down_proj.backend is get_backend(backend)
         logits[backend] = teacher_forced_logits(model, seqs)
     # Same codes, same scales: only the accumulation order differs (int8 sums are exact).
-    assert logits_error(logits["triton"], logits["torch"]) < 1e-5
+    assert logits_error(logits["triton"], logits["cpu"]) < 1e-5
 
 
 def test_triton_engine_serves_w8a8_int8_with_int8_kv_like_torch(stories_dir):
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for backend in ("torch", "triton"):
+    for backend in ("cpu", "triton"):
         llm = LLM(stories_dir, device="cpu", backend=backend, quantization="w8a8-int8", kv_cache_dtype="int8",
                   num_pages=8, step_executor="eager")
         tokens[backend] = llm.generate(["Once upon a time"], greedy)[0].token_ids
-    assert tokens["triton"] == tokens["torch"] and len(tokens["torch"]) == 4
+    assert tokens["triton"] == tokens["cpu"] and len(tokens["cpu"]) == 4

@@ -36,6 +36,7 @@ from typing import Any
 
 from pipeserve.bench.report import machine_info, print_table, write_json
 from pipeserve.bench.workload import checkpoint
+from pipeserve.config import STEP_EXECUTORS
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens each decode speed row generates")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads for the CPU section: "
                         "a 260K-parameter model is latency-bound; extra threads on a shared CPU only wait")
+    parser.add_argument("--step-executor", choices=STEP_EXECUTORS, default="auto",
+                        help="how the engines run their steps (EngineConfig.step_executor)")
     parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto",
                         help="the GPU section: auto runs it when CUDA is available")
     parser.add_argument("--gpu-model", default="llama-2-7b", help="roofline preset or checkpoint dir")
@@ -145,7 +148,8 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
     setups = ["none"] + [s for s in args.setups if s != "none"]  # the reference first
     for name in setups:
         setup = SETUPS[name]
-        llm = open_llm(model, setup, device="cpu", backend="cpu", max_num_seqs=max(args.decode_batch, 8))
+        llm = open_llm(model, setup, device="cpu", backend="cpu", max_num_seqs=max(args.decode_batch, 8),
+                       step_executor=args.step_executor)
         engine = llm.engine
         if not ref:
             ids = llm.tokenizer(qeval.story_text(args.stories), add_special_tokens=False).input_ids
@@ -202,7 +206,7 @@ def gpu_section(args: argparse.Namespace, device: str = "cuda", backend: str = "
     for name in ["none"] + [s for s in args.gpu_setups if s != "none"]:
         setup = SETUPS[name]
         llm = open_llm(model_dir, setup, device=device, backend=backend, max_num_seqs=max(args.gpu_batch),
-                       max_num_batched_tokens=max(8192, args.gpu_input_len))
+                       max_num_batched_tokens=max(8192, args.gpu_input_len), step_executor=args.step_executor)
         cost = cost_model(shape, gpu, *setup.formats, quantize_lm_head=False)
         for batch in args.gpu_batch:
             _, step_s = decode_tokens_per_s(llm, batch, prompt, args.gpu_output_len, repeats=1)
