@@ -21,7 +21,8 @@ def test_bench_moe_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pipeserve.cli", "bench", "moe", "--hidden", "64", "--layers", "2",
          "--experts", "4", "--top-k", "2", "--expert-size", "32", "--batch", "1", "3",
-         "--input-len", "4", "--output-len", "3", "--repeats", "2", "--threads", "1", "--json", str(out)],
+         "--input-len", "4", "--output-len", "3", "--repeats", "2", "--threads", "1",
+         "--step-executor", "eager", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

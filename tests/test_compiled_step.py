@@ -246,3 +246,47 @@ def test_tiny_verification_steps_compiled_equal_eager(tiny_model, kind, override
     assert [o.token_ids for o in outs] == expected
     assert counts["compiled"] > 0 and counts["eager"] == 0
     assert llm.engine.stats()["pages_used"] == 0
+
+
+class FakeGraph:
+    def __init__(self, log: list[str], size: int) -> None:
+        self.log, self.size = log, size
+
+    def replay(self) -> None:
+        self.log.append(f"replay {self.size}")
+
+
+def test_cuda_graphs_capture_every_bucket_before_serving_largest_first(monkeypatch):
+    """prepare() captures each bucket once, largest first, all into one pool; steps then only
+    replay, and a bucket missing at that point is an error, not a capture while serving."""
+    pool = tiny_pool(num_pages=12)
+    shapes = {"input_ids": (torch.int64, (8,)), "positions": (torch.int64, (8,)),
+              "slot_mapping": (torch.int64, (8,)),
+              "decode_block_tables": (torch.int32, (8, pool.max_pages_per_seq)),
+              "decode_seq_lens": (torch.int32, (8,))}
+    buffers = StepBuffers(shapes=shapes, device=torch.device("cpu"))
+    log: list[str] = []
+    handles = iter(["the pool"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class Recorded(CudaGraphStep):
+        def _capture(self, args):
+            log.append(f"capture {args[0].shape[0]} into {self._pool}")
+            return FakeGraph(log, args[0].shape[0]), torch.zeros(args[0].shape[0], 32)
+
+    graphs = Recorded(model=None, pool=pool, buffers=buffers, max_rows=8, max_batch=4, exact=(3,))
+    graphs.prepare()
+    assert [e for e in log if e.startswith("capture")] == [f"capture {n} into the pool" for n in (4, 3, 2, 1)]
+    log.clear()
+    rows = np.zeros(3, np.int64)
+    flat = FlatBatch(input_ids=rows, positions=rows, slot_mapping=rows, row_slots=rows, num_decode=3,
+                     decode_slots=rows, prefill_slots=rows[:0], prefill_cu_q_lens=rows[:1],
+                     prefill_seq_lens=rows[:0], sample_rows=np.arange(3), sample_slots=rows,
+                     sample_seq_lens=rows + 1)
+    logits = graphs.run(flat)
+    assert log == ["replay 3"] and logits is not None and logits.shape == (3, 32)
+    assert not graphs.covers(decode_rows(5, 5))  # above --max-cuda-graph-batch: eager
+    graphs._graphs.pop(2)
+    with pytest.raises(AssertionError, match="not captured"):
+        graphs.run(decode_rows(2, 2))

@@ -78,7 +78,8 @@ def test_moe_reference_backend_matches_hf(moe_case, kind):
 def test_moe_preemption_keeps_tokens_identical(moe_case, kind):
     _, fused, prompts, expected = moe_case(kind)
     # 12 pages of 4 tokens hold fewer than the 23 pages the four requests reach: the engine preempts.
-    llm = LLM(fused, device="cpu", dtype="float32", page_size=4, num_pages=12, max_num_batched_tokens=8)
+    llm = LLM(fused, device="cpu", dtype="float32", page_size=4, num_pages=12, max_num_batched_tokens=8,
+              step_executor="eager")
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.stats()

@@ -25,6 +25,7 @@ from pipeserve.bench.harness import run_batch, synthetic_prompts
 from pipeserve.bench.machine import floor_cost, measure
 from pipeserve.bench.report import machine_info, print_table, write_json
 from pipeserve.bench.roofline import ModelShape
+from pipeserve.config import STEP_EXECUTORS
 
 VOCAB = 1024
 BASE: dict[str, Any] = {
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=5, help="alternated runs of each model per batch size")
     parser.add_argument("--backend", default="cpu", help="engine backend (cpu, reference, triton)")
+    parser.add_argument("--step-executor", choices=STEP_EXECUTORS, default="auto",
+                        help="how both engines run their steps (auto: the MoE compiled, the dense "
+                        "model native)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -92,7 +96,8 @@ def main(args: argparse.Namespace) -> int:
                f"-i{args.expert_size}")
         path = save_random_checkpoint(str(root / tag), config, seed=args.seed, dtype=torch.float32)
         models[name] = LLM(path, device="cpu", dtype="float32", backend=args.backend, max_num_seqs=max_batch,
-                           max_num_batched_tokens=max_batch * args.input_len)
+                           max_num_batched_tokens=max_batch * args.input_len,
+                           step_executor=args.step_executor)
         shapes[name] = ModelShape.from_path(path)
         costs[name] = floor_cost(shapes[name], rates, torch.float32)
     rng = np.random.default_rng(args.seed)
