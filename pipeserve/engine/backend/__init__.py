@@ -156,8 +156,12 @@ class Backend:
     fused_moe_w4a16: FusedMoEW4A16
     # Its specifics (not ops): see the module docstring.
     prepare_model: Callable[[nn.Module], None] = field(default=lambda model: None)
-    compiled_step: Mapping[str, str] = field(default_factory=dict)  # device type -> executor mode
+    compiled_step: tuple[tuple[str, str], ...] = ()  # (device type, executor mode): hashable, as ops are
     native_step: bool = False
+
+    def compiled_step_on(self, device_type: str) -> str | None:
+        """The compiled step executor this backend offers on that device type, or None."""
+        return dict(self.compiled_step).get(device_type)
 
     @classmethod
     def collect(cls, name: str, *namespaces: Mapping[str, Any], **specifics: Any) -> Backend:

@@ -410,5 +410,5 @@ def prepare_model(model: nn.Module) -> None:
 
 # Inductor compiles this backend's ops on the CPU; its per-step memos (host-side state) would be
 # frozen into a captured CUDA graph, so on CUDA its steps run eager.
-BACKEND = Backend.collect("cpu", vars(), prepare_model=prepare_model, compiled_step={"cpu": "inductor"},
+BACKEND = Backend.collect("cpu", vars(), prepare_model=prepare_model, compiled_step=(("cpu", "inductor"),),
                           native_step=True)

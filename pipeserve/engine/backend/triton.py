@@ -22,5 +22,5 @@ BACKEND = Backend.collect(
     *map(vars, (kv_cache, decode_attention, prefill_attention, norm, rope, activation, quantize, gemm_w8a8,
                 gemm_w4a16, fused_moe)),
     # CUDA graphs capture the kernels' launches; under the CPU interpreter there is nothing to capture.
-    compiled_step={"cuda": "cuda-graph"},
+    compiled_step=(("cuda", "cuda-graph"),),
 )

@@ -37,7 +37,7 @@ class StepPlan:
 
 def compiled_mode(backend: Backend, device: torch.device) -> tuple[str | None, str]:
     """The compiled executor the backend offers on this device, or None and why not."""
-    mode = backend.compiled_step.get(device.type)
+    mode = backend.compiled_step_on(device.type)
     if mode is None:
         return None, f"the {backend.name} backend compiles no steps on {device.type}"
     if mode == INDUCTOR and native.compiler() is None:  # Inductor builds C++ with it
