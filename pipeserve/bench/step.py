@@ -2,7 +2,7 @@
 
 Same checkpoint, same token-id prompts, same torch/llama.cpp thread count, in one process, the
 systems alternated in every repetition (medians reported):
-- pipeserve with compiled decode steps (EngineConfig.compile) and with eager steps, via LLM.generate;
+- pipeserve with its step executors (EngineConfig.step_executor) and with eager steps, via LLM.generate;
 - HF transformers `generate` (one batch of equal-length prompts, no padding waste);
 - llama.cpp through llama-cpp-python on the checkpoint converted to GGUF f32 (batch 1 only; the
   optional `pipeserve[bench-llamacpp]` extra, skipped with the reason when it is not installed).

@@ -11,7 +11,7 @@ the expected kept tokens, alpha + ... + alpha^j, exceed j * w + v. Decoding at l
 compute-bound (b * B dominates a), w nears 1 and speculation stops by itself; at batch 1 w is small.
 A request that stopped proposing drifts back toward the prior acceptance, so it tries again later.
 
-Small steps whose rows all run compiled (one compiled unit per row count, compiled_step.py) are not
+Small steps whose rows all run compiled (one compiled unit per row count, executor/) are not
 linear in their rows: on the CPU a matrix product of 3 rows costs what 1 row does and one of 4 about
 twice that. Their cost is measured per row count instead (the whole engine step's time), and when
 every verifying request's rows fit there, one proposal size for the step is chosen outright: the
