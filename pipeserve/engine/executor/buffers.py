@@ -45,6 +45,8 @@ class StepBuffers:
         """The tensors on the host, with one blocking wait for them all: on CUDA each is copied
         non-blocking (into pinned memory), then the stream is waited on once."""
         self.readbacks += 1
+        if self.device.type == "cpu":
+            return [t.detach().numpy() for t in tensors]
         if self.device.type != "cuda":
             return [t.detach().cpu().numpy() for t in tensors]
         host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
