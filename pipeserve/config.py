@@ -49,7 +49,7 @@ class EngineConfig:
     dtype: str = opt("auto", "weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
                      choices=("auto", "float32", "float16", "bfloat16"))
     backend: str = opt("auto", "kernel backend; auto: triton on CUDA, cpu elsewhere (torch: cpu's former "
-                       "name)", choices=("auto", *BACKENDS, *BACKEND_ALIASES))
+                       "name)", choices=("auto", "reference", "cpu", *BACKEND_ALIASES, "triton"))
     kv_cache_dtype: str = opt("auto", "KV cache storage: auto keeps the model dtype; int8/fp8 quantize it",
                               choices=KV_CACHE_DTYPES)
     quantization: str = opt("none", "weight quantization applied at load time", choices=QUANTIZATIONS)

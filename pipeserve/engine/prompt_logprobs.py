@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.sequence import Sequence
 
 
@@ -86,7 +87,7 @@ def score(logits: torch.Tensor, rows: PromptRows, read: Read) -> None:
     stored into the requests' PromptLogprobs (one host copy for the step)."""
     k = max(seq.params.prompt_logprobs or 0 for seq, *_ in rows.segments)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.from_numpy(rows.targets).to(logits.device)
+    targets = upload(rows.targets, logits.device)
     top_lps, top_ids = logprobs.topk(k, dim=-1)
     chosen, top_lps_np, top_ids_np = read(logprobs.gather(1, targets[:, None])[:, 0], top_lps, top_ids)
     for seq, first, end, position in rows.segments:
@@ -107,7 +108,7 @@ def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows, e
     or, when together they are every row of the batch, all rows in batch order."""
     if every_row:
         device = logits.device
-        score(logits.index_select(0, torch.from_numpy(extra.rows).to(device)), extra, read)
-        return logits.index_select(0, torch.from_numpy(sample_rows).to(device))
+        score(logits.index_select(0, upload(extra.rows, device)), extra, read)
+        return logits.index_select(0, upload(sample_rows, device))
     score(logits[len(sample_rows):], extra, read)
     return logits[: len(sample_rows)]
