@@ -26,7 +26,8 @@ from torch import nn
 from pipeserve.engine.kv.quant import dequantize_kv
 from pipeserve.engine.model.cpu_linear import use_cpu_linears
 
-from . import Backend, NormOut, NormQuantOut, QuantOut, native, reference
+from . import native, reference
+from .base import Backend, NormOut, NormQuantOut, QuantOut
 from .step_memo import StepMemo
 
 _WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pipeserve.engine.kv.quant import dequantize_kv, quantize_kv
 from pipeserve.engine.quant_formats import dequantize_4bit, per_row_quant
 
-from . import Backend, NormOut, NormQuantOut, QuantOut
+from .base import Backend, NormOut, NormQuantOut, QuantOut
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

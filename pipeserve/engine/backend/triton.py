@@ -15,7 +15,7 @@ from pipeserve.engine.triton_kernels import (
     rope,
 )
 
-from . import Backend
+from .base import Backend
 
 BACKEND = Backend.collect(
     "triton",
