@@ -205,10 +205,11 @@ def _moe_gemm_w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, weights
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
         w = tl.load(w_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
-        acc = tl.dot(a, w, acc)
+        # out_dtype: the accumulator's (int32 for int8), which Triton 3.6 does not infer.
+        acc = tl.dot(a, w, acc, out_dtype=acc.dtype)
         if SILU_MUL:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=(k0 + rk)[:, None] < K, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up)
+            acc_up = tl.dot(a, w_up, acc_up, out_dtype=acc_up.dtype)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     a_scale = tl.load(a_scale_ptr + a_rows)[:, None]

@@ -39,7 +39,7 @@ def w8a8_kernel(a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
         w = tl.load(w_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, out_dtype=acc.dtype)  # int32 for int8: Triton 3.6 defaults to fp32
         a_ptrs += BLOCK_K * SPLIT_K
         w_ptrs += BLOCK_K * SPLIT_K
     a_scale = tl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
