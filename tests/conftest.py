@@ -1,15 +1,20 @@
-"""Shared test set-up: the Triton interpreter on machines without CUDA, the one place that locates
-the shared assets (stories260K, the traces), and tiny random Hugging Face checkpoints built on the
-fly (nothing is downloaded)."""
+"""Shared test set-up: the test device ($PIPESERVE_TEST_DEVICE) and with it the Triton interpreter,
+the one place that locates the shared assets (stories260K, the traces), and tiny random Hugging Face
+checkpoints built on the fly (nothing is downloaded)."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+from collections.abc import Iterator
 
+# The device of the tests marked `device` (the kernel tests and the engine tests that make sense on a
+# GPU): cpu (the default), where Triton kernels run under its interpreter, or cuda, where they compile;
+# every other test skips there (`make test-gpu`). The one place that reads the variable.
+TEST_DEVICE = os.environ.get("PIPESERVE_TEST_DEVICE", "cpu")
 # Must precede the first `import triton` anywhere in the test process.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not pathlib.Path("/dev/nvidia0").exists():
+if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -22,6 +27,32 @@ SHARED = pathlib.Path(os.environ.get("PIPESERVE_SHARED", REPO.parent / "shared")
 os.environ["PIPESERVE_SHARED"] = str(SHARED)
 STORIES = SHARED / "models" / "stories260K"
 TRACES = SHARED / "data" / "traces"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Off the CPU only the tests marked `device` run; the others are CPU-only by nature."""
+    if TEST_DEVICE == "cpu":
+        return
+    reason = f"CPU-only test: PIPESERVE_TEST_DEVICE={TEST_DEVICE} runs the tests marked `device`"
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if item.get_closest_marker("device") is None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _on_test_device(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A `device` test off the CPU creates its tensors there: torch's default device for the test."""
+    if TEST_DEVICE == "cpu" or request.node.get_closest_marker("device") is None:
+        yield
+        return
+    import torch
+
+    torch.set_default_device(TEST_DEVICE)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
 
 
 def png_panels(path: pathlib.Path) -> int:

@@ -1,4 +1,6 @@
-"""Helpers for the Triton kernel tests: poisoned allocations, per-dtype error bounds, paged KV cases."""
+"""Helpers for the Triton kernel tests: the test device, poisoned allocations, per-dtype error bounds,
+paged KV cases. Tests marked `device` create their tensors on torch's default device, which conftest
+sets to $PIPESERVE_TEST_DEVICE; generators follow it here."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import pytest
 import torch
 
 from pipeserve.engine.backend import reference
+from tests.conftest import TEST_DEVICE
+
+DEVICE = torch.device(TEST_DEVICE)
 
 # Bound on max|out - ref| / max|ref| per output dtype. bf16 is loose: the interpreter truncates
 # fp32 -> bf16 instead of rounding, so one bf16 step (2**-7 relative) can separate out from ref.
@@ -50,7 +55,8 @@ def assert_close(
 
 
 def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+    """A seeded generator on the test device (torch.randn and friends need one on their own device)."""
+    return torch.Generator(device=DEVICE if DEVICE.type == "cuda" else "cpu").manual_seed(seed)
 
 
 @dataclass

@@ -34,7 +34,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[li
 
 
 def run_llm(model_dir: str, prompts: list[list[int]], max_new: int, **options) -> list[list[int]]:
-    llm = LLM(model_dir, device="cpu", dtype="float32", **options)
+    llm = LLM(model_dir, **{"device": "cpu", "dtype": "float32", **options})
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0))
     assert llm.engine.stats()["pages_used"] == 0
     return [o.token_ids for o in outs]

@@ -1,7 +1,8 @@
 """The Triton backend end to end: get_backend("triton") holds kernels with the reference's signatures,
-and LLM(..., backend="triton") under the interpreter produces the same greedy tokens as
-backend="cpu" on a 2-layer random Llama (head_dim 64) and on stories260K (head_dim 8), with the
-int8 KV cache off and on. Small pools: the interpreter copies every tensor argument's storage."""
+and LLM(..., backend="triton") (interpreted on the CPU, compiled on PIPESERVE_TEST_DEVICE=cuda)
+produces the same greedy tokens as backend="cpu" on a 2-layer random Llama (head_dim 64) and on
+stories260K (head_dim 8), with the int8 KV cache off and on. Small pools: the interpreter copies
+every tensor argument's storage."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 
 from pipeserve.engine import LLM, SamplingParams
 from pipeserve.engine.backend import Backend, get_backend
+from tests.conftest import TEST_DEVICE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.device, pytest.mark.timeout(300)]
 
-OPTIONS = dict(device="cpu", dtype="float32", page_size=4, num_pages=48, max_num_batched_tokens=12)
+OPTIONS = dict(device=TEST_DEVICE, dtype="float32", page_size=4, num_pages=48, max_num_batched_tokens=12)
 
 
 def test_triton_ops_keep_the_reference_signatures():

@@ -12,13 +12,14 @@ import torch
 from pipeserve.engine.backend import cpu
 from pipeserve.engine.backend import reference as ref
 from pipeserve.engine.triton_kernels import fused_moe as fm
+from tests.conftest import TEST_DEVICE
 from tests.kernel_utils import (
     assert_close,
     poisoned_alloc,  # noqa: F401  (fixture, used via usefixtures)
     seeded,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
+pytestmark = [pytest.mark.device, pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
 
 F32, BF16 = torch.float32, torch.bfloat16
 # (experts, top_k, tokens): block size 16 under the interpreter, so 3 x 2 pairs fill less than one
@@ -161,8 +162,8 @@ def test_quantize_model_quantizes_the_experts(tiny_model):
     from pipeserve.engine.quantization.experts import W4A16Experts, W8A8Experts
 
     for method, cls in (("w8a8-int8", W8A8Experts), ("w4a16", W4A16Experts)):
-        llm = LLM(tiny_model("qwen2_moe"), device="cpu", dtype="float32", quantization=method, page_size=4,
-                  step_executor="eager")
+        llm = LLM(tiny_model("qwen2_moe"), device=TEST_DEVICE, dtype="float32", quantization=method,
+                  page_size=4, step_executor="eager")
         sparse = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE)]
         assert sparse and all(isinstance(m.experts, cls) for m in sparse)
         out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=4, temperature=0.0))

@@ -19,7 +19,7 @@ from tests.kernel_utils import (
     seeded,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
+pytestmark = [pytest.mark.device, pytest.mark.timeout(120), pytest.mark.usefixtures("poisoned_alloc")]
 
 F32, F16, BF16, I8, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn
 DTYPES = [F32, F16, BF16]

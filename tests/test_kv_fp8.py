@@ -28,6 +28,7 @@ from pipeserve.engine.kv.metadata import AttentionMetadata
 from pipeserve.engine.kv.quant import dequantize_kv, key_means, rope_mean
 from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
 from pipeserve.engine.model.rope import rope_cache
+from tests.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,11 +161,12 @@ def test_fp8_chunked_prefill_stores_every_chunk_less_the_first_chunks_mean(stori
     assert (k - m).norm() < 0.7 * k.norm()  # what is rounded shrinks (a first chunk of only 4 keys)
 
 
+@pytest.mark.device
 def test_triton_serves_fp8_kv_with_the_shift_like_torch(stories_dir):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
     runs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(stories_dir, device="cpu", dtype="float32", backend=backend, kv_cache_dtype="fp8",
+        llm = LLM(stories_dir, device=TEST_DEVICE, dtype="float32", backend=backend, kv_cache_dtype="fp8",
                   page_size=4, num_pages=12, max_num_batched_tokens=4,  # chunked prefill and decode rows
                   step_executor="eager")
         outs = llm.generate(PROMPTS[1:], params)

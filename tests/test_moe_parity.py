@@ -11,6 +11,7 @@ import torch
 
 from pipeserve.engine import LLM, SamplingParams
 from pipeserve.model_config import ModelConfig
+from tests.conftest import TEST_DEVICE
 from tests.models import write_fused_experts
 from tests.test_engine_parity import hf_greedy, run_llm
 
@@ -87,13 +88,14 @@ def test_moe_preemption_keeps_tokens_identical(moe_case, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.device
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", KINDS)
 def test_moe_triton_interpreter_matches_hf(moe_case, kind):
     per_expert, _, prompts, expected = moe_case(kind)
     # Two prompts, a small pool: the interpreter copies every tensor argument's storage per launch.
     got = run_llm(per_expert, prompts[:2], 6, backend="triton", page_size=4, num_pages=24,
-                  max_num_batched_tokens=12)
+                  max_num_batched_tokens=12, device=TEST_DEVICE)
     assert got == [e[:6] for e in expected[:2]]
 
 

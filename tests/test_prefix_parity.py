@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeserve.engine import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 
 PAGE = 4
 MAX_NEW = 6
@@ -113,12 +114,14 @@ def test_warm_equals_cold_with_quantized_kv(tiny_model, kv_cache_dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.device
 def test_warm_equals_cold_on_the_triton_kernels(tiny_model):
     pytest.importorskip("triton")
     model_dir = tiny_model("llama")
     base, fresh = case(320, seed=9)
     prompts = [base, fresh[0], base[: 2 * PAGE] + fresh[1]]
-    cold_and_warm(model_dir, base, prompts, tol=1e-4, backend="triton", max_num_batched_tokens=16)
+    cold_and_warm(model_dir, base, prompts, tol=1e-4, backend="triton", max_num_batched_tokens=16,
+                  device=TEST_DEVICE)
 
 
 def test_cache_salt_isolates_tenants(tiny_model):
