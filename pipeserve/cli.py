@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipeserve.gateway.client", "stream a completion from a running server"),
     "roofline": ("pipeserve.bench.roofline", "speed-of-light calculator for a model on a GPU"),
     "simulate": ("pipeserve.bench.simulate", "replay a trace through the scheduler with a cost model"),
+    "gpu-check": ("pipeserve.gpu_check.cli", "check a CUDA host: kernels, engine parity, one sync, speed"),
     "bench": ("", "benchmarks; `pipeserve bench --help` lists them"),
 }
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeserve.engine.backend import reference
+from pipeserve.gpu_check.kernels import INT8_POISON, poison_
 from tests.conftest import TEST_DEVICE
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -17,20 +18,6 @@ DEVICE = torch.device(TEST_DEVICE)
 # Bound on max|out - ref| / max|ref| per output dtype. bf16 is loose: the interpreter truncates
 # fp32 -> bf16 instead of rounding, so one bf16 step (2**-7 relative) can separate out from ref.
 REL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-INT8_POISON = -128  # never produced: the quantizers clamp to [-127, 127]
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill with values a correct kernel never leaves behind: NaN for floats, -128 for int8."""
-    if t.dtype == torch.float8_e4m3fn:
-        t.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
-    elif t.dtype.is_floating_point:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.int8:
-        t.fill_(INT8_POISON)
-    else:
-        t.fill_(torch.iinfo(t.dtype).min)
-    return t
 
 
 @pytest.fixture

@@ -1,0 +1,64 @@
+"""gpu-check's one-sync section: the steady-state decode step of the Triton engine with CUDA graphs
+does exactly one blocking device-to-host readback (the sampled tokens), with logprobs, min_tokens,
+penalties and n-gram speculation on. torch.cuda.set_sync_debug_mode("warn") warns on every
+synchronizing call; the warnings of each step are counted."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .models import build_tiny_model
+from .report import CorrectnessRow
+from .runner import Context
+
+WARM_STEPS = 6  # prefills and the first decode steps (buffers, graph capture) are not steady state
+COUNTED_STEPS = 24
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """How many synchronizing CUDA calls fn makes."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def one_sync_row(counts: list[int]) -> CorrectnessRow:
+    """Passes when every counted step synchronized exactly once."""
+    ok = bool(counts) and all(c == 1 for c in counts)
+    return CorrectnessRow.check("one blocking readback per decode step", ok,
+                                f"syncs per step: {counts}")
+
+
+def step_syncs(model_dir: str, device: str) -> list[int]:
+    from pipeserve.engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, device=device, dtype="bfloat16", backend="triton", compile=True, page_size=16,
+              num_pages=256, speculative_method="ngram", num_speculative_tokens=3)
+    engine = llm.engine
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    for i in range(8):
+        phrase = torch.randint(3, vocab, (5,), generator=g).tolist()
+        params = SamplingParams(max_tokens=WARM_STEPS + COUNTED_STEPS + 8, temperature=0.8, seed=i,
+                                logprobs=5, min_tokens=WARM_STEPS + COUNTED_STEPS, repetition_penalty=1.1,
+                                presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)
+        engine.add(f"sync-{i}", phrase * (2 + i), params)
+    for _ in range(WARM_STEPS):
+        engine.step()
+    return [count_syncs(engine.step) for _ in range(COUNTED_STEPS)]
+
+
+def run(ctx: Context) -> None:
+    if ctx.device != "cuda":
+        raise RuntimeError("the sync count needs CUDA (torch.cuda.set_sync_debug_mode)")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-sync-") as tmp:
+        ctx.row(one_sync_row(step_syncs(build_tiny_model(f"{tmp}/llama", "llama"), ctx.device)))

@@ -1,0 +1,220 @@
+"""`pipeserve gpu-check` on a host without a GPU: the command exits 2 with one line, its report (rows,
+thresholds, gpu-check.json keys, markdown) and section runner (time limits, failures, isolation) work,
+and the sections' own functions run on the CPU (Triton interpreted, tiny shapes) with every kernel
+and engine check passing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeserve.gpu_check import kernels, parity, speed, sync
+from pipeserve.gpu_check.environment import ceilings, environment
+from pipeserve.gpu_check.models import build_tiny_model, random_weights
+from pipeserve.gpu_check.report import AGREEMENT, THRESHOLDS, CorrectnessRow, Report, SpeedRow
+from pipeserve.gpu_check.runner import SECTIONS, Context, Section, run_sections
+from tests.conftest import REPO
+
+HERE = "tests.test_gpu_check"
+
+
+# Sections for the runner tests (imported by the runner's child processes).
+def good_section(ctx: Context) -> None:
+    ctx.row(CorrectnessRow.measured("good", 1e-6, THRESHOLDS["fp32"]))
+    ctx.row(SpeedRow("decode_b1_llama1b", 2.5, "ms/token", 80.0))
+
+
+def slow_section(ctx: Context) -> None:
+    ctx.row(SpeedRow("before the hang", 1.0, "s"))
+    time.sleep(60)
+
+
+def failing_section(ctx: Context) -> None:
+    ctx.row(CorrectnessRow.measured("kept", 0.0, THRESHOLDS["bf16"]))
+    raise RuntimeError("kernel launch failed: out of resources\nsecond line")
+
+
+def ceiling_section(ctx: Context) -> None:
+    ctx.emit("ceilings", {"copy_gbps": 3000.0, "bf16_tflops": 700.0})
+
+
+def reads_ceilings(ctx: Context) -> None:
+    ctx.row(SpeedRow("seen", ctx.ceilings["copy_gbps"], "GB/s"))
+
+
+def test_without_cuda_it_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "pipeserve.cli", "gpu-check", "--quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
+
+
+def test_help_documents_out_and_quick():
+    proc = subprocess.run([sys.executable, "-m", "pipeserve.cli", "gpu-check", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "--out" in proc.stdout and "gpu-check.json" in proc.stdout
+    assert "--quick" in proc.stdout and "environment, kernel and parity" in proc.stdout
+
+
+def test_thresholds_as_stated():
+    assert THRESHOLDS["fp32"] == 1e-4 and THRESHOLDS["tf32"] == 1e-3 and THRESHOLDS["bf16"] == 1e-2
+    assert CorrectnessRow.measured("x", 9e-5, 1e-4).passed
+    assert not CorrectnessRow.measured("x", 2e-4, 1e-4).passed
+    assert not CorrectnessRow.measured("x", math.nan, 1e-4).passed  # poison never passes
+    assert not CorrectnessRow.measured("x", math.inf, 1e-4).passed
+    assert CorrectnessRow.check("y", True).passed and not CorrectnessRow.check("y", False).passed
+
+
+def test_report_json_markdown_and_exit_status(tmp_path):
+    report = Report()
+    for record in [
+        {"kind": "environment", "data": {"gpu": "H100", "torch": "2.11", "triton": "3.6.0", "cuda": "13.0"}},
+        {"kind": "ceilings", "data": {"copy_gbps": 3000.0, "bf16_tflops": 700.0}},
+        {"kind": "correctness", "data": {"name": "kernel a", "passed": True, "error": 1e-6,
+                                         "threshold": 1e-4, "detail": ""}},
+        {"kind": "speed", "data": {"name": "decode_b1_llama8b", "value": 7.1, "unit": "ms/token",
+                                   "pct_of_floor": 82.5, "detail": "a | b"}},
+    ]:
+        report.add(record)
+    assert report.exit_status() == 0
+    report.correctness.append(CorrectnessRow.measured("kernel b", 0.5, 1e-2))
+    assert report.exit_status() == 1 and [r.name for r in report.failed] == ["kernel b"]
+    json_path, md_path = report.write(tmp_path / "out")
+    doc = json.loads(json_path.read_text())
+    assert set(doc) == {"environment", "ceilings", "correctness", "speed", "sections"}
+    assert {"gpu", "torch", "triton", "cuda"} <= set(doc["environment"])
+    assert set(doc["ceilings"]) == {"copy_gbps", "bf16_tflops"}
+    assert {"name", "passed", "error", "threshold"} <= set(doc["correctness"][0])
+    assert doc["speed"][0]["pct_of_floor"] == 82.5  # a percentage, not a fraction
+    assert {"name", "value", "unit", "pct_of_floor"} <= set(doc["speed"][0])
+    md = md_path.read_text()
+    assert "| kernel b | FAIL | 0.5 | 0.01 |" in md and "a \\| b" in md and "## Sections" in md
+
+
+def test_sections_run_isolated_with_time_limits(capsys):
+    sections = [
+        Section("ceilings", f"{HERE}:ceiling_section", 60, True, False),
+        Section("good", f"{HERE}:good_section", 60, True, True),
+        Section("slow", f"{HERE}:slow_section", 8, True, False),
+        Section("failing", f"{HERE}:failing_section", 60, True, True),
+        Section("after", f"{HERE}:reads_ceilings", 60, True, False),
+        Section("full only", f"{HERE}:good_section", 60, False, True),
+    ]
+    lines: list[str] = []
+    start = time.perf_counter()
+    report = run_sections(sections, "cpu", quick=True, echo=lines.append)
+    assert time.perf_counter() - start < 50  # the hang was cut at its limit
+    status = {s.name: (s.status, s.reason) for s in report.sections}
+    assert list(status) == ["ceilings", "good", "slow", "failing", "after"]  # --quick leaves one out
+    assert status["good"] == ("ok", "") and status["ceilings"][0] == "ok"
+    assert status["slow"] == ("timeout", "over its 8 s limit")
+    assert status["failing"] == ("failed", "RuntimeError: kernel launch failed: out of resources")
+    slow = next(s for s in report.sections if s.name == "slow")
+    assert 7 < slow.seconds < 30
+    # Rows emitted before a hang or a failure are kept; a failed correctness section fails the check.
+    assert [r.name for r in report.speed] == ["decode_b1_llama1b", "before the hang", "seen"]
+    assert report.speed[-1].value == 3000.0  # later sections see the measured ceilings
+    assert [(r.name, r.passed) for r in report.correctness] == [
+        ("good", True), ("kept", True), ("failing section", False)]
+    assert report.exit_status() == 1
+    assert any(line.startswith("gpu-check: slow timeout in") for line in lines)
+
+
+def test_every_section_has_a_limit_and_quick_is_env_kernels_parity():
+    assert {s.name for s in SECTIONS if s.quick} == {"environment", "kernels", "parity"}
+    assert sum(s.limit_s for s in SECTIONS if s.quick) <= 600 and all(s.limit_s > 0 for s in SECTIONS)
+    assert {s.name for s in SECTIONS if s.correctness} == {"kernels", "parity", "sync"}
+
+
+def test_environment_and_ceilings_on_the_cpu():
+    ctx = Context("cpu", quick=True)
+    environment(ctx)
+    ceilings(ctx)
+    env, ceil = ctx.emitted[0]["data"], ctx.emitted[1]["data"]
+    assert {"gpu", "torch", "triton", "cuda", "python", "sm_count", "memory_gb", "driver"} <= set(env)
+    assert env["torch"] == torch.__version__
+    assert ceil["copy_gbps"] > 0 and ceil["bf16_tflops"] > 0
+
+
+def test_an_unwritten_output_fails_its_row():
+    def unwritten() -> kernels.Pair:
+        with kernels.poisoned():
+            out = torch.empty(4)
+        return out, torch.ones(4)
+
+    row = kernels.check_case(kernels.Case("forgetful", "fp32", unwritten))
+    assert not row.passed and row.error == math.inf and "unwritten" in row.detail
+    broken = kernels.check_case(kernels.Case("raises", "bf16", lambda: (torch.ones(1) / 0, 1 / 0)))
+    assert not broken.passed and broken.detail.startswith("ZeroDivisionError")
+    assert kernels.poison_(torch.empty(2, dtype=torch.int8)).tolist() == [-128, -128]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_kernel_matches_its_reference_on_the_cpu():
+    ctx = Context("cpu", quick=True)
+    kernels.run(ctx)
+    rows = [CorrectnessRow(**r["data"]) for r in ctx.emitted]
+    assert len(rows) >= 40
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    names = " ".join(r.name for r in rows)
+    for op in ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "silu_and_mul",
+               "apply_rope", "per_token_quant", "rms_norm_quant", "silu_and_mul_quant", "w4a16_gemm",
+               "int8_gemm", "fp8_gemm", "fused_moe float", "fused_moe int8", "fused_moe fp8",
+               "fused_moe int4", "fused_moe nf4"):
+        assert op in names, op
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_engine_parity_functions_on_the_cpu(tmp_path):
+    model = build_tiny_model(str(tmp_path / "llama"), "llama")
+    rows = parity.mode_parity("llama", model, "cpu", 4)  # reference vs Triton (interpreted) eager
+    assert [r.name for r in rows] == ["parity llama prefix cache hits (reference)",
+                                      "parity llama prefix cache hits (triton eager)",
+                                      "parity llama triton eager = reference"]
+    assert all(r.passed for r in rows), rows
+    assert parity.hf_parity("llama", model, "cpu", 4, "cpu").passed
+    agreement = parity.quant_agreement(model, "cpu", "w8a8-int8", "cpu", "float32", 16)
+    assert agreement >= AGREEMENT["w8a8-int8"]
+
+
+def test_first_difference_names_the_step():
+    assert parity.first_difference([[1, 2, 3]], [[1, 2, 4]]) == "prompt 0 step 2: 3 != 4"
+    assert parity.first_difference([[1]], [[1, 2]]) == "prompt 0: 1 tokens != 2"
+
+
+def test_one_sync_row():
+    assert sync.one_sync_row([1] * 5).passed
+    assert not sync.one_sync_row([1, 2, 1]).passed and "[1, 2, 1]" in sync.one_sync_row([1, 2, 1]).detail
+    assert not sync.one_sync_row([]).passed
+
+
+def test_speed_floors_and_random_weights(tmp_path):
+    assert speed.pct(2.0, 2.5) == 80.0 and speed.pct(None, 1.0) is None
+    model_dir = build_tiny_model(str(tmp_path / "llama"), "llama")
+    os.remove(os.path.join(model_dir, "model.safetensors"))  # config.json and tokenizer only
+    from pipeserve.engine import LLM, SamplingParams
+
+    with random_weights():
+        llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=16)
+    model = llm.engine.model
+    weights = dict(model.named_parameters())
+    assert float(weights["layers.0.input_layernorm.weight"].min()) == 1.0
+    assert 0.01 < float(weights["layers.0.mlp.down_proj.weight"].std()) < 0.03
+    # Bytes a decode step reads: everything but all embedding rows bar one (the LM head is untied).
+    embed = model.embed_tokens.weight
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert speed.weight_bytes(model) == total - (embed.numel() - embed.shape[1]) * 4
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
