@@ -9,9 +9,11 @@ PORT ?= 50051
 HTTP_PORT ?= 8000
 WORKERS ?= 2
 PYTEST_ARGS ?=
+GPU_CHECK_OUT ?= bench/results/$(shell date +%F)-gpu-check
+GPU_CHECK_ARGS ?=
 DOCKER_PACKAGES := docker.io docker-compose debootstrap
 
-.PHONY: serve test test-fast lint venv proto clean
+.PHONY: serve test test-fast test-gpu gpu-check lint venv proto clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -40,6 +42,16 @@ test: lint
 # Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# On a CUDA host: the tests that make sense on a GPU (marked `device`: kernels, Triton engine runs) on
+# the GPU, Triton compiled; PYTEST_ARGS adds -k, -x, ...
+test-gpu: $(STAMP)
+	PIPESERVE_TEST_DEVICE=cuda $(BIN)/python -m pytest -m device $(PYTEST_ARGS)
+
+# On a CUDA host: kernels vs references, engine parity, one sync per step and the speed rows, written
+# to $(GPU_CHECK_OUT) (GPU_CHECK_ARGS=--quick for the correctness sections only). docs/gpu.md.
+gpu-check: $(STAMP)
+	$(BIN)/pipeserve gpu-check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
