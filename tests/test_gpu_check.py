@@ -218,3 +218,23 @@ def test_speed_floors_and_random_weights(tmp_path):
     assert speed.weight_bytes(model) == total - (embed.numel() - embed.shape[1]) * 4
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+    assert speed.decode_seconds(llm.engine, 2, prompt_len=4, warm=2, steps=3) > 0
+    assert not llm.engine.has_work()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sync_section_drives_steady_decode_steps(tmp_path):
+    # On the CPU (Triton interpreted) with a stand-in count: every counted call is one engine step
+    # that still has all 8 requests running.
+    model_dir = build_tiny_model(str(tmp_path / "llama"), "llama")
+    running: list[int] = []
+
+    def count(step) -> int:
+        step()
+        running.append(len(step.__self__.requests))  # the engine the bound step belongs to
+        return 1
+
+    counts = sync.step_syncs(model_dir, "cpu", count, dtype="float32")
+    assert counts == [1] * sync.COUNTED_STEPS and sync.one_sync_row(counts).passed
+    assert running == [8] * sync.COUNTED_STEPS

@@ -60,11 +60,12 @@ def decode_seconds(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8, st
                                                           ignore_eos=True))
     for _ in range(warm):
         eng.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    torch.cuda.synchronize()
+    sync()
     elapsed = (time.perf_counter() - start) / steps
     while eng.has_work():
         eng.step()

@@ -38,10 +38,12 @@ def one_sync_row(counts: list[int]) -> CorrectnessRow:
                                 f"syncs per step: {counts}")
 
 
-def step_syncs(model_dir: str, device: str) -> list[int]:
+def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object]], int] = count_syncs,
+               dtype: str = "bfloat16") -> list[int]:
+    """`count` of each steady-state step of 8 requests with every per-step host need switched on."""
     from pipeserve.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, device=device, dtype="bfloat16", backend="triton", compile=True, page_size=16,
+    llm = LLM(model_dir, device=device, dtype=dtype, backend="triton", compile=True, page_size=16,
               num_pages=256, speculative_method="ngram", num_speculative_tokens=3)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
@@ -54,7 +56,7 @@ def step_syncs(model_dir: str, device: str) -> list[int]:
         engine.add(f"sync-{i}", phrase * (2 + i), params)
     for _ in range(WARM_STEPS):
         engine.step()
-    return [count_syncs(engine.step) for _ in range(COUNTED_STEPS)]
+    return [count(engine.step) for _ in range(COUNTED_STEPS)]
 
 
 def run(ctx: Context) -> None:
