@@ -11,7 +11,7 @@ import triton
 from pipeserve.engine import quant_formats
 from pipeserve.engine.backend import reference as ref
 from pipeserve.engine.quantization.weights import quantize_int4, quantize_nf4, quantize_per_channel
-from pipeserve.engine.triton_kernels import gemm_w4a16, gemm_w8a8
+from pipeserve.engine.triton_kernels import common, gemm_w4a16, gemm_w8a8
 from pipeserve.engine.triton_kernels.common import Fixed, interpreting
 from tests.kernel_utils import (
     assert_close,
@@ -128,3 +128,16 @@ def test_w4a16_gemm(nf4, m, n, k, group, dtype, split_k):
     exact = a.double() @ quant_formats.dequantize_4bit(qw, scales, zeros).double().T
     assert_close(out, exact, dtype)
     assert_close(ref.w4a16_gemm(a, qw, scales, zeros), exact, dtype)
+
+
+def test_fp8_launches_refuse_gpus_below_sm89(monkeypatch):
+    """Triton has no e4m3 before Ada: an fp8 launch on an Ampere GPU says so instead of failing to
+    compile (the compile matrix leaves those variants out for sm_80)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(common, "capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match=r"sm_89 or newer .* sm_80: use int8"):
+        common.check_fp8(FP8, cuda)
+    common.check_fp8(I8, cuda)  # int8 runs everywhere
+    common.check_fp8(FP8, torch.device("cpu"))  # the interpreter
+    monkeypatch.setattr(common, "capability", lambda index: (9, 0))
+    common.check_fp8(FP8, cuda)

@@ -39,7 +39,7 @@ def one_sync_row(counts: list[int]) -> CorrectnessRow:
 
 
 def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object]], int] = count_syncs,
-               dtype: str = "bfloat16") -> list[int]:
+               dtype: str = "bfloat16", counted: int = COUNTED_STEPS) -> list[int]:
     """`count` of each steady-state step of 8 requests with every per-step host need switched on."""
     from pipeserve.engine import LLM, SamplingParams
 
@@ -50,13 +50,13 @@ def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object
     vocab = engine.model_config.vocab_size
     for i in range(8):
         phrase = torch.randint(3, vocab, (5,), generator=g).tolist()
-        params = SamplingParams(max_tokens=WARM_STEPS + COUNTED_STEPS + 8, temperature=0.8, seed=i,
-                                logprobs=5, min_tokens=WARM_STEPS + COUNTED_STEPS, repetition_penalty=1.1,
+        params = SamplingParams(max_tokens=WARM_STEPS + counted + 8, temperature=0.8, seed=i,
+                                logprobs=5, min_tokens=WARM_STEPS + counted, repetition_penalty=1.1,
                                 presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)
         engine.add(f"sync-{i}", phrase * (2 + i), params)
     for _ in range(WARM_STEPS):
         engine.step()
-    return [count(engine.step) for _ in range(COUNTED_STEPS)]
+    return [count(engine.step) for _ in range(counted)]
 
 
 def run(ctx: Context) -> None:

@@ -50,6 +50,27 @@ def pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, int(triton.next_power_of_2(n)))
 
 
+# Triton's e4m3 type (tl.float8e4nv) needs Ada or Hopper; Ampere has only e5m2 and e4b15.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+@cache
+def capability(device_index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return major, minor
+
+
+def check_fp8(dtype: torch.dtype | None, device: torch.device) -> None:
+    """ValueError, at the launch that would need it, where an fp8 (e4m3) kernel cannot compile: a
+    CUDA GPU below sm_89. The engine meets it while warming up, before it serves."""
+    if dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    major, minor = capability(device.index if device.index is not None else torch.cuda.current_device())
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        raise ValueError(f"fp8 (e4m3) kernels need a GPU of sm_89 or newer (Ada, Hopper); this one is "
+                         f"sm_{major}{minor}: use int8 (--kv-cache-dtype int8, --quantization w8a8-int8)")
+
+
 @cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

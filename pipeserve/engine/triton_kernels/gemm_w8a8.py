@@ -15,7 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import gemm_autotune, gemm_grid, gemm_output, gemm_store, gemm_tile, m_bucket, split_k_for
+from .common import (
+    check_fp8,
+    gemm_autotune,
+    gemm_grid,
+    gemm_output,
+    gemm_store,
+    gemm_tile,
+    m_bucket,
+    split_k_for,
+)
 
 _SMALL_M = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 4), (32, 128, 128, 4, 4),
             (64, 64, 256, 4, 4)]
@@ -73,6 +82,7 @@ def w8a8_gemm(
     assert a.dtype == w.dtype and a.dtype in _KERNELS, (a.dtype, w.dtype)
     assert w.shape[1] == k and a.stride(1) == 1 and w.stride(1) == 1
     assert a_scale.numel() == m and w_scale.numel() == n
+    check_fp8(a.dtype, a.device)
     split_k = split_k_for(m, n, k, a.device) if split_k is None else split_k
     c = gemm_output(m, n, out_dtype, split_k, a.device)
     if m:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from pipeserve.engine.quant_formats import QMAX
 
-from .common import pow2
+from .common import check_fp8, pow2
 from .quantize import inverse, to_codes
 
 
@@ -42,6 +42,7 @@ def paged_kv(
         raise ValueError("k_cache and v_cache need the same layout with contiguous channels")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("pass both k_scale and v_scale or neither")
+    check_fp8(k_cache.dtype, k_cache.device)
     group = 0
     scale_strides: tuple[int, ...] = (0, 0, 0)
     if k_scale is not None and v_scale is not None:

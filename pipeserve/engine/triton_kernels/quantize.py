@@ -16,7 +16,7 @@ import triton.language as tl
 
 from pipeserve.engine.quant_formats import QMAX
 
-from .common import pow2
+from .common import check_fp8, pow2
 
 QuantOut = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,6 +57,7 @@ def inverse(s):
 
 def quant_outputs(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> QuantOut:
     """Codes of `shape` in `dtype` and one fp32 scale per row, for a per-token quantizing kernel."""
+    check_fp8(dtype, device)
     scale = torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device)
     return torch.empty(shape, dtype=dtype, device=device), scale
 
