@@ -242,7 +242,7 @@ def _cases() -> list[tuple[str, bool, Any]]:
                 add(f"int8 gemm M={m} out={out} bias={bias is not None}",
                     lambda a=a8, sa=sa, sw=sw, sk=split_k, o=out, b=bias: gemm_w8a8.int8_gemm(
                         a, sa, torch.zeros(n, k, dtype=i8), sw, b, o, split_k=sk), every and bias is None)
-            add(f"fp8 gemm M={m} out={out}",
+            add(f"{fp8} gemm M={m} out={out}",
                 lambda a=af, sa=sa, sw=sw, sk=split_k, o=out: gemm_w8a8.fp8_gemm(
                     a, sa, torch.zeros(n, k, dtype=fp8), sw, None, o, split_k=sk), every)
         for dt in dtypes if split_k == 1 else (bf16,):
