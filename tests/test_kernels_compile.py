@@ -9,9 +9,11 @@ with a stand-in driver that reports the target and compiles instead of launching
 compile every config they declare. The matrix: every activation dtype (bf16, fp16, fp32), KV cache
 format (model dtype, int8, fp8), head size of the supported model families (8: stories260K, 64:
 Llama-3.2-1B / Qwen2-0.5B, 128: Llama-3 / Mistral / Mixtral / Qwen2-7B / Qwen3-MoE), weight format
-(W8A8 int8 / fp8, W4A16 int4 / nf4, dense and MoE), split and unsplit variants. Each compiled kernel's
-shared memory must fit the target. Compiled kernels land in Triton's on-disk cache (keyed by version,
-target and source), so only the first run pays for the compiler."""
+(W8A8 int8 / fp8, W4A16 int4 / nf4, dense and MoE), split and unsplit variants (see _cases for which
+axes are crossed). The fp8 (e4m3) variants compile for sm_90 only: Triton has no e4m3 below sm_89,
+where their launchers refuse to run. Each compiled kernel's shared memory must fit the target.
+Compiled kernels land in Triton's on-disk cache (keyed by version, target and source), so only the
+first run pays for the compiler (about 600 compiles per version)."""
 
 from __future__ import annotations
 

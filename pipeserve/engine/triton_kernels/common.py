@@ -62,7 +62,7 @@ def capability(device_index: int) -> tuple[int, int]:
 
 def check_fp8(dtype: torch.dtype | None, device: torch.device) -> None:
     """ValueError, at the launch that would need it, where an fp8 (e4m3) kernel cannot compile: a
-    CUDA GPU below sm_89. The engine meets it while warming up, before it serves."""
+    CUDA GPU below sm_89 (with CUDA graphs the engine meets it warming up, before it serves)."""
     if dtype != torch.float8_e4m3fn or device.type != "cuda":
         return
     major, minor = capability(device.index if device.index is not None else torch.cuda.current_device())
