@@ -294,9 +294,9 @@ def _jit_kernels() -> list[str]:
     for info in pkgutil.iter_modules(pkg.__path__):
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")
         for name, obj in vars(module).items():
-            fn = getattr(obj, "fn", obj)  # an autotuned kernel wraps its JITFunction
-            if isinstance(fn, JITFunction) and name.endswith("kernel") and fn.__module__ == module.__name__:
-                names.append(fn.fn.__name__)
+            jit = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)  # autotuners wrap one
+            if isinstance(jit, JITFunction) and name.endswith("kernel") and jit.__module__ == module.__name__:
+                names.append(jit.fn.__name__)
     return sorted(set(names))
 
 
