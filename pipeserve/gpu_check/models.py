@@ -106,7 +106,8 @@ def random_weights() -> Iterator[None]:
     load = namespace["load_model"]
 
     def load_random(model_dir: str, backend: Any, device: torch.device, dtype: torch.dtype,
-                    max_positions: int, tp: Any = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+                    max_positions: int, tp: Any = None, *_: Any) -> tuple[LlamaForCausalLM, ModelConfig]:
+        # The loader's later options (a rope-scaling override) do not apply to random weights.
         if tp is not None:
             raise ValueError("random weights are for one device (tensor_parallel_size 1)")
         cfg = ModelConfig.from_dir(model_dir)

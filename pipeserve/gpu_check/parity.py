@@ -25,11 +25,11 @@ from .runner import Context
 
 STEPS = 64
 KINDS = ("llama", "qwen2", "mixtral")
-# The engines compared: (name, options). Today's config fields; CUDA graphs are `compile` on CUDA.
+# The engines compared: (name, options). The compiled step executor is CUDA graphs on CUDA.
 MODES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("reference", {"backend": "reference", "compile": False}),
-    ("triton eager", {"backend": "triton", "compile": False}),
-    ("triton cuda graphs", {"backend": "triton", "compile": True}),
+    ("reference", {"backend": "reference", "step_executor": "eager"}),
+    ("triton eager", {"backend": "triton", "step_executor": "eager"}),
+    ("triton cuda graphs", {"backend": "triton", "step_executor": "compiled"}),
 )
 
 
@@ -83,7 +83,7 @@ def mode_parity(kind: str, model_dir: str, device: str, steps: int) -> list[Corr
     runs: dict[str, list[list[int]]] = {}
     rows = []
     for name, mode in MODES:
-        if mode["compile"] and device != "cuda":
+        if mode["step_executor"] == "compiled" and device != "cuda":
             continue  # CUDA graphs need CUDA; the interpreter runs eager
         tokens, cached = greedy_tokens(model_dir, device, steps, mode)
         runs[name] = tokens
@@ -110,7 +110,7 @@ def first_difference(got: list[list[int]], want: list[list[int]]) -> str:
 
 
 def hf_parity(kind: str, model_dir: str, device: str, steps: int, backend: str) -> CorrectnessRow:
-    got, _ = greedy_tokens(model_dir, device, steps, {"backend": backend, "compile": False},
+    got, _ = greedy_tokens(model_dir, device, steps, {"backend": backend, "step_executor": "eager"},
                            speculative_method="none")
     want = hf_greedy(model_dir, device, steps)
     same = got == want
@@ -127,9 +127,9 @@ def quant_agreement(model_dir: str, device: str, method: str, backend: str, dtyp
 
     def model(quantization: str) -> Any:
         return LLM(model_dir, device=device, dtype=dtype, backend=backend, quantization=quantization,
-                   compile=False, num_pages=64).engine.model
+                   step_executor="eager", num_pages=64).engine.model
 
-    dense = LLM(model_dir, device=device, dtype=dtype, backend=backend, compile=False, num_pages=64)
+    dense = LLM(model_dir, device=device, dtype=dtype, backend=backend, step_executor="eager", num_pages=64)
     _, batch = prompts(dense.engine.model_config.vocab_size)
     outs = dense.generate(batch, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]

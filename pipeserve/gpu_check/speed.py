@@ -40,11 +40,12 @@ def weight_bytes(model: Any) -> int:
     return int(total if tied else total - (embed.numel() - embed.shape[1]) * embed.element_size())
 
 
-def engine(model_dir: str, compile: bool, max_num_seqs: int) -> Any:
+def engine(model_dir: str, graphs: bool, max_num_seqs: int) -> Any:
     from pipeserve.engine import LLM
 
     with random_weights():
-        return LLM(model_dir, device="cuda", dtype="bfloat16", backend="triton", compile=compile,
+        return LLM(model_dir, device="cuda", dtype="bfloat16", backend="triton",
+                   step_executor="compiled" if graphs else "eager",
                    max_num_seqs=max_num_seqs, max_model_len=4096, kv_cache_gb=8.0).engine
 
 

@@ -43,7 +43,8 @@ def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object
     """`count` of each steady-state step of 8 requests with every per-step host need switched on."""
     from pipeserve.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, device=device, dtype=dtype, backend="triton", compile=True, page_size=16,
+    executor = "compiled" if device == "cuda" else "eager"  # CUDA graphs; the interpreter runs eager
+    llm = LLM(model_dir, device=device, dtype=dtype, backend="triton", step_executor=executor, page_size=16,
               num_pages=256, speculative_method="ngram", num_speculative_tokens=3)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
