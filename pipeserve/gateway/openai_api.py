@@ -30,7 +30,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import uvicorn
@@ -45,6 +45,13 @@ from starlette.requests import ClientDisconnect
 
 from pipeserve.config import EngineConfig, GatewayConfig
 from pipeserve.gateway.http_limits import uvicorn_options
+from pipeserve.gateway.openai_fields import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    MESSAGE_REFUSED,
+    Rule,
+    first_refused,
+)
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.messages import ChatMessage, TokenLogprob
 
@@ -86,10 +93,35 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
-class Sampling(BaseModel):
-    """The parameters both endpoints share (OpenAI's and vLLM's extra sampling fields)."""
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint; a field it does not know is a 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The SamplingParams constraint it sets."""
+        given = {name: value for name, value in (("json_schema", self.json_), ("regex", self.regex),
+                                                 ("choice", self.choice), ("grammar", self.grammar),
+                                                 ("json_object", self.json_object or None))
+                 if value is not None}
+        if len(given) != 1:
+            raise HTTPError(400, "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                                 f"json_object; got {len(given)}", "structured_outputs")
+        return given
+
+
+class Sampling(BaseModel):
+    """The parameters both endpoints share (OpenAI's and vLLM's extra sampling fields). Fields it
+    does not declare are kept (extra="allow") only to refuse the meaningful ones (REFUSED)."""
+
+    model_config = ConfigDict(extra="allow")
+    REFUSED: ClassVar[dict[str, Rule]] = COMPLETION_REFUSED
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -109,6 +141,7 @@ class Sampling(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     cache_salt: str = ""
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
@@ -131,7 +164,18 @@ class Sampling(BaseModel):
                 raise HTTPError(400, "response_format.json_schema.schema must be a JSON schema object",
                                 "response_format")
             out["json_schema"] = json.dumps(schema)  # as gRPC clients send it: one grammar cache key
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise HTTPError(400, "structured_outputs and response_format cannot both constrain the "
+                                     "output", "structured_outputs")
+            out |= self.structured_outputs.params()
         return out
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field the server would otherwise ignore though it changes the result."""
+        name = first_refused(self.model_extra, self.REFUSED)
+        if name is not None:
+            raise HTTPError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
 class CompletionRequest(Sampling):
@@ -142,8 +186,18 @@ class CompletionRequest(Sampling):
 
 
 class ChatMessageBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept only to refuse what would not reach the template
+
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # accepted; the chat template is given role and content
+    tool_call_id: str | None = None
+
+    def check_supported(self) -> None:
+        name = first_refused(self.model_extra, MESSAGE_REFUSED)
+        if name is not None:
+            raise HTTPError(400, f"messages: {name} is not supported by this server", "messages",
+                            "unsupported_parameter")
 
     def text(self) -> str:
         """The content as text (OpenAI's list of parts: its text parts, concatenated)."""
@@ -155,11 +209,18 @@ class ChatMessageBody(BaseModel):
 
 
 class ChatRequest(Sampling):
+    REFUSED: ClassVar[dict[str, Rule]] = CHAT_REFUSED
+
     messages: list[ChatMessageBody]
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for message in self.messages:
+            message.check_supported()
 
 
 class TokenizeBody(BaseModel):
@@ -432,6 +493,7 @@ class OpenAIServer:
                 body = model.model_validate_json(data)
             except ValidationError as exc:
                 raise invalid_body(exc.errors()) from None
+            body.check_supported()
             try:
                 return await handler(body, request)
             except Disconnected:
