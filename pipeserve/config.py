@@ -302,6 +302,10 @@ class LaunchConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
+# The tool-call formats the HTTP API reads (pipeserve/gateway/tool_parsers/: one module each).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
+
 @dataclass
 class GatewayConfig:
     """Options of the gRPC gateway (`pipeserve gateway`, and passed through by `pipeserve up`)."""
@@ -331,6 +335,10 @@ class GatewayConfig:
     http_keepalive_timeout: float = opt(30.0, "HTTP API: seconds an idle keep-alive connection stays open")
     tls_cert: str | None = opt(None, "PEM certificate: serve gRPC over TLS only (with --tls-key)")
     tls_key: str | None = opt(None, "PEM private key of --tls-cert")
+    enable_auto_tool_choice: bool = opt(False, "HTTP API: let the model decide to call tools (tool_choice "
+                                        "auto, the default with tools); needs --tool-call-parser")
+    tool_call_parser: str | None = opt(None, "HTTP API: how tool calls are read out of the model's text "
+                                       "under tool_choice auto", choices=TOOL_CALL_PARSERS)
     dp_balance_threshold: int = opt(32, "data parallel: a request follows its prompt prefix to the engine "
                                     "that holds it unless that engine's load (waiting x 4 + running) is "
                                     "this much above the least loaded engine's")
@@ -346,6 +354,10 @@ class GatewayConfig:
             raise ValueError("http_max_connections must be >= 1 and the http timeouts > 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:

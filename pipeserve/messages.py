@@ -91,6 +91,10 @@ class Message:
 class ChatMessage:
     role: str  # the gateway checked it is one of its chat roles
     content: str
+    # OpenAI's function calls of an assistant message ({"id", "type", "function": {"name", "arguments"}})
+    # and the call a tool message answers: rendered by the chat template.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ class TokenizeRequest(Message):
     n: int = 1  # engine requests made from this one prompt (the OpenAI `n`): see engine_rids()
     fit_max_tokens: bool = False  # max_tokens was not given: lower it to what the context leaves
     engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends all n there)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template's `tools`
 
     def engine_rids(self) -> list[str]:
         """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "fake", "prompt": "hi"}
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+FUNCTION = {"name": "f", "parameters": {"type": "object"}}
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,12 @@ def _post(api: HTTPPipeline, body: dict[str, Any]) -> httpx.Response:
 @pytest.mark.parametrize(
     "body, param",
     [
-        (CHAT | {"functions": [TOOL["function"]]}, "functions"),
+        (CHAT | {"functions": [FUNCTION]}, "functions"),
         (CHAT | {"function_call": "auto"}, "function_call"),
         (CHAT | {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         (CHAT | {"modalities": ["text", "audio"]}, "modalities"),
         (CHAT | {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         (CHAT | {"logit_bias": {"5": 10}}, "logit_bias"),
-        (CHAT | {"tools": [TOOL]}, "tools"),
-        (CHAT | {"tool_choice": "required"}, "tool_choice"),
         (CHAT | {"store": True}, "store"),
         (CHAT | {"reasoning_effort": "low"}, "reasoning_effort"),
         (CHAT | {"guided_json": {"type": "object"}}, "guided_json"),
@@ -62,12 +60,11 @@ def test_a_meaningful_field_the_server_lacks_is_400_naming_it(api, body, param):
     assert api.tokenize.poll(50) == 0  # nothing reached the pipeline
 
 
-def test_an_assistant_message_with_tool_calls_is_refused(api):
-    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+def test_a_message_with_a_function_call_is_refused(api):
     body = CHAT | {"messages": [{"role": "user", "content": "hi"},
-                                {"role": "assistant", "content": None, "tool_calls": [call]}]}
+                                {"role": "assistant", "content": None, "function_call": {"name": "f"}}]}
     response = _post(api, body)
-    assert response.status_code == 400 and "tool_calls" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "function_call" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "messages"
 
 

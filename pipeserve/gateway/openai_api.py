@@ -53,6 +53,7 @@ from pipeserve.gateway.openai_fields import (
     first_refused,
 )
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
+from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, plan_tools
 from pipeserve.messages import ChatMessage, TokenLogprob
 
 log = logging.getLogger("pipeserve.gateway.http")
@@ -190,7 +191,8 @@ class ChatMessageBody(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None  # accepted; the chat template is given role and content
+    name: str | None = None  # accepted; the chat template is given role, content and tool calls
+    tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
     def check_supported(self) -> None:
@@ -207,11 +209,24 @@ class ChatMessageBody(BaseModel):
             return "".join(str(part.get("text", "")) for part in self.content)
         return self.content or ""
 
+    def message(self) -> ChatMessage:
+        """As the tokenizer renders it: calls checked to be OpenAI's function calls."""
+        for call in self.tool_calls or ():
+            function = call.get("function")
+            if call.get("type", "function") != "function" or not isinstance(function, dict) or not (
+                    isinstance(function.get("name"), str) and isinstance(function.get("arguments", ""), str)):
+                raise HTTPError(400, "messages: tool_calls must be function calls {\"id\", \"type\": "
+                                     '"function", "function": {"name", "arguments": JSON text}}', "messages")
+        return ChatMessage(self.role, self.text(), self.tool_calls or None, self.tool_call_id)
+
 
 class ChatRequest(Sampling):
     REFUSED: ClassVar[dict[str, Rule]] = CHAT_REFUSED
 
     messages: list[ChatMessageBody]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: bool = False
@@ -284,6 +299,7 @@ class Choice:
     emitted: int = 0  # characters sent so far (text_offset)
     sent: bool = False  # a stream event of it went out
     ids: list[int] = field(default_factory=list)  # with return_token_ids
+    tools: ToolOutput | None = None  # chat with tools: its text read as tool calls
 
     def add(self, rows: list[Delta]) -> None:
         for row in rows:
@@ -350,6 +366,7 @@ class Call:
     generated: bool = True  # False: max_tokens 0 with echo, the engine's one token is not returned
     return_token_ids: bool = False  # vLLM's extension: each choice's token ids beside its text
     rid: str = ""
+    tools: ToolPlan | None = None  # chat with tools
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -369,6 +386,10 @@ class Call:
         if self.chat:
             if chunk:
                 out["delta"] = ({"role": "assistant"} if first else {}) | {"content": text}
+            elif c.tools is not None:
+                content, calls, finish = c.tools.whole(text, finish or "")
+                out["message"] = {"role": "assistant", "content": content,
+                                  "tool_calls": [call.message() for call in calls]}
             else:
                 out["message"] = {"role": "assistant", "content": text}
             out["logprobs"] = chat_logprobs(entries) if self.logprobs else None
@@ -382,6 +403,28 @@ class Call:
             out["logprobs"] = completion_logprobs(entries, c.emitted) if self.logprobs else None
             c.emitted += len(text)
         out["finish_reason"] = finish or None
+        return out
+
+    def tool_chunks(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None,
+                    first: bool, ids: list[int]) -> list[dict[str, Any]]:
+        """The stream chunks of new text of a choice read as tool calls: its content, then each
+        call's delta (the first of a call: index, id, type, name; then argument fragments) in a
+        chunk of its own; the last chunk carries the finish. None when there is nothing to send."""
+        assert c.tools is not None
+        piece = c.tools.feed(text, finish is not None)
+        deltas: list[dict[str, Any]] = []
+        if piece.content or first or not piece.calls:
+            deltas.append({"content": piece.content})
+        deltas += [{"tool_calls": [call]} for call in piece.calls]
+        if not piece.content and not piece.calls and not first and not finish and not entries and not ids:
+            return []
+        out = []
+        for i, delta in enumerate(deltas):
+            choice = self.choice(c, "", entries if i == 0 else [],
+                                 c.tools.finish(finish) if finish and i == len(deltas) - 1 else None,
+                                 first and i == 0, True, ids if i == 0 else [])
+            choice["delta"] = ({"role": "assistant"} if first and i == 0 else {}) | delta
+            out.append(self.head(True) | {"choices": [choice]})
         return out
 
     def final(self) -> dict[str, Any]:
@@ -574,12 +617,22 @@ class OpenAIServer:
             if body.top_logprobs > most:
                 raise HTTPError(400, f"top_logprobs must be at most {most} (--max-logprobs), got "
                                      f"{body.top_logprobs}", "top_logprobs")
-        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+        messages = [m.message() for m in body.messages]
         max_tokens = body.max_completion_tokens or body.max_tokens
         given = body.params() | {"max_tokens": max_tokens,
                                  "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        try:
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
+        except ValueError as exc:
+            param = PARAM.match(str(exc))
+            raise HTTPError(400, str(exc), param.group(1) if param else "tools") from None
+        if plan is not None and plan.constraint():
+            if any(given.get(name) for name in ("json_schema", "json_object", "regex", "choice", "grammar")):
+                raise HTTPError(400, f'tool_choice "{plan.mode}" constrains the output: it cannot be '
+                                     "combined with response_format or structured_outputs", "tool_choice")
+            given |= plan.constraint()
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
-                    return_token_ids=body.return_token_ids)
+                    return_token_ids=body.return_token_ids, tools=plan)
         return await self._serve(call, [messages], given, body, request, fit_max_tokens=max_tokens is None)
 
     @staticmethod
@@ -602,8 +655,10 @@ class OpenAIServer:
             params = self.core.sampling(given, fit_max_tokens)
             for p, prompt in enumerate(prompts):
                 streams = await self.core.submit(params, prompt, f"{call.rid}-{p}", n=body.n,
-                                                 cache_salt=body.cache_salt, fit_max_tokens=fit_max_tokens)
-                call.choices += [Choice(p * body.n + i, s) for i, s in enumerate(streams)]
+                                                 cache_salt=body.cache_salt, fit_max_tokens=fit_max_tokens,
+                                                 tools=call.tools.tools if call.tools else None)
+                call.choices += [Choice(p * body.n + i, s, tools=call.tools.output() if call.tools else None)
+                                 for i, s in enumerate(streams)]
         except Refusal as refusal:
             self._close(call)
             raise from_refusal(refusal) from None
@@ -664,8 +719,11 @@ class OpenAIServer:
                 def event(c: Choice = c, text: str = text, entries: list[TokenLogprob] = entries,
                           last: bool = last, first_of_choice: bool = first_of_choice, ids: list[int] = ids
                           ) -> bytes:
-                    choice = call.choice(c, text, entries, c.stream.finish if last else None, first_of_choice,
-                                         True, ids)
+                    finish = c.stream.finish if last else None
+                    if c.tools is not None:
+                        return b"".join(sse(chunk) for chunk in
+                                        call.tool_chunks(c, text, entries, finish, first_of_choice, ids))
+                    choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
                     return sse(call.head(True) | {"choices": [choice]})
 
                 # Logprob tables (top-k per token, n choices) are rendered off the loop, which then

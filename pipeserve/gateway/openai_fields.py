@@ -30,10 +30,6 @@ def _not_text(value: Any) -> bool:
     return value is not None and (not isinstance(value, list) or any(m != "text" for m in value))
 
 
-def _tool_choice(value: Any) -> bool:
-    return value not in (None, "none")
-
-
 def _is_false(value: Any) -> bool:
     return value is False
 
@@ -75,8 +71,6 @@ COMPLETION_REFUSED: dict[str, Rule] = _SHARED | {"suffix": _truthy}
 CHAT_REFUSED: dict[str, Rule] = _SHARED | {
     "functions": _given,
     "function_call": _given,
-    "tools": _truthy,
-    "tool_choice": _tool_choice,
     "audio": _given,
     "modalities": _not_text,
     "prediction": _given,
@@ -93,7 +87,7 @@ CHAT_REFUSED: dict[str, Rule] = _SHARED | {
 }
 
 # Fields of a chat message the server does not render (the chat template sees role and content).
-MESSAGE_REFUSED: dict[str, Rule] = {"tool_calls": _truthy, "function_call": _given, "audio": _given}
+MESSAGE_REFUSED: dict[str, Rule] = {"function_call": _given, "audio": _given}
 
 def first_refused(extra: Mapping[str, Any] | None, rules: Mapping[str, Rule]) -> str | None:
     """The first field of extra that rules refuse, or None."""

@@ -245,7 +245,8 @@ class Core:
         return params
 
     async def submit(self, params: SamplingParams, prompt: Prompt, rid: str, *, n: int = 1, app: str = "",
-                     cache_salt: str = "", fit_max_tokens: bool = False) -> list[Stream]:
+                     cache_salt: str = "", fit_max_tokens: bool = False,
+                     tools: list[dict[str, Any]] | None = None) -> list[Stream]:
         """Admit a request (Refusal otherwise), open its streams and send it to be tokenized. n > 1:
         n engine requests (ids `rid-0`...) sharing one tokenization, each with its own seed stream
         (seed + i when the request has a seed)."""
@@ -253,7 +254,7 @@ class Core:
             message = self._admit(params, prompt, rid, n, app, cache_salt)
         except Refusal as refusal:
             raise self.refused(refusal) from None
-        message.fit_max_tokens = fit_max_tokens
+        message.fit_max_tokens, message.tools = fit_max_tokens, tools
         data = encode(message)
         while True:
             worker = self._worker()

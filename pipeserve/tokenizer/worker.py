@@ -17,6 +17,7 @@ refused when it does not compile) by the engine, so this process never imports x
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -101,7 +102,7 @@ class Tokenizer:
         if req.prompt is not None:
             ids = self.tokenizer.encode(req.prompt)
         elif req.messages is not None:
-            ids = self.encode_messages(req.messages)
+            ids = self.encode_messages(req.messages, req.tools)
         else:
             ids = self._check_ids(req.prompt_ids or b"")
         if len(ids) >= self.max_model_len:
@@ -127,12 +128,15 @@ class Tokenizer:
         return DetokenizeRequest(req.engine_rids(), len(ids), pack_ids(ids[-PROMPT_TAIL:]), list(params.stop),
                                  params.skip_special_tokens, params.logprobs is not None, req.engine)
 
-    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_messages(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+                        ) -> list[int]:
+        """The chat template's rendering of messages (and tools: its `tools` argument), tokenized."""
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages: this model has no chat template; send a prompt instead")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat = [_template_message(m) for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(chat, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=True)
         except Exception as exc:  # jinja errors, including the template's own raise_exception()
             raise InvalidRequest(f"messages: the chat template rejected them: {exc}") from exc
         # The template writes the special tokens (BOS included) itself.
@@ -152,6 +156,27 @@ class Tokenizer:
                                  f"[0, {self.vocab_size})")
         result: list[int] = ids.tolist()
         return result
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: a call's arguments as an object (they iterate or dump
+    them), not the JSON text OpenAI sends (arguments that are no JSON object stay text)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            function = dict(call.get("function") or {})
+            try:
+                arguments = json.loads(function.get("arguments") or "{}")
+                if isinstance(arguments, dict):
+                    function["arguments"] = arguments
+            except (TypeError, json.JSONDecodeError):
+                pass
+            calls.append({**call, "function": function})
+        out["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def serve(worker: Tokenizer, gateway: zmq.Socket[bytes], requests: list[zmq.Socket[bytes]],
