@@ -304,6 +304,8 @@ class LaunchConfig:
 
 # The tool-call formats the HTTP API reads (pipeserve/gateway/tool_parsers/: one module each).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# The reasoning formats it splits off (pipeserve/reasoning.py).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass
@@ -339,6 +341,9 @@ class GatewayConfig:
                                         "auto, the default with tools); needs --tool-call-parser")
     tool_call_parser: str | None = opt(None, "HTTP API: how tool calls are read out of the model's text "
                                        "under tool_choice auto", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = opt(None, "HTTP API: split the model's reasoning section off chat output "
+                                       "(message.reasoning); structured outputs and tool choices apply "
+                                       "after it", choices=REASONING_PARSERS)
     dp_balance_threshold: int = opt(32, "data parallel: a request follows its prompt prefix to the engine "
                                     "that holds it unless that engine's load (waiting x 4 + running) is "
                                     "this much above the least loaded engine's")
@@ -358,6 +363,8 @@ class GatewayConfig:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:

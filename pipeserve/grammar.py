@@ -18,6 +18,7 @@ import re
 
 import xgrammar as xgr
 
+from pipeserve.reasoning import section_ebnf
 from pipeserve.sampling_params import SamplingParams
 
 COMPACT = (",", ":")
@@ -64,6 +65,14 @@ def build_grammar(kind: str, text: str) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"{kind} is invalid: {_first_line(exc)}") from None
     raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def after_reasoning(reasoning: str, kind: str, text: str) -> str:
+    """The EBNF grammar of a constraint that applies from the first character after a reasoning
+    section of the named format (pipeserve/reasoning.py): sent as a `grammar` constraint, so the
+    engine needs nothing more. ValueError as build_grammar."""
+    section = xgr.Grammar.from_ebnf(section_ebnf(reasoning))
+    return str(xgr.Grammar.concat(section, build_grammar(kind, text)))
 
 
 def check_constraint(params: SamplingParams) -> None:

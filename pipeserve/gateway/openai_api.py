@@ -52,9 +52,12 @@ from pipeserve.gateway.openai_fields import (
     Rule,
     first_refused,
 )
+from pipeserve.gateway.reasoning import PARSERS as REASONING_PARSERS
+from pipeserve.gateway.reasoning import ReasoningParser
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, plan_tools
 from pipeserve.messages import ChatMessage, TokenLogprob
+from pipeserve.sampling_params import CONSTRAINTS, SamplingParams
 
 log = logging.getLogger("pipeserve.gateway.http")
 
@@ -300,6 +303,7 @@ class Choice:
     sent: bool = False  # a stream event of it went out
     ids: list[int] = field(default_factory=list)  # with return_token_ids
     tools: ToolOutput | None = None  # chat with tools: its text read as tool calls
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: chat text split into reasoning first
 
     def add(self, rows: list[Delta]) -> None:
         for row in rows:
@@ -367,6 +371,7 @@ class Call:
     return_token_ids: bool = False  # vLLM's extension: each choice's token ids beside its text
     rid: str = ""
     tools: ToolPlan | None = None  # chat with tools
+    reasoning: type[ReasoningParser] | None = None  # chat under --reasoning-parser
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -386,12 +391,16 @@ class Call:
         if self.chat:
             if chunk:
                 out["delta"] = ({"role": "assistant"} if first else {}) | {"content": text}
-            elif c.tools is not None:
-                content, calls, finish = c.tools.whole(text, finish or "")
-                out["message"] = {"role": "assistant", "content": content,
-                                  "tool_calls": [call.message() for call in calls]}
             else:
-                out["message"] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant"}
+                content: str | None = text
+                if c.reasoning is not None:
+                    message["reasoning"], content = c.reasoning.parse(text)
+                    message["reasoning_content"] = message["reasoning"]  # the older name, still read
+                if c.tools is not None:
+                    content, calls, finish = c.tools.whole(content or "", finish or "")
+                    message["tool_calls"] = [call.message() for call in calls]
+                out["message"] = message | {"content": content}
             out["logprobs"] = chat_logprobs(entries) if self.logprobs else None
         else:
             if not self.generated:
@@ -405,23 +414,33 @@ class Call:
         out["finish_reason"] = finish or None
         return out
 
-    def tool_chunks(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None,
+    def chat_chunks(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None,
                     first: bool, ids: list[int]) -> list[dict[str, Any]]:
-        """The stream chunks of new text of a choice read as tool calls: its content, then each
-        call's delta (the first of a call: index, id, type, name; then argument fragments) in a
-        chunk of its own; the last chunk carries the finish. None when there is nothing to send."""
-        assert c.tools is not None
-        piece = c.tools.feed(text, finish is not None)
-        deltas: list[dict[str, Any]] = []
-        if piece.content or first or not piece.calls:
-            deltas.append({"content": piece.content})
-        deltas += [{"tool_calls": [call]} for call in piece.calls]
-        if not piece.content and not piece.calls and not first and not finish and not entries and not ids:
+        """The stream chunks of new text of a chat choice split into reasoning and/or read as tool
+        calls: its reasoning, its content, then each call's delta (the first of a call: index, id,
+        type, name; then argument fragments) in a chunk of its own; the last chunk carries the
+        finish. Empty when there is nothing to send."""
+        last = finish is not None
+        reasoning = ""
+        if c.reasoning is not None:
+            split = c.reasoning.feed(text, last)
+            reasoning, text = split.reasoning, split.content
+        calls: list[dict[str, Any]] = []
+        if c.tools is not None:
+            piece = c.tools.feed(text, last)
+            text, calls = piece.content, piece.calls
+            finish = c.tools.finish(finish) if finish else None
+        if not reasoning and not text and not calls and not first and not finish and not entries and not ids:
             return []
+        deltas: list[dict[str, Any]] = []
+        if reasoning:
+            deltas.append({"reasoning": reasoning, "reasoning_content": reasoning})
+        if text or not (deltas or calls):
+            deltas.append({"content": text})
+        deltas += [{"tool_calls": [call]} for call in calls]
         out = []
         for i, delta in enumerate(deltas):
-            choice = self.choice(c, "", entries if i == 0 else [],
-                                 c.tools.finish(finish) if finish and i == len(deltas) - 1 else None,
+            choice = self.choice(c, "", entries if i == 0 else [], finish if i == len(deltas) - 1 else None,
                                  first and i == 0, True, ids if i == 0 else [])
             choice["delta"] = ({"role": "assistant"} if first and i == 0 else {}) | delta
             out.append(self.head(True) | {"choices": [choice]})
@@ -631,9 +650,29 @@ class OpenAIServer:
                 raise HTTPError(400, f'tool_choice "{plan.mode}" constrains the output: it cannot be '
                                      "combined with response_format or structured_outputs", "tool_choice")
             given |= plan.constraint()
+        reasoning = self.config.reasoning_parser
+        if reasoning is not None:
+            given = await self._after_reasoning(reasoning, given)
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
-                    return_token_ids=body.return_token_ids, tools=plan)
+                    return_token_ids=body.return_token_ids, tools=plan,
+                    reasoning=REASONING_PARSERS[reasoning] if reasoning else None)
         return await self._serve(call, [messages], given, body, request, fit_max_tokens=max_tokens is None)
+
+    @staticmethod
+    async def _after_reasoning(reasoning: str, given: dict[str, Any]) -> dict[str, Any]:
+        """given with its structured-output constraint (if any) applying only after the reasoning
+        section: as one grammar, built off the loop (xgrammar, imported on the first such request)."""
+        names = [name for name in CONSTRAINTS if given.get(name) not in (None, False)]
+        if not names:
+            return given
+        try:
+            kind, text = SamplingParams(**{names[0]: given[names[0]]}).constraint() or ("", "")
+            from pipeserve.grammar import after_reasoning  # imports xgrammar (and torch): when first needed
+
+            grammar = await asyncio.to_thread(after_reasoning, reasoning, kind, text)
+        except (ValueError, TypeError) as exc:
+            raise HTTPError(400, str(exc), names[0]) from None
+        return {k: v for k, v in given.items() if k not in CONSTRAINTS} | {"grammar": grammar}
 
     @staticmethod
     def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
@@ -657,7 +696,8 @@ class OpenAIServer:
                 streams = await self.core.submit(params, prompt, f"{call.rid}-{p}", n=body.n,
                                                  cache_salt=body.cache_salt, fit_max_tokens=fit_max_tokens,
                                                  tools=call.tools.tools if call.tools else None)
-                call.choices += [Choice(p * body.n + i, s, tools=call.tools.output() if call.tools else None)
+                call.choices += [Choice(p * body.n + i, s, tools=call.tools.output() if call.tools else None,
+                                        reasoning=call.reasoning() if call.reasoning else None)
                                  for i, s in enumerate(streams)]
         except Refusal as refusal:
             self._close(call)
@@ -720,9 +760,9 @@ class OpenAIServer:
                           last: bool = last, first_of_choice: bool = first_of_choice, ids: list[int] = ids
                           ) -> bytes:
                     finish = c.stream.finish if last else None
-                    if c.tools is not None:
+                    if c.tools is not None or c.reasoning is not None:
                         return b"".join(sse(chunk) for chunk in
-                                        call.tool_chunks(c, text, entries, finish, first_of_choice, ids))
+                                        call.chat_chunks(c, text, entries, finish, first_of_choice, ids))
                     choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
                     return sse(call.head(True) | {"choices": [choice]})
 
