@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import time
 import uuid
@@ -44,6 +43,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.gateway.http_common import (
+    CLIENT_CLOSED,
+    PARAM,
+    ROUTING_CODES,
+    Disconnected,
+    HTTPError,
+    from_refusal,
+    invalid_body,
+    until_disconnect,
+)
 from pipeserve.gateway.http_limits import uvicorn_options
 from pipeserve.gateway.openai_fields import (
     CHAT_REFUSED,
@@ -63,23 +72,6 @@ log = logging.getLogger("pipeserve.gateway.http")
 
 MAX_N = 128
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]  # what the int32 wire fields can hold
-RETRY_AFTER = "1"  # seconds a client refused for capacity should wait
-CLIENT_CLOSED = 499  # the status a request whose client left is logged with (nobody reads it)
-ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
-# How the core's error codes reach an HTTP client: (status, OpenAI error type).
-STATUS = {
-    ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    ErrorCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    ErrorCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
-    ErrorCode.UNAUTHENTICATED: (401, "authentication_error"),
-    ErrorCode.RESOURCE_EXHAUSTED: (503, "server_error"),
-    ErrorCode.UNAVAILABLE: (503, "server_error"),
-    ErrorCode.DEADLINE_EXCEEDED: (504, "server_error"),
-}
-# Gateway field names in messages, as an OpenAI client calls them.
-PARAM_NAMES = {"prompt_token_ids": "prompt", "logprobs": "logprobs", "messages": "messages"}
-PARAM = re.compile(r"^([a-z_]+)")
 
 
 # ---- request bodies --------------------------------------------------------------------------------
@@ -251,40 +243,6 @@ class TokenizeBody(BaseModel):
 class DetokenizeBody(BaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-# ---- errors -------------------------------------------------------------------------------------
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": RETRY_AFTER} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def invalid_body(errors: list[Any]) -> HTTPError:
-    """A request body's first validation error as a 400 naming its parameter (never a bare 422)."""
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = f"{param or 'request body'}: {first.get('msg', 'invalid')}"
-    return HTTPError(400, message, param.split(".")[0] if param else None)
-
-
-def from_refusal(refusal: Refusal) -> HTTPError:
-    """The core's refusal as an HTTP error; param is the field the message names first."""
-    status, kind = STATUS.get(refusal.code, (500, "server_error"))
-    match = PARAM.match(refusal.message) if status == 400 else None
-    param = PARAM_NAMES.get(match.group(1), match.group(1)) if match else None
-    return HTTPError(status, refusal.message, param, refusal.code.name.lower(), kind)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -705,7 +663,7 @@ class OpenAIServer:
         if body.stream:
             merged = self._merged(call)
             try:
-                first = await _until_disconnect(request, anext(merged))
+                first = await until_disconnect(request, anext(merged))
             except Refusal as refusal:
                 self._close(call)
                 raise from_refusal(refusal) from None
@@ -716,7 +674,7 @@ class OpenAIServer:
             return StreamingResponse(self._events(call, first, merged, usage_last),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            result = await _until_disconnect(request, self._collect(call))
+            result = await until_disconnect(request, self._collect(call))
             if not call.logprobs:
                 return JSONResponse(result)
             # Logprob tables can be megabytes of JSON: encoded off the loop (see _events).
@@ -894,31 +852,3 @@ def _check_json(request: Request) -> None:
 
 async def _json_body(request: Request) -> None:  # async: FastAPI runs sync dependencies on threads
     _check_json(request)
-
-
-class Disconnected(Exception):
-    """The client left before its answer was ready (its requests are closed: the engine aborts them)."""
-
-
-T = TypeVar("T")
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """work's result, or Disconnected when the client disconnects first (a request whose response
-    has not started notices nothing otherwise and would keep its requests running in the engine)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.create_task(disconnected())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise Disconnected
-    return task.result()
