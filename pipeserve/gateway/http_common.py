@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from pipeserve.gateway.requests import ErrorCode, Refusal
 
@@ -31,6 +32,14 @@ STATUS = {
 # Gateway field names in messages, as an OpenAI client calls them.
 PARAM_NAMES = {"prompt_token_ids": "prompt", "logprobs": "logprobs", "messages": "messages"}
 PARAM = re.compile(r"^([a-z_]+)")
+
+
+class RequestBody(BaseModel):
+    """A generation request's body: check_supported refuses (HTTPError) the fields the server would
+    otherwise ignore though they change the result (pipeserve/gateway/openai_fields.py)."""
+
+    def check_supported(self) -> None:
+        return None
 
 
 class HTTPError(Exception):

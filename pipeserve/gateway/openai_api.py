@@ -49,6 +49,7 @@ from pipeserve.gateway.http_common import (
     ROUTING_CODES,
     Disconnected,
     HTTPError,
+    RequestBody,
     from_refusal,
     invalid_body,
     until_disconnect,
@@ -63,10 +64,11 @@ from pipeserve.gateway.openai_fields import (
 )
 from pipeserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pipeserve.gateway.reasoning import ReasoningParser
+from pipeserve.gateway.reasoning.constraint import constrain_after_reasoning
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
+from pipeserve.gateway.responses_api import Responses, ResponsesRequest
 from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, plan_tools
 from pipeserve.messages import ChatMessage, TokenLogprob
-from pipeserve.sampling_params import CONSTRAINTS, SamplingParams
 
 log = logging.getLogger("pipeserve.gateway.http")
 
@@ -77,7 +79,7 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]  # what the int32 wire fi
 # ---- request bodies --------------------------------------------------------------------------------
 
 
-B = TypeVar("B", bound="Sampling")
+B = TypeVar("B", bound=RequestBody)
 
 
 class StreamOptions(BaseModel):
@@ -112,7 +114,7 @@ class StructuredOutputs(BaseModel):
         return given
 
 
-class Sampling(BaseModel):
+class Sampling(RequestBody):
     """The parameters both endpoints share (OpenAI's and vLLM's extra sampling fields). Fields it
     does not declare are kept (extra="allow") only to refuse the meaningful ones (REFUSED)."""
 
@@ -418,6 +420,7 @@ class OpenAIServer:
         self.core, self.config = core, config
         self.tokenizer_config = tokenizer  # what /tokenize and /detokenize load, on first use
         self._tokenizer: Any = None
+        self.responses = Responses(core, config, self._model)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
@@ -482,6 +485,8 @@ class OpenAIServer:
         app.add_route("/v1/completions", self._parsed(CompletionRequest, self.completions, "prompt"),
                       ["POST"])
         app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat, "messages"), ["POST"])
+        app.add_route("/v1/responses", self._parsed(ResponsesRequest, self.responses.create, "input"),
+                      ["POST"])
         keyed = [Depends(self._check_key), Depends(_json_body)]
         app.get("/v1/models", dependencies=keyed)(self.models)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
@@ -610,27 +615,11 @@ class OpenAIServer:
             given |= plan.constraint()
         reasoning = self.config.reasoning_parser
         if reasoning is not None:
-            given = await self._after_reasoning(reasoning, given)
+            given = await constrain_after_reasoning(reasoning, given)
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     return_token_ids=body.return_token_ids, tools=plan,
                     reasoning=REASONING_PARSERS[reasoning] if reasoning else None)
         return await self._serve(call, [messages], given, body, request, fit_max_tokens=max_tokens is None)
-
-    @staticmethod
-    async def _after_reasoning(reasoning: str, given: dict[str, Any]) -> dict[str, Any]:
-        """given with its structured-output constraint (if any) applying only after the reasoning
-        section: as one grammar, built off the loop (xgrammar, imported on the first such request)."""
-        names = [name for name in CONSTRAINTS if given.get(name) not in (None, False)]
-        if not names:
-            return given
-        try:
-            kind, text = SamplingParams(**{names[0]: given[names[0]]}).constraint() or ("", "")
-            from pipeserve.grammar import after_reasoning  # imports xgrammar (and torch): when first needed
-
-            grammar = await asyncio.to_thread(after_reasoning, reasoning, kind, text)
-        except (ValueError, TypeError) as exc:
-            raise HTTPError(400, str(exc), names[0]) from None
-        return {k: v for k, v in given.items() if k not in CONSTRAINTS} | {"grammar": grammar}
 
     @staticmethod
     def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:

@@ -86,6 +86,23 @@ CHAT_REFUSED: dict[str, Rule] = _SHARED | {
     "documents": _truthy,
 }
 
+def _not_disabled(value: Any) -> bool:
+    return value not in (None, "disabled")
+
+
+RESPONSES_REFUSED: dict[str, Rule] = {
+    "store": _truthy,  # stateless: nothing is stored; store: false is accepted
+    "previous_response_id": _given,
+    "conversation": _given,
+    "prompt": _given,  # stored prompt templates
+    "reasoning": _given,  # effort and summaries: the model reasons as its template makes it
+    "include": _truthy,
+    "truncation": _not_disabled,
+    "top_logprobs": _truthy,
+    "max_tool_calls": _given,
+    "background": _truthy,
+}
+
 # Fields of a chat message the server does not render (the chat template sees role and content).
 MESSAGE_REFUSED: dict[str, Rule] = {"function_call": _given, "audio": _given}
 
