@@ -8,11 +8,12 @@ format by a regex constraint (structured_outputs); a tool result continues the c
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jsonschema
 import openai
 import pytest
+from pydantic import Field
 
 from pipeserve.local_cluster import LocalCluster
 
@@ -154,3 +155,60 @@ def test_structured_outputs_over_http(server):
     out = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=30,
                                     extra_body={"structured_outputs": {"json": SCHEMAS["time"]}})
     jsonschema.validate(json.loads(out.choices[0].text), SCHEMAS["time"])
+
+
+@pytest.mark.parametrize("server", ["hermes"], indirect=True)
+def test_responses_text_stream_and_function_call_round_trip(server):
+    _, client = server
+    out = client.responses.create(model="stories260K", input="Is it sunny?", instructions="Answer.",
+                                  max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model="stories260K", max_tokens=12, temperature=0,
+                                          messages=[{"role": "system", "content": "Answer."}, *USER])
+    assert out.output_text == chat.choices[0].message.content  # rendered as chat renders it
+    assert out.usage.input_tokens == chat.usage.prompt_tokens and out.status == "incomplete"
+    events = list(client.responses.create(model="stories260K", input="Is it sunny?", instructions="Answer.",
+                                          max_output_tokens=12, temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    tool = {"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}
+    first = client.responses.create(model="stories260K", input="Is it sunny?", tools=[tool],
+                                    tool_choice="required", parallel_tool_calls=False, extra_body={"seed": 3})
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["weather"])
+    streamed = list(client.responses.create(model="stories260K", input="Is it sunny?", tools=[tool],
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            extra_body={"seed": 3},
+                                            stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == (
+        call.arguments)
+    history = [{"role": "user", "content": "Is it sunny?"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    answer = client.responses.create(model="stories260K", input=history, tools=[tool], tool_choice="none",
+                                     max_output_tokens=8, temperature=0)
+    assert answer.output_text and answer.output[0].type == "message"
+
+
+@pytest.mark.parametrize("server", ["hermes"], indirect=True)
+def test_openai_agents_sdk_runs_one_turn_with_a_function_tool(server):
+    agents = pytest.importorskip("agents")
+    _, client = server
+    called: list[dict[str, Any]] = []
+
+    # Bounded arguments: a tiny model writes a free string until max_tokens.
+    @agents.function_tool
+    def weather(city: Literal["paris", "rome"], days: Annotated[int, Field(ge=1, le=9)]) -> str:
+        """The weather in a city."""
+        called.append({"city": city, "days": days})
+        return "sunny"
+
+    agents.set_tracing_disabled(True)  # no trace export to OpenAI
+    model = agents.OpenAIResponsesModel(
+        model="stories260K", openai_client=openai.AsyncOpenAI(base_url=str(client.base_url), api_key="x"))
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    # The tool's result is the turn's answer: this model, asked again, would only ramble to max_tokens.
+    agent = agents.Agent(name="forecaster", instructions="Use the tool.", tools=[weather], model=model,
+                         model_settings=settings, tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, "Is it sunny?", max_turns=2)
+    assert len(called) == 1 and called[0]["city"] in ("paris", "rome") and 1 <= called[0]["days"] <= 9
+    assert result.final_output == "sunny"
