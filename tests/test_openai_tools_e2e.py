@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -144,6 +145,9 @@ def test_a_tool_result_continues_the_conversation(server, stories_dir):
                                          add_generation_prompt=True)
     assert f"{call.function.name} {{" in text and "tool: sunny" in text
     assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    root = str(client.base_url).removesuffix("/v1/")
+    tokens = httpx.post(root + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=60).json()
+    assert tokens["count"] == out.usage.prompt_tokens  # /tokenize renders the same
 
 
 @pytest.mark.parametrize("server", ["hermes"], indirect=True)  # independent of the parser

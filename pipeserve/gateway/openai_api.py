@@ -239,6 +239,7 @@ class TokenizeBody(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered by the chat template, as on chat
     add_special_tokens: bool = True
 
 
@@ -765,14 +766,14 @@ class OpenAIServer:
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "prompt or messages: give exactly one", "prompt")
         tokenizer = await self._load_tokenizer()
+        chat = [m.message() for m in body.messages or []]
 
         def encode() -> list[int]:
             if body.prompt is not None:
                 ids: list[int] = tokenizer.tokenizer.encode(body.prompt,
                                                             add_special_tokens=body.add_special_tokens)
                 return ids
-            chat = [ChatMessage(m.role, m.text()) for m in body.messages or []]
-            chat_ids: list[int] = tokenizer.encode_messages(chat)
+            chat_ids: list[int] = tokenizer.encode_messages(chat, body.tools)
             return chat_ids
 
         try:
