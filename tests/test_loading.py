@@ -30,7 +30,8 @@ def test_read_safetensors_matches_the_library(tmp_path) -> None:
     }
     path = str(tmp_path / "x.safetensors")
     save_file(tensors, path, metadata={"format": "pt"})
-    read = dict(read_safetensors(path))
+    with open(path, "rb") as f:
+        read = {name: stored.read() for name, stored in read_safetensors(f)}
     expected = load_file(path)
     assert read.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -41,11 +42,28 @@ def test_truncated_file_is_refused(tmp_path) -> None:
     path = tmp_path / "x.safetensors"
     save_file({"w": torch.randn(64)}, str(path))
     path.write_bytes(path.read_bytes()[:-8])
-    with pytest.raises(ValueError, match="truncated"):
-        list(read_safetensors(str(path)))
+    with open(path, "rb") as f, pytest.raises(ValueError, match="truncated"):
+        [stored.read() for _, stored in read_safetensors(f)]
 
 
-def test_fp32_checkpoint_loads_as_bf16_exactly(stories_dir: str) -> None:
+def test_large_tensors_are_read_in_row_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor larger than the read buffer arrives in blocks of rows, each cast on its way in."""
+    monkeypatch.setattr(loader, "READ_CHUNK_BYTES", 4 * 64 * 3 + 8)  # 3 rows of 64 fp32 and a bit
+    weight = torch.randn(10, 64)
+    path = tmp_path / "x.safetensors"
+    save_file({"w": weight}, str(path))
+    with open(path, "rb") as f:
+        (_, stored), = read_safetensors(f)
+        buffer = torch.empty(loader.READ_CHUNK_BYTES, dtype=torch.uint8)
+        blocks = [stored.read(start, min(10, start + 3), buffer).clone() for start in range(0, 10, 3)]
+    assert [b.shape[0] for b in blocks] == [3, 3, 3, 1]
+    assert torch.equal(torch.cat(blocks), weight)
+
+
+@pytest.mark.parametrize("chunk", [16 * 2**20, 1000])
+def test_fp32_checkpoint_loads_as_bf16_exactly(stories_dir: str, chunk: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "READ_CHUNK_BYTES", chunk)  # 1000: every matrix in blocks of rows
     model, cfg = load_model(stories_dir, TORCH, CPU, torch.bfloat16, 256)
     params = dict(model.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.bfloat16}
