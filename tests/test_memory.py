@@ -78,6 +78,7 @@ def test_cpu_and_explicit_sizes() -> None:
                                                                       "--kv-cache-gb")
     probe = FakeProbe()
     assert kv_budget(EngineConfig(kv_cache_gb=2.0), probe, lambda: None)[:2] == (2 * GiB, None)
+    assert kv_budget(EngineConfig(num_pages=8), probe, lambda: None) == (0, None, "--num-pages given")
     assert probe.ran == 0  # an explicit size needs no profile
     kv, peak, why = kv_budget(EngineConfig(), probe, None)  # a tensor-parallel rank
     assert peak is None and why == "tensor parallel" and kv == int(72 * GiB) - 17 * GiB

@@ -70,9 +70,9 @@ def write_random_llama(model_dir: str, millions: float, hidden: int = 1024, inte
     layers = max(1, round((millions * 1e6 - 2 * vocab * hidden) / per_layer))
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=16, num_key_value_heads=16, vocab_size=vocab,
-                         max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32")
+                         max_position_embeddings=2048, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32: torch's default dtype
     model.save_pretrained(model_dir, safe_serialization=True)
 
 

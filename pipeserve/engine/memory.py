@@ -114,6 +114,8 @@ def kv_budget(config: EngineConfig, probe: MemoryProbe | None,
     """(bytes for the KV pool, the profiled activation peak or None, why it was not profiled).
     probe: the device's allocator (None on the CPU); profile: the largest step (None where it cannot
     run alone, as on a tensor-parallel rank, whose forward is a collective of the group)."""
+    if config.num_pages is not None:  # the pool's size in pages: no budget to work out
+        return 0, None, "--num-pages given"
     if config.kv_cache_gb is not None:
         return int(config.kv_cache_gb * GiB), None, "--kv-cache-gb given"
     if probe is None:
