@@ -102,3 +102,51 @@ def test_offline_install_from_the_wheelhouse_keeps_torch(tmp_path: Path) -> None
     top = {line.split(",")[0].split("/")[0] for line in record.read_text().splitlines()}
     assert top == {"pipeserve", record.parent.name, ".."}, top  # "..": the console script in bin/
     shutil.rmtree(venv)
+
+
+def _dry_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: dict, inside: dict,
+              wheelhouse: bool) -> tuple[list[list[str]], list[str]]:
+    """Run `install.py venv` with pip and venv recorded instead of run: (commands, constraints)."""
+    commands: list[list[str]] = []
+    constraints: list[str] = []
+    venv = tmp_path / "venv"
+    house = tmp_path / "wheelhouse"
+    if wheelhouse:
+        house.mkdir()
+        (house / "msgpack-1.0-py3-none-any.whl").write_bytes(b"")
+
+    def probe(python: str) -> dict:
+        return dict(base if python == sys.executable else inside)
+
+    def run(cmd: list[str]) -> None:
+        commands.append(cmd)
+        if cmd[1:3] == ["-m", "venv"]:
+            (venv / "bin").mkdir(parents=True)
+            (venv / "bin" / "python").write_text("")
+        if "-c" in cmd:
+            constraints.extend(Path(cmd[cmd.index("-c") + 1]).read_text().split())
+
+    monkeypatch.setattr(install, "probe", probe)
+    monkeypatch.setattr(install, "run", run)
+    assert install.main(["venv", str(venv), "--wheelhouse", str(house), "--extras", "dev"]) == 0
+    return commands, constraints
+
+
+def test_a_cuda_torch_of_the_base_python_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = {"torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0", "triton_dist": "triton"}
+    commands, constraints = _dry_venv(tmp_path, monkeypatch, cuda, cuda, wheelhouse=True)
+    assert commands[0][1:] == ["-m", "venv", "--system-site-packages", str(tmp_path / "venv")]
+    pips = [c for c in commands if c[1:4] == ["-m", "pip", "install"]]
+    assert len(pips) == 2 and all("--no-index" in c for c in pips)  # the wheelhouse only
+    asked = {install.requirement_name(a) for c in pips for a in c if a[0].isalpha() and "==" not in a}
+    assert not asked & {"torch", "triton"} and {"pyzmq", "pytest"} <= asked
+    assert constraints == ["torch==2.11.0+cu130", "triton==3.6.0"] * 2
+    assert pips[1][-2:] == ["--no-deps", str(ROOT)]  # the project last, its dependencies already in
+
+
+def test_without_torch_the_pinned_one_is_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    none = {"torch": None, "cuda": None, "triton": None, "triton_dist": None}
+    commands, _ = _dry_venv(tmp_path, monkeypatch, none, none, wheelhouse=False)
+    assert commands[0][1:] == ["-m", "venv", str(tmp_path / "venv")]
+    assert commands[1][-1] == "torch==2.13.0"
+    assert not any("--no-index" in c for c in commands)
