@@ -17,7 +17,7 @@ from pipeserve.engine.model.quantize import quantize_model
 from pipeserve.preflight import StartupError, checkpoint
 
 CPU = torch.device("cpu")
-TORCH = get_backend("torch")
+BACKEND = get_backend("cpu")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -64,7 +64,7 @@ def test_large_tensors_are_read_in_row_blocks(tmp_path, monkeypatch: pytest.Monk
 def test_fp32_checkpoint_loads_as_bf16_exactly(stories_dir: str, chunk: int,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "READ_CHUNK_BYTES", chunk)  # 1000: every matrix in blocks of rows
-    model, cfg = load_model(stories_dir, TORCH, CPU, torch.bfloat16, 256)
+    model, cfg = load_model(stories_dir, BACKEND, CPU, torch.bfloat16, 256)
     params = dict(model.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.bfloat16}
     assert not any(p.is_meta for p in params.values())
@@ -78,8 +78,8 @@ def test_fp32_checkpoint_loads_as_bf16_exactly(stories_dir: str, chunk: int,
 
 @pytest.mark.parametrize("method", ["w8a8-int8", "w4a16"])
 def test_quantized_while_loading_equals_quantizing_after(stories_dir: str, method: str) -> None:
-    streamed, _ = load_model(stories_dir, TORCH, CPU, torch.float32, 256, quantization=method)
-    after = quantize_model(load_model(stories_dir, TORCH, CPU, torch.float32, 256)[0], method, TORCH)
+    streamed, _ = load_model(stories_dir, BACKEND, CPU, torch.float32, 256, quantization=method)
+    after = quantize_model(load_model(stories_dir, BACKEND, CPU, torch.float32, 256)[0], method, BACKEND)
     a, b = streamed.state_dict(), after.state_dict()
     assert a.keys() == b.keys()
     for name in a:
@@ -94,7 +94,7 @@ def test_a_missing_tensor_is_named(stories_dir: str, tmp_path) -> None:
         shutil.copy(os.path.join(stories_dir, name), tmp_path)
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj\.weight"):
-        load_model(str(tmp_path), TORCH, CPU, torch.float32, 256)
+        load_model(str(tmp_path), BACKEND, CPU, torch.float32, 256)
 
 
 def test_units_are_allocated_one_at_a_time(stories_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,7 +109,7 @@ def test_units_are_allocated_one_at_a_time(stories_dir: str, monkeypatch: pytest
         seen.append((unit, meta_layers))
 
     monkeypatch.setattr(loader._Materializer, "_allocate", allocate)
-    model, cfg = load_model(stories_dir, TORCH, CPU, torch.bfloat16, 256)
+    model, cfg = load_model(stories_dir, BACKEND, CPU, torch.bfloat16, 256)
     layers = dict(seen)
     assert layers["layers.0"] == cfg.num_layers - 1
     assert sorted(seen, key=lambda s: -s[1]) == seen  # each allocation leaves fewer layers unallocated
@@ -125,9 +125,9 @@ def config_only_dir(stories_dir: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("quantization", ["none", "w8a8-int8", "nf4"])
 def test_dummy_weights_need_no_checkpoint(config_only_dir: str, quantization: str) -> None:
-    model, cfg = load_model(config_only_dir, TORCH, CPU, torch.bfloat16, 256, quantization=quantization,
+    model, cfg = load_model(config_only_dir, BACKEND, CPU, torch.bfloat16, 256, quantization=quantization,
                             load_format="dummy", seed=3)
-    again, _ = load_model(config_only_dir, TORCH, CPU, torch.bfloat16, 256, quantization=quantization,
+    again, _ = load_model(config_only_dir, BACKEND, CPU, torch.bfloat16, 256, quantization=quantization,
                           load_format="dummy", seed=3)
     state, other = model.state_dict(), again.state_dict()
     assert all(torch.equal(state[k], other[k]) for k in state)  # the seed decides the weights
@@ -157,4 +157,4 @@ def test_preflight_accepts_a_config_only_dir_for_dummy(config_only_dir: str) -> 
 
 def test_load_format_is_checked(stories_dir: str) -> None:
     with pytest.raises(ValueError, match="load_format"):
-        load_model(stories_dir, TORCH, CPU, torch.float32, 256, load_format="pt")
+        load_model(stories_dir, BACKEND, CPU, torch.float32, 256, load_format="pt")

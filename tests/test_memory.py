@@ -60,7 +60,7 @@ def test_cuda_path_profiles_the_largest_step(stories_dir: str, max_batched: int,
                                              rows: int) -> None:
     """The profile step (full prefill chunks, some shorter than a page, and a decode batch) runs on a
     real model, and the budget is the share left after it."""
-    model, _ = load_model(stories_dir, get_backend("torch"), CPU, torch.float32, max_len)
+    model, _ = load_model(stories_dir, get_backend("cpu"), CPU, torch.float32, max_len)
     probe = FakeProbe()
     step = partial(profile_step, model, CPU, torch.float32, 16, "auto", max_len, max_batched, rows)
     kv, peak, why = kv_budget(EngineConfig(gpu_memory_utilization=0.9), probe, step)
@@ -69,7 +69,7 @@ def test_cuda_path_profiles_the_largest_step(stories_dir: str, max_batched: int,
 
 
 def test_profile_step_with_a_quantized_kv_cache(stories_dir: str) -> None:
-    model, _ = load_model(stories_dir, get_backend("torch"), CPU, torch.float32, 64)
+    model, _ = load_model(stories_dir, get_backend("cpu"), CPU, torch.float32, 64)
     profile_step(model, CPU, torch.float32, 16, "int8", 64, 80, 4)
 
 
