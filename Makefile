@@ -1,34 +1,61 @@
-# pipeserve developer entry points. Every target creates .venv on first use.
+# pipeserve developer entry points. Every target creates .venv on first use, through tools/install.py:
+# a torch already installed (in .venv, or a CUDA build in $(PY)'s site-packages, which .venv then sees)
+# is kept and never upgraded, and with a wheelhouse/ folder (`make wheelhouse`) nothing is downloaded.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# What each kind of target needs: serving takes the runtime dependencies only (add EXTRAS=ray for
+# `--ray`); tests and linters take the dev, bench and ray extras; benchmarks the bench extra.
+RUNTIME = $(VENV)/.runtime$(EXTRAS:%=-%)
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench
+TORCH_VERSION ?= 2.13.0
+WHEELHOUSE ?= wheelhouse
+PYTHON_VERSION ?= $(shell $(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+EXTRAS ?=
+INSTALL := $(PY) tools/install.py venv $(VENV) --editable --torch-version $(TORCH_VERSION) --wheelhouse $(WHEELHOUSE)
 MODEL ?=
 HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
 WORKERS ?= 2
 PYTEST_ARGS ?=
+BENCH_ARGS ?= --help
 GPU_CHECK_OUT ?= bench/results/$(shell date +%F)-gpu-check
 GPU_CHECK_ARGS ?=
 DOCKER_PACKAGES := docker.io docker-compose debootstrap
 
-.PHONY: serve test test-fast test-gpu gpu-check lint venv proto clean
+.PHONY: serve bench wheelhouse test test-fast test-gpu gpu-check lint venv proto clean
 
-$(STAMP): pyproject.toml
-	test -d $(VENV) || $(PY) -m venv $(VENV)
-	# torch first, pinned, so pip takes the CPU build on disk instead of pulling CUDA wheels.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench,ray]'
-	touch $(STAMP)
+# Each stamp names the extras it installed; a later target with more extras installs the rest.
+$(RUNTIME): pyproject.toml tools/install.py
+	$(INSTALL) $(if $(EXTRAS),--extras $(EXTRAS))
+	touch $(RUNTIME)
+
+$(STAMP): pyproject.toml tools/install.py
+	$(INSTALL) --extras dev,bench,ray
+	touch $(STAMP) $(RUNTIME) $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml tools/install.py
+	$(INSTALL) --extras bench
+	touch $(BENCH_STAMP) $(RUNTIME)
 
 venv: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python -m pipeserve.gateway.proto
 
-serve: $(STAMP)
+serve: $(RUNTIME)
 	$(BIN)/pipeserve up $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --tokenizer-workers $(WORKERS)
+
+# `make bench BENCH_ARGS="offline --out bench/results/..."`: pipeserve bench with the bench extra.
+bench: $(BENCH_STAMP)
+	$(BIN)/pipeserve bench $(BENCH_ARGS)
+
+# Wheels of every runtime dependency but torch and triton (and of EXTRAS), for PYTHON_VERSION on
+# manylinux x86-64, into $(WHEELHOUSE)/: carry the checkout with it to a host without network.
+wheelhouse:
+	$(PY) tools/install.py wheelhouse $(WHEELHOUSE) --python-version $(PYTHON_VERSION) $(if $(EXTRAS),--extras $(EXTRAS))
 
 # The whole suite, after ruff and the type checker (CI runs this target).
 test: lint
@@ -50,7 +77,8 @@ test-gpu: $(STAMP)
 
 # On a CUDA host: kernels vs references, engine parity, one sync per step and the speed rows, written
 # to $(GPU_CHECK_OUT) (GPU_CHECK_ARGS=--quick for the correctness sections only). docs/gpu.md.
-gpu-check: $(STAMP)
+# The runtime install, as `serve`: the host's CUDA torch is kept, wheelhouse/ used when there is one.
+gpu-check: $(RUNTIME)
 	$(BIN)/pipeserve gpu-check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)

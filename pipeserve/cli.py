@@ -68,6 +68,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "pipeserve.bench.step",
         "decode step vs the memory floor, HF generate and llama.cpp; compiled vs eager",
     ),
+    "load": ("pipeserve.bench.load", "peak resident memory while loading a checkpoint in its serving dtype"),
     "cpu-ops": (
         "pipeserve.bench.cpu_ops",
         "the cpu backend's native attention and packed linear vs the torch ops",

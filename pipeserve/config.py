@@ -23,6 +23,7 @@ STEP_EXECUTORS = ("auto", "eager", "compiled", "native")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 # The gateway keeps an aborted id reserved until the engine reports its finish (or its error), but at
 # most this long (a request lost with a dead process never reports).
@@ -56,9 +57,14 @@ class EngineConfig:
     page_size: int = opt(16, "tokens per KV cache page")
     prefix_caching: bool = opt(True, "reuse the KV cache of prompt prefixes already computed (exact; "
                                "pages are shared only among requests with the same cache_salt)")
-    kv_cache_gb: float | None = opt(None, "KV cache size in GB; unset: --gpu-memory-utilization of free GPU "
-                                    "memory, or 0.25 GB on CPU")
-    gpu_memory_utilization: float = opt(0.9, "fraction of free GPU memory the KV cache may take")
+    kv_cache_gb: float | None = opt(None, "KV cache size in GB; unset: what --gpu-memory-utilization leaves "
+                                    "after the weights and the profiled activation peak on CUDA, "
+                                    "0.25 GB on CPU")
+    gpu_memory_utilization: float = opt(0.9, "fraction of the GPU's TOTAL memory this engine may use: "
+                                        "weights, activations and the KV cache (as vLLM)")
+    load_format: str = opt("auto", "auto/safetensors: read the checkpoint's weights; dummy: random weights "
+                           "made on the device (only config.json and a tokenizer needed)",
+                           choices=LOAD_FORMATS)
     num_pages: int | None = opt(None, "KV cache pages, overriding --kv-cache-gb (tests use tiny pools)")
     max_num_seqs: int = opt(256, "most sequences running in one step")
     max_num_batched_tokens: int = opt(2048, "most tokens (prefill + decode) in one step")

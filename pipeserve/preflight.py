@@ -83,7 +83,7 @@ def resolve(engine: EngineConfig) -> EngineConfig:
     except hub.ModelNotFound as exc:
         raise StartupError(f"--tokenizer {exc}") from None
     what = f"--model {name}" if name else "the demo model"
-    model_cfg = checkpoint(what, model_dir, engine.rope_scaling)
+    model_cfg = checkpoint(what, model_dir, engine.rope_scaling, weights=engine.load_format != "dummy")
     context = model_cfg.max_position_embeddings
     if engine.max_model_len is not None and engine.max_model_len > context:
         if engine.rope_scaling:
@@ -170,8 +170,10 @@ def check_fp8(engine: EngineConfig) -> None:
                            "instead")
 
 
-def checkpoint(what: str, model_dir: str, rope_scaling: str | None = None) -> ModelConfig:
-    """The config of a checkpoint directory that pipeserve can load, or StartupError saying why not."""
+def checkpoint(what: str, model_dir: str, rope_scaling: str | None = None,
+               weights: bool = True) -> ModelConfig:
+    """The config of a checkpoint directory that pipeserve can load, or StartupError saying why not.
+    weights: whether it must hold weights (not with --load-format dummy)."""
     try:
         cfg = ModelConfig.from_dict(read_config(model_dir, rope_scaling))
     except FileNotFoundError:
@@ -181,9 +183,10 @@ def checkpoint(what: str, model_dir: str, rope_scaling: str | None = None) -> Mo
         raise StartupError(f"{what}: config.json has no {exc}: not a Llama-family checkpoint") from None
     except ValueError as exc:  # an unsupported architecture, a config.json that is no JSON
         raise StartupError(f"{what}: {exc}") from None
-    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+    if weights and not glob.glob(os.path.join(model_dir, "*.safetensors")):
         raise StartupError(f"{what}: no *.safetensors weights in {model_dir} (pipeserve loads safetensors "
-                           "only; convert .bin weights with transformers' save_pretrained)") from None
+                           "only; convert .bin weights with transformers' save_pretrained, or serve random "
+                           "weights with --load-format dummy)") from None
     return cfg
 
 

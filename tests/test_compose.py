@@ -122,6 +122,16 @@ def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
         assert others == (["cache:/home/pipeserve/.cache/pipeserve:rw"] if name == "engine" else [])
     assert "PIPESERVE_CACHE=/home/pipeserve/.cache/pipeserve" in (ROOT / "Dockerfile").read_text()
     assert set(compose["volumes"]) == {"cache"}
+    # Triton's kernel cache too (Inductor's follows PIPESERVE_CACHE by itself).
+    triton_cache = compose["services"]["engine"]["environment"]["TRITON_CACHE_DIR"]
+    assert triton_cache.startswith("/home/pipeserve/.cache/pipeserve/"), triton_cache
+
+
+def test_the_image_exposes_both_apis() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    exposed = [line.split()[1:] for line in dockerfile.splitlines() if line.startswith("EXPOSE")]
+    assert exposed == [["50051", "8000"]]
+    assert "-p 50051:50051 -p 8000:8000" in dockerfile  # the `docker run` example publishes both
 
 
 def test_healthchecks(compose):

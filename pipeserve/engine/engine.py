@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,13 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine.backend import Backend, get_backend, resolve_backend
 from pipeserve.engine.executor import StepPlan
 from pipeserve.engine.kv.policy import make_policy
-from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page, kv_bytes_per_token
+from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
 from pipeserve.engine.kv.predicted import PredictedPolicy
+from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_step
 from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
-from pipeserve.engine.model.quantize import quantize_model
+from pipeserve.engine.model.quantize import weight_bytes
 from pipeserve.engine.model.tensor_parallel import check_shardable
 from pipeserve.engine.parallel import group as parallel_group
 from pipeserve.engine.parallel.group import TPGroup
@@ -42,7 +44,6 @@ from pipeserve.startup import phase
 
 log = logging.getLogger(__name__)
 
-CPU_KV_GB = 0.25
 GRAMMAR_WAIT = 0.005  # seconds a step with nothing to run waits for a grammar to compile
 
 
@@ -50,15 +51,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    if config.kv_cache_gb is not None:
-        return int(config.kv_cache_gb * 2**30)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, int(free - (1 - config.gpu_memory_utilization) * total))
-    return int(CPU_KV_GB * 2**30)
 
 
 class Engine:
@@ -93,10 +85,10 @@ class Engine:
         quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
         with phase(f"loading {self.model_dir} on {self.device}{quantized}", log, slow=True):
             self.model, self.model_config = load_model(
-                self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp, config.rope_scaling
+                self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp, config.rope_scaling,
+                quantization=config.quantization, load_format=config.load_format, seed=config.seed,
             )
             self.backend = backend.name
-            quantize_model(self.model, config.quantization, backend)  # before sizing the KV pool: frees it
         backend.prepare_model(self.model)
         shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
         per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
@@ -106,8 +98,13 @@ class Engine:
         drafting = config.speculative_method == "draft" and (tp is None or tp.is_driver)
         draft = self._load_draft(config, backend, model_cfg) if drafting else None
         draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
+        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         with phase("sizing and allocating the KV cache", log):
-            budget = kv_budget_bytes(config, self.device)
+            profile = None if tp is not None else partial(
+                profile_step, self.model, self.device, self.dtype, config.page_size, config.kv_cache_dtype,
+                self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs * (1 + spec_tokens))
+            probe = CudaProbe(self.device) if self.device.type == "cuda" else None
+            budget, activations, not_profiled = kv_budget(config, probe, profile)
             num_pages = config.num_pages or budget // (per_page + draft_per_page)
             if tp is not None:  # every rank holds the same pages
                 num_pages = tp.min_int(num_pages)
@@ -122,19 +119,11 @@ class Engine:
                 kv_cache_dtype=config.kv_cache_dtype,
                 prefix_caching=config.prefix_caching,
             )
-            unquantized = num_pages * per_page // kv_bytes_per_token(shard_cfg, self.dtype)
-            log.info(
-                "KV pool: %d pages of %d tokens = %d tokens in %.1f MiB (%s KV; %s would hold %d)",
-                num_pages,
-                config.page_size,
-                num_pages * config.page_size,
-                num_pages * per_page / 2**20,
-                config.kv_cache_dtype,
-                self.dtype,
-                unquantized,
-            )
+            weights = weight_bytes(self.model) + (weight_bytes(draft[0]) if draft else 0)
+            memory = MemoryPlan(weights, activations, num_pages * (per_page + draft_per_page), num_pages,
+                                config.page_size, self.max_model_len, not_profiled)
+            log.info("%s (%s KV)", memory.line(), config.kv_cache_dtype)
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
-        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         plan = StepPlan(
             requested=config.step_executor,
             max_rows=config.max_num_seqs * (1 + spec_tokens),  # verification rows run as decode rows

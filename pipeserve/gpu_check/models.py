@@ -97,31 +97,15 @@ def write_shape_config(path: str, shape: str, torch_dtype: str = "bfloat16") -> 
 @contextmanager
 def random_weights() -> Iterator[None]:
     """Engines built inside draw their weights at random on their device instead of reading the
-    checkpoint (which may hold only config.json): the engine's one load call is swapped for this."""
+    checkpoint (which may hold only config.json): the loader's `load_format="dummy"`, which also
+    quantizes them layer by layer when the engine asks for a quantization."""
     from pipeserve.engine import engine as engine_module
-    from pipeserve.engine.model.llama import LlamaForCausalLM
-    from pipeserve.model_config import ModelConfig
 
     namespace = vars(engine_module)
     load = namespace["load_model"]
 
-    def load_random(model_dir: str, backend: Any, device: torch.device, dtype: torch.dtype,
-                    max_positions: int, tp: Any = None, *_: Any) -> tuple[LlamaForCausalLM, ModelConfig]:
-        # The loader's later options (a rope-scaling override) do not apply to random weights.
-        if tp is not None:
-            raise ValueError("random weights are for one device (tensor_parallel_size 1)")
-        cfg = ModelConfig.from_dir(model_dir)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, backend).to(dtype)  # cast before any memory is taken
-        model = model.to_empty(device=device)
-        model.init_rope(max_positions, device)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0, 0.02)
-        return model.eval().requires_grad_(False), cfg
+    def load_random(*args: Any, **kwargs: Any) -> Any:
+        return load(*args, **{**kwargs, "load_format": "dummy"})
 
     namespace["load_model"] = load_random
     try:

@@ -42,48 +42,61 @@ def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str 
                    per_tensor: bool = False, o_proj: bool = False) -> LlamaForCausalLM:
     """Quantize `model` in place with `method`; the quantized layers run on `backend` (by default
     the model's own)."""
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    check_method(method, per_tensor)
     if method == "none":
         return model
-    if per_tensor and method not in W8A8_DTYPES:
-        raise ValueError("per-tensor scaling is an ablation of the W8A8 methods only")
     before = weight_bytes(model)
     if backend is None:
         backend = model.backend
     elif isinstance(backend, str):
         backend = get_backend(backend)
     for layer in cast(list[DecoderLayer], model.layers):
-        attn = layer.self_attn
-        # A sparse layer's dense MLP is its shared expert, if any.
-        mlp = layer.mlp.shared_expert if isinstance(layer.mlp, MoE) else layer.mlp
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.experts = quantize_experts(layer.mlp.experts, method, backend)
-        names: list[tuple[nn.Module, str]] = [(attn, "qkv_proj")]
-        names += [(mlp, "gate_up_proj"), (mlp, "down_proj")] if mlp is not None else []
-        names += [(attn, "o_proj")] if o_proj else []
-        if method in WEIGHT_ONLY:
-            for parent, name in names:
-                setattr(parent, name, W4A16Linear(getattr(parent, name), WEIGHT_ONLY[method], backend))
-            continue
-        dtype = W8A8_DTYPES[method]
-        for parent, name in names:
-            setattr(parent, name, W8A8Linear(getattr(parent, name), dtype, backend, per_tensor))
-        if not per_tensor:
-            # The router and the experts read the post-attention norm's output in float: a sparse
-            # layer's shared expert quantizes its own input.
-            norms = ["input_layernorm"] + ([] if isinstance(layer.mlp, MoE) else ["post_attention_layernorm"])
-            for name in norms:
-                norm = getattr(layer, name)
-                setattr(layer, name, QuantRMSNorm(norm.weight, norm.eps, dtype, backend))
-            if isinstance(mlp, MLP):
-                mlp.act_fn = SiluMulQuant(dtype, backend)
+        quantize_layer(layer, method, backend, per_tensor=per_tensor, o_proj=o_proj)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()  # hand the float weights' memory back so the KV pool can take it
     log.info("quantized %s: %s%s%s, weights %.2f -> %.2f MiB", model.config.name, method,
              " per-tensor" if per_tensor else "", " +o_proj" if o_proj else "", before / 2**20,
              weight_bytes(model) / 2**20)
     return model
+
+
+def check_method(method: str, per_tensor: bool = False) -> None:
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    if per_tensor and method not in W8A8_DTYPES:
+        raise ValueError("per-tensor scaling is an ablation of the W8A8 methods only")
+
+
+def quantize_layer(layer: DecoderLayer, method: str, backend: Backend, *, per_tensor: bool = False,
+                   o_proj: bool = False) -> None:
+    """Quantize one decoder layer in place (the loader calls this as soon as a layer's float
+    weights are all loaded, so the whole float model never exists at once)."""
+    if method == "none":
+        return
+    attn = layer.self_attn
+    # A sparse layer's dense MLP is its shared expert, if any.
+    mlp = layer.mlp.shared_expert if isinstance(layer.mlp, MoE) else layer.mlp
+    if isinstance(layer.mlp, MoE):
+        layer.mlp.experts = quantize_experts(layer.mlp.experts, method, backend)
+    names: list[tuple[nn.Module, str]] = [(attn, "qkv_proj")]
+    names += [(mlp, "gate_up_proj"), (mlp, "down_proj")] if mlp is not None else []
+    names += [(attn, "o_proj")] if o_proj else []
+    if method in WEIGHT_ONLY:
+        for parent, name in names:
+            setattr(parent, name, W4A16Linear(getattr(parent, name), WEIGHT_ONLY[method], backend))
+        return
+    dtype = W8A8_DTYPES[method]
+    for parent, name in names:
+        setattr(parent, name, W8A8Linear(getattr(parent, name), dtype, backend, per_tensor))
+    if not per_tensor:
+        # The router and the experts read the post-attention norm's output in float: a sparse
+        # layer's shared expert quantizes its own input.
+        norms = ["input_layernorm"] + ([] if isinstance(layer.mlp, MoE) else ["post_attention_layernorm"])
+        for name in norms:
+            norm = getattr(layer, name)
+            setattr(layer, name, QuantRMSNorm(norm.weight, norm.eps, dtype, backend))
+        if isinstance(mlp, MLP):
+            mlp.act_fn = SiluMulQuant(dtype, backend)
 
 
 def quantize_experts(experts: nn.Module, method: str, backend: Backend) -> nn.Module:

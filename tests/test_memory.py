@@ -1,0 +1,102 @@
+"""KV pool sizing: the CUDA arithmetic with fake numbers, and the profile step run for real on the CPU
+through the same code path a CUDA engine takes (a fake allocator probe stands in for CUDA's)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine.backend import get_backend
+from pipeserve.engine.memory import GiB, MemoryPlan, kv_budget, kv_bytes_cuda, profile_step
+from pipeserve.engine.model.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def test_kv_bytes_is_the_share_of_total_memory_left() -> None:
+    # An 80 GB device at 0.9: 72 GB, less 16 GB of weights, 2 GB of activations, 1 GB not torch's.
+    assert kv_bytes_cuda(80 * GiB, 0.9, 16 * GiB, 2 * GiB, 1 * GiB) == 53 * GiB
+    assert kv_bytes_cuda(80 * GiB, 0.2, 16 * GiB, 2 * GiB, 1 * GiB) == 0  # never negative
+
+
+def test_plan_line_names_every_figure() -> None:
+    plan = MemoryPlan(16 * GiB, 2 * GiB, 53 * GiB, 10_000, 16, 8192)
+    assert plan.max_concurrent_seqs == 10_000 // 512
+    line = plan.line()
+    for part in ("weights 16.00 GB", "activation peak 2.00 GB", "KV 53.00 GB", "10000 pages of 16 tokens",
+                 "at most 19 concurrent sequences of 8192 tokens"):
+        assert part in line
+    assert "not profiled (CPU" in MemoryPlan(GiB, None, GiB, 10, 16, 32, "CPU").line()
+
+
+class FakeProbe:
+    """An allocator with made-up numbers; `peak` runs the step for real."""
+
+    def __init__(self) -> None:
+        self.ran = 0
+
+    def total(self) -> int:
+        return 80 * GiB
+
+    def allocated(self) -> int:
+        return 16 * GiB
+
+    def non_torch(self) -> int:
+        return GiB
+
+    def peak(self, step: Callable[[], None]) -> int:
+        step()
+        self.ran += 1
+        return 3 * GiB
+
+
+@pytest.mark.parametrize("max_batched, max_len, rows", [(64, 256, 8), (100, 32, 5), (48, 48, 1)])
+def test_cuda_path_profiles_the_largest_step(stories_dir: str, max_batched: int, max_len: int,
+                                             rows: int) -> None:
+    """The profile step (full prefill chunks, some shorter than a page, and a decode batch) runs on a
+    real model, and the budget is the share left after it."""
+    model, _ = load_model(stories_dir, get_backend("cpu"), CPU, torch.float32, max_len)
+    probe = FakeProbe()
+    step = partial(profile_step, model, CPU, torch.float32, 16, "auto", max_len, max_batched, rows)
+    kv, peak, why = kv_budget(EngineConfig(gpu_memory_utilization=0.9), probe, step)
+    assert probe.ran == 1 and peak == 3 * GiB and why == ""
+    assert kv == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - GiB
+
+
+def test_profile_step_with_a_quantized_kv_cache(stories_dir: str) -> None:
+    model, _ = load_model(stories_dir, get_backend("cpu"), CPU, torch.float32, 64)
+    profile_step(model, CPU, torch.float32, 16, "int8", 64, 80, 4)
+
+
+def test_cpu_and_explicit_sizes() -> None:
+    assert kv_budget(EngineConfig(), None, None) == (GiB // 4, None, "CPU: a fixed 0.25 GB pool unless "
+                                                                      "--kv-cache-gb")
+    probe = FakeProbe()
+    assert kv_budget(EngineConfig(kv_cache_gb=2.0), probe, lambda: None)[:2] == (2 * GiB, None)
+    assert kv_budget(EngineConfig(num_pages=8), probe, lambda: None) == (0, None, "--num-pages given")
+    assert probe.ran == 0  # an explicit size needs no profile
+    kv, peak, why = kv_budget(EngineConfig(), probe, None)  # a tensor-parallel rank
+    assert peak is None and why == "tensor parallel" and kv == int(72 * GiB) - 17 * GiB
+
+
+def test_utilization_is_range_checked() -> None:
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(gpu_memory_utilization=bad)
+
+
+def test_engine_logs_one_memory_line(stories_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    from pipeserve.engine.engine import Engine
+
+    with caplog.at_level(logging.INFO, logger="pipeserve.engine.engine"):
+        engine = Engine(model=stories_dir, compile=False, kv_cache_gb=0.01)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")]
+    assert len(lines) == 1
+    assert f"{engine.pool.num_pages} pages of 16 tokens" in lines[0]
+    assert "not profiled (--kv-cache-gb given)" in lines[0]
+    assert f"at most {engine.pool.num_pages // 32} concurrent sequences of 512 tokens" in lines[0]
