@@ -6,6 +6,8 @@ one-token rows."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -411,11 +413,15 @@ def test_pipeserve_up_serves_speculative_outputs(stories, tmp_path):
     flags = ("--speculative-method", "ngram", "--prompt-lookup-min", "1", "--no-speculative-adaptive")
     with LocalCluster(tmp_path / "up.log", model, *flags, workers=1, startup=90) as srv:
         got = asyncio.run(all_of(srv.target))
-        metrics = srv.metrics()
+        # Engine counters reach the gateway with the engine's heartbeats: wait for the next one.
+        key = 'pipeserve:spec_decode_num_accepted_tokens_total{engine="0"}'
+        deadline = time.monotonic() + 10
+        while (metrics := srv.metrics()).get(key, 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
     for g, w in zip(got, want, strict=True):
         assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
         assert g.completion_tokens == len(w.token_ids)
-    assert metrics['pipeserve:spec_decode_num_accepted_tokens_total{engine="0"}'] > 0
+    assert metrics[key] > 0
 
 
 def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
