@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeserve import cli
-from pipeserve.bench.gpus import GIB, GPU, GPUS, TB
-from pipeserve.bench.roofline import (
+from pipeserve.capacity.gpus import GIB, GPU, GPUS, TB
+from pipeserve.capacity.roofline import (
     PRESETS,
     ModelShape,
     cost_model,

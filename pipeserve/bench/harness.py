@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeserve.bench.machine import MachineRates, floor_cost, measure
 from pipeserve.bench.report import machine_info
-from pipeserve.bench.roofline import PRESETS, CostModel, ModelShape
+from pipeserve.capacity.roofline import PRESETS, CostModel, ModelShape
 from pipeserve.config import BACKENDS
 
 _ids = itertools.count()
