@@ -141,8 +141,8 @@ def open_bench(args: argparse.Namespace, max_num_seqs: int, max_num_batched_toke
     import torch
 
     from pipeserve.engine import LLM
-    from pipeserve.engine.engine import resolve_device
     from pipeserve.engine.model.loader import resolve_dtype
+    from pipeserve.engine.shard import resolve_device
     from pipeserve.model_config import ModelConfig
 
     model_dir = resolve_model(args.model)
