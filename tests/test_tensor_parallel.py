@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -385,16 +386,34 @@ def test_workers_never_outlive_their_engine_process(tiny_model, tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_pipeserve_up_serves_with_two_ranks(stories_dir: str, tmp_path: Path) -> None:
+def test_pipeserve_up_serves_with_two_ranks_and_restarts_the_engine_when_one_dies(stories_dir: str,
+                                                                                   tmp_path: Path) -> None:
     prompt = [1, 403, 407, 261, 378, 302]
     want = LLM(stories_dir, device="cpu", dtype="float32").generate(
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+
+    def ranks_of(engine: int) -> list[int]:
+        """The engine's spawned children that run a rank (not multiprocessing's resource tracker)."""
+        children = subprocess.run(["pgrep", "-P", str(engine)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
     with LocalCluster(tmp_path / "up.log", stories_dir, "--tensor-parallel-size", "2", "--dtype", "float32",
                       "--kv-cache-gb", "0.02", workers=1, startup=120) as cluster:
-        engine = cluster.pids("engine")
+        (engine,) = cluster.pids("engine")
         out = cluster.client.generate(prompt, timeout=60, max_tokens=12, temperature=0.0, ignore_eos=True)
         assert out.token_ids == want
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(engine[0])], capture_output=True,
-                                                text=True).stdout.split()]
-        assert ranks, "the engine runs no worker rank"
-    wait_gone(ranks)
+        (rank,) = ranks_of(engine)
+        os.kill(rank, signal.SIGKILL)
+        wait_gone([rank])
+        # The next step fails with the rank's error: that request ends, the engine process exits...
+        with pytest.raises(grpc.RpcError):
+            cluster.client.generate(prompt, timeout=60, max_tokens=12, temperature=0.0, ignore_eos=True)
+        # ... and the launcher starts a new one, with a new rank, that serves the same tokens.
+        cluster.wait(lambda: cluster.pids("engine") not in ([], [engine]), 60, "a restarted engine")
+        cluster.client.wait_ready(timeout=180)
+        out = cluster.client.generate(prompt, timeout=60, max_tokens=12, temperature=0.0, ignore_eos=True)
+        assert out.token_ids == want
+        assert f"RankFailed: tensor-parallel rank 1 (pid {rank}) was killed by SIGKILL" in cluster.tail(400)
+        ranks = ranks_of(cluster.pids("engine")[0])
+        assert ranks and rank not in ranks
+    wait_gone([engine, *ranks])
