@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def open_llm(model: str, setup: Setup, **options: Any):
     """An LLM running `setup` (the trade-off rows are quantized here, after loading)."""
     from pipeserve.engine import LLM
-    from pipeserve.engine.model.quantize import quantize_model
+    from pipeserve.engine.quantization.model import quantize_model
 
     llm = LLM(model, **setup.engine_options, **options)
     if setup.per_tensor or setup.o_proj:
@@ -138,7 +138,7 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
     from pipeserve.engine import SamplingParams
     from pipeserve.engine.kv.pool import kv_bytes_per_token
     from pipeserve.engine.model import accuracy as qeval
-    from pipeserve.engine.model.quantize import weight_bytes
+    from pipeserve.engine.quantization.model import weight_bytes
 
     torch.set_num_threads(args.cpu_threads)
     model = checkpoint(args.model, "pipeserve bench quant")

@@ -22,13 +22,13 @@ from pipeserve.engine.kv.predicted import PredictedPolicy
 from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model
-from pipeserve.engine.model.quantize import weight_bytes
 from pipeserve.engine.model.tensor_parallel import check_shardable
 from pipeserve.engine.parallel import group as parallel_group
 from pipeserve.engine.parallel import worker
 from pipeserve.engine.parallel.group import TPGroup
 from pipeserve.engine.parallel.step_plan import StepSender
 from pipeserve.engine.prompt_logprobs import PromptLogprobs
+from pipeserve.engine.quantization.model import weight_bytes
 from pipeserve.engine.runner import ForwardRunner, ModelRunner, StepResult
 from pipeserve.engine.sampler import Sampler
 from pipeserve.engine.scheduler import Scheduler

@@ -19,8 +19,8 @@ from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_st
 from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
-from pipeserve.engine.model.quantize import weight_bytes
 from pipeserve.engine.parallel.group import TPGroup
+from pipeserve.engine.quantization.model import weight_bytes
 from pipeserve.model_config import ModelConfig
 from pipeserve.startup import phase
 

@@ -26,12 +26,12 @@ from torch import nn
 
 from pipeserve.config import QUANTIZATIONS
 from pipeserve.engine.backend import Backend, get_backend
-from pipeserve.engine.quantization.experts import W4A16Experts, W8A8Experts
-from pipeserve.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
-from pipeserve.engine.quantization.linear import W8A8_DTYPES, W4A16Linear, W8A8Linear
+from pipeserve.engine.model.llama import MLP, DecoderLayer, LlamaForCausalLM
+from pipeserve.engine.model.moe import Experts, MoE
 
-from .llama import MLP, DecoderLayer, LlamaForCausalLM
-from .moe import Experts, MoE
+from .experts import W4A16Experts, W8A8Experts
+from .fused import QuantRMSNorm, SiluMulQuant
+from .linear import W8A8_DTYPES, W4A16Linear, W8A8Linear
 
 log = logging.getLogger(__name__)
 

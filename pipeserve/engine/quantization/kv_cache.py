@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeserve.engine.quant_formats import QMAX, safe_inverse, to_codes
-
-from .metadata import AttentionMetadata
+from pipeserve.engine.kv.metadata import AttentionMetadata
+from pipeserve.engine.quantization.formats import QMAX, safe_inverse, to_codes
 
 KV_QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 GROUP = 8
