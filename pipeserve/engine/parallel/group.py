@@ -172,7 +172,7 @@ class Ranks:
         if code is not None and code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
         elif code is not None:
-            how = f"exited with code {code} without running (its traceback is on stderr above)"
+            how = f"exited with code {code} before it could report an error (see its stderr)"
         else:
             how = "is running but a collective with it failed"
         return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
