@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from pipeserve.engine import process
 from pipeserve.engine.process import EngineLoop, step_output
 from pipeserve.engine.sequence import Sequence, StepUpdate, TokenLogprobs
 from pipeserve.messages import (
