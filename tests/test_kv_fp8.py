@@ -27,6 +27,7 @@ from pipeserve.engine.kv import pool as kv_pool
 from pipeserve.engine.kv.metadata import AttentionMetadata
 from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
 from pipeserve.engine.model.rope import rope_cache
+from pipeserve.engine.quantization.kv_cache import dequantize_kv, key_means, rope_mean
 from tests.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.timeout(120)
