@@ -3,8 +3,9 @@ the gateway and tokenizer processes never import torch. `serve` is `up` with the
 first argument, as vLLM users type it.
 
 A command module defines `add_arguments(parser)` and `main(args) -> int`. The benchmark commands
-live in the `pipeserve.bench` package and need the optional `pipeserve[bench]` extra (tables and
-plots); without it they say how to install it instead of failing with a traceback.
+(`pipeserve.bench`) and the capacity tools (`roofline`, `simulate`: `pipeserve.capacity`) need the
+optional `pipeserve[bench]` extra (tables and plots); without it they say how to install it instead
+of failing with a traceback.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("pipeserve.engine.process", "run the engine process"),
     "detokenizer": ("pipeserve.detokenizer.worker", "run the detokenizer process"),
     "generate": ("pipeserve.gateway.client", "stream a completion from a running server"),
-    "roofline": ("pipeserve.bench.roofline", "speed-of-light calculator for a model on a GPU"),
-    "simulate": ("pipeserve.bench.simulate", "replay a trace through the scheduler with a cost model"),
+    "roofline": ("pipeserve.capacity.roofline", "speed-of-light calculator for a model on a GPU"),
+    "simulate": ("pipeserve.capacity.simulate", "replay a trace through the scheduler with a cost model"),
     "gpu-check": ("pipeserve.gpu_check.cli", "check a CUDA host: kernels, engine parity, one sync, speed"),
     "bench": ("", "benchmarks; `pipeserve bench --help` lists them"),
 }
@@ -114,7 +115,8 @@ def _run(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
         print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
         return 2
     module_name = table[name][0]
-    if module_name.startswith("pipeserve.bench.") and (missing := missing_bench_extra()):
+    needs_extra = module_name.startswith(("pipeserve.bench.", "pipeserve.capacity."))
+    if needs_extra and (missing := missing_bench_extra()):
         print(f"{prog} {name} needs {', '.join(missing)}: {INSTALL_BENCH}", file=sys.stderr)
         return 1
     parser = build_parser(table, prog, name)

@@ -26,25 +26,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib.util
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
 from pipeserve import config as cfg
 from pipeserve import preflight
+from pipeserve.child import TITLE, Child, Starter, set_title, start_local
 from pipeserve.config import Addresses, EngineConfig, GatewayConfig, LaunchConfig, new_instance_id
 from pipeserve.cpus import CpuSplit, claim_split, cpu_split, cpus_env, engine_core_sets
 from pipeserve.messages import ProcessStatus, encode
@@ -53,17 +52,10 @@ from pipeserve.startup import EXIT_STARTUP, StartupError, fail
 
 log = logging.getLogger("pipeserve.up")
 
-# Runs a child: parent-death signal first (a fresh interpreter has no threads yet, unlike this
-# process, whose ZeroMQ context makes preexec_fn unsafe), then the ordinary CLI.
-CHILD = "import sys; from pipeserve.launcher import child_main; sys.exit(child_main(sys.argv[1:]))"
-PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW, then give up and shut down
 RESTART_WINDOW = 60.0
 STOP_TIMEOUT = 10.0
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port under `up` (as vLLM's)
-
-
-TITLE = "pipeserve: "
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -81,59 +73,6 @@ def children_of(pid: int) -> dict[int, str]:
         except (FileNotFoundError, IndexError):
             continue
     return out
-
-
-def set_title(name: str) -> None:
-    """What `ps`/`top` show for this process: "pipeserve: NAME" rather than the interpreter's argv.
-    Written over argv only (SPT_NOENV), so /proc/PID/environ still shows the process's environment."""
-    os.environ["SPT_NOENV"] = "1"
-    import setproctitle
-
-    setproctitle.setproctitle(TITLE + name)
-
-
-def child_main(argv: list[str]) -> int:
-    parent = int(os.environ["PIPESERVE_PARENT_PID"])
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            return 1
-    set_title(os.environ.get("PIPESERVE_PROCESS_NAME", argv[0]))
-    from pipeserve.cpus import apply_from_env
-
-    apply_from_env()
-    from pipeserve.cli import main
-
-    return main(argv)
-
-
-class Proc(Protocol):
-    """A started child: a local subprocess.Popen, or one on a Ray node (pipeserve/ray_launcher.py)."""
-
-    pid: int
-    returncode: int | Any
-
-    def poll(self) -> int | None: ...
-    def terminate(self) -> None: ...
-    def kill(self) -> None: ...
-    def wait(self, timeout: float | None = None) -> int: ...
-
-
-# Starts a child's process with this environment (the supervisor's, the child's, its name on top).
-Starter = Callable[["Child", dict[str, str]], Proc]
-
-
-def start_local(child: Child, env: dict[str, str]) -> Proc:
-    return subprocess.Popen([sys.executable, "-c", CHILD, *child.argv], env=env, start_new_session=True)
-
-
-@dataclass
-class Child:
-    name: str  # "engine-0", "detokenizer", "tokenizer-0", ..., "gateway"
-    argv: list[str]  # pipeserve subcommand and flags
-    proc: Proc | None = None
-    restarts: list[float] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (e.g. PIPESERVE_CPUS)
 
 
 class Supervisor:

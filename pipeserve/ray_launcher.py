@@ -1,7 +1,7 @@
 """`pipeserve up --ray ADDRESS`: the processes of `pipeserve up`, placed on the nodes of a Ray cluster.
 
 Each process runs under a small Ray actor (`Host`) on the node Ray placed it on; the actor starts
-the very same child as the local launcher (pipeserve/launcher.py CHILD: parent-death signal, process
+the very same child as the local launcher (pipeserve/child.py CHILD: parent-death signal, process
 title, the ordinary CLI), so the process dies with its actor, and the launcher's Supervisor watches
 and restarts it through the actor (a `RemoteProc`), on the same node.
 
@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeserve.child import CHILD, Child, Proc, Starter
 from pipeserve.config import Addresses, EngineConfig
-from pipeserve.launcher import CHILD, Child, Proc, Starter
 from pipeserve.preflight import StartupError
 
 log = logging.getLogger("pipeserve.ray")
@@ -70,7 +70,7 @@ class Host:
         return [str(i) for i in ray.get_gpu_ids()]
 
     def start(self, argv: list[str], env: dict[str, str]) -> int:
-        # The child checks its parent is this actor's process (launcher.child_main).
+        # The child checks its parent is this actor's process (child.child_main).
         full = os.environ | env | {"PIPESERVE_PARENT_PID": str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, *argv], env=full, start_new_session=True)
         return self.proc.pid
@@ -92,7 +92,7 @@ class Host:
 
 
 class RemoteProc:
-    """A child on a Ray node, seen through its Host actor as a subprocess.Popen (launcher.Proc)."""
+    """A child on a Ray node, seen through its Host actor as a subprocess.Popen (child.Proc)."""
 
     def __init__(self, host: Any, pid: int) -> None:
         self.host, self.pid = host, pid

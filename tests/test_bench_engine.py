@@ -15,7 +15,7 @@ import torch
 from pipeserve.bench import latency, machine, throughput
 from pipeserve.bench.harness import preset_config, resolve_model
 from pipeserve.bench.machine import MachineRates, floor_cost, measure
-from pipeserve.bench.roofline import PRESETS, ModelShape, cost_model
+from pipeserve.capacity.roofline import PRESETS, ModelShape, cost_model
 from tests.conftest import png_panels
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""`python -m bench.kernels` (the GPU kernel suite): without a GPU it says so and measures nothing;
+"""`python -m pipeserve.bench.kernels` (the GPU kernel suite): without a GPU it says so and measures nothing;
 with --tiny it runs every check at tiny shapes (the interpreter here) and writes its JSON and markdown."""
 
 from __future__ import annotations

@@ -8,16 +8,16 @@ import json
 import pytest
 
 from pipeserve import cli
-from pipeserve.bench.gpus import GPU
-from pipeserve.bench.parallel import (
+from pipeserve.capacity.gpus import GPU
+from pipeserve.capacity.parallel import (
     INTERCONNECTS,
     TensorParallelStepTime,
     parse_layouts,
     replay_data_parallel,
     sharded,
 )
-from pipeserve.bench.roofline import ModelShape, cost_model
-from pipeserve.bench.simulate import RooflineStepTime, ServeSpec, at_rate, policy_factory
+from pipeserve.capacity.roofline import ModelShape, cost_model
+from pipeserve.capacity.simulator import RooflineStepTime, ServeSpec, at_rate, policy_factory
 from tests.test_simulate import two_apps
 
 pytestmark = pytest.mark.timeout(60)

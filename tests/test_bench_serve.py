@@ -163,22 +163,28 @@ def test_serve_against_a_scripted_server(scripted, tmp_path: Path) -> None:
     assert requests[SHORT_LEN]["error"] == "got 5 tokens, asked for 6"
     for n, arrival in ((10, 0.0), (11, 0.4), (12, 0.6), (20, 0.3)):
         r = requests[n]
-        # asyncio may fire a timer up to its clock resolution early: a millisecond's slack.
+        # Sent on the trace's clock, never early (asyncio may fire a timer up to its clock
+        # resolution early: a millisecond's slack); how late depends on the machine's load.
         assert r["error"] is None and r["finish_reason"] == "length" and r["send_s"] >= arrival - 1e-3
-        assert r["send_s"] - arrival < 0.15  # sent on the trace's clock
         assert r["arrival_s"] == pytest.approx(arrival, abs=1e-4) and r["max_tokens"] == r["output_tokens"]
-        assert TTFT <= r["ttft_s"] < TTFT + 0.5
-    # 6 tokens in 5 chunks: 4 gaps of GAP, so TPOT = 4 GAP / 5 and every ITL is about GAP.
+        assert TTFT <= r["ttft_s"] <= r["e2e_s"]  # the server waits TTFT before its first chunk
+    # Sent in the trace's order, the code trace's requests interleaved with the chat trace's.
+    sent = sorted(result["requests"], key=lambda r: r["send_s"])
+    assert [r["arrival_s"] for r in sent] == sorted(r["arrival_s"] for r in sent)
+    # 6 tokens in 5 chunks: 4 gaps of at least GAP, so TPOT >= 4 GAP / 5, by its definition.
     for n in (10, 11, 20):
-        assert requests[n]["output_tokens"] == 6 and requests[n]["chunks"] == 5
-        assert 0.8 * GAP <= requests[n]["tpot_s"] < 0.8 * GAP + 0.1
+        r = requests[n]
+        assert r["output_tokens"] == 6 and r["chunks"] == 5
+        assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / 5) and r["tpot_s"] >= 0.8 * GAP
     assert requests[12]["tpot_s"] is None  # one token: TPOT undefined
     s = result["summary"]
     assert (s["requests"], s["completed"], s["failed"]) == (6, 4, 2)
     assert s["output_tokens"] == 19 and s["input_tokens"] == 10 + 11 + 12 + 20
     assert s["itl_s"]["count"] == 12 and s["itl_s"]["p50"] >= GAP
     assert s["goodput"] == pytest.approx(4 / s["duration_s"])  # every completed one meets a 1 s TPOT SLO
-    assert 0.4 + TTFT + 4 * GAP <= s["duration_s"] < 3.0  # first send to the last chunk
+    # First send to the last chunk: the request sent last, then its TTFT and 4 gaps, at least.
+    assert s["duration_s"] >= max(r["send_s"] + r["e2e_s"] for r in sent if r["e2e_s"] is not None) - 1e-9
+    assert s["duration_s"] >= 0.4 + TTFT + 4 * GAP
     assert set(result["apps"]) == {"chat", "code"} and result["apps"]["code"]["failed"] == 1
     assert png_panels(out / "serve.png") == 3  # TTFT, TPOT, e2e CDFs
 

@@ -25,8 +25,14 @@ def test_weight_bytes_counts_a_tied_embedding_once_as_the_head(tiny_model) -> No
         assert step.weight_bytes(model_dir) == (every - embed if model_dir == untied else every)
 
 
-def test_gemv_probe_measures_a_bandwidth() -> None:
-    assert 0.1 < step.gemv_bandwidth(megabytes=8, repeats=2) < 10_000
+def test_gemv_probe_reports_the_matrix_bytes_over_the_best_repeat(monkeypatch) -> None:
+    """Bytes of the fp32 matrix over the fastest of the timed products (a clock that says how long
+    each took; the real one would only say the machine has some bandwidth)."""
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # repeats of 0.5, 0.25 and 1.0 s
+    monkeypatch.setattr(step.time, "perf_counter", lambda: next(ticks))
+    n = int((8 * 2**20 / 4) ** 0.5)  # the side of an 8 MiB square fp32 matrix
+    assert step.gemv_bandwidth(megabytes=8, repeats=3) == n * n * 4 / 0.25 / 1e9
+    assert next(ticks, None) is None  # one clock reading before and after each repeat, no more
 
 
 def test_bench_step_writes_figures_for_each_system_and_batch(tiny_model, tmp_path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeserve.engine.backend import reference as ref
-from pipeserve.engine.kv.quant import dequantize_kv, quantize_kv
+from pipeserve.engine.quantization.kv_cache import dequantize_kv, quantize_kv
 from pipeserve.engine.triton_kernels import decode_attention as dk
 from pipeserve.engine.triton_kernels import kv_cache
 from pipeserve.engine.triton_kernels import prefill_attention as pk

@@ -8,8 +8,8 @@ import pytest
 import torch
 import triton
 
-from pipeserve.engine import quant_formats
 from pipeserve.engine.backend import reference as ref
+from pipeserve.engine.quantization import formats as quant_formats
 from pipeserve.engine.quantization.weights import quantize_int4, quantize_nf4, quantize_per_channel
 from pipeserve.engine.triton_kernels import common, gemm_w4a16, gemm_w8a8
 from pipeserve.engine.triton_kernels.common import Fixed, interpreting

@@ -9,7 +9,7 @@ import torch
 
 from pipeserve.engine.backend import reference as ref
 from pipeserve.engine.model.rope import rope_cache
-from pipeserve.engine.quant_formats import QMAX
+from pipeserve.engine.quantization.formats import QMAX
 from pipeserve.engine.triton_kernels import activation, norm, quantize, rope
 from tests.kernel_utils import (
     INT8_POISON,

@@ -1,4 +1,4 @@
-"""Key smoothing of the quantized KV caches (pipeserve/engine/kv/quant.key_means): int8/fp8 caches
+"""Key smoothing of the quantized KV caches (quantization/kv_cache.key_means): int8/fp8 caches
 store each key less its sequence's mean key m, set once by the sequence's first chunk.
 
 - m is the mean of the first chunk's keys before RoPE taken to its mean over the horizon (exact).
@@ -25,9 +25,9 @@ from pipeserve.engine import LLM, SamplingParams
 from pipeserve.engine.backend.reference import apply_rope
 from pipeserve.engine.kv import pool as kv_pool
 from pipeserve.engine.kv.metadata import AttentionMetadata
-from pipeserve.engine.kv.quant import dequantize_kv, key_means, rope_mean
 from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
 from pipeserve.engine.model.rope import rope_cache
+from pipeserve.engine.quantization.kv_cache import dequantize_kv, key_means, rope_mean
 from tests.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from pipeserve.engine.backend import get_backend
 from pipeserve.engine.model import loader
 from pipeserve.engine.model.loader import load_model, read_safetensors
-from pipeserve.engine.model.quantize import quantize_model
+from pipeserve.engine.quantization.model import quantize_model
 from pipeserve.preflight import StartupError, checkpoint
 
 CPU = torch.device("cpu")

@@ -93,7 +93,7 @@ def test_utilization_is_range_checked() -> None:
 def test_engine_logs_one_memory_line(stories_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     from pipeserve.engine.engine import Engine
 
-    with caplog.at_level(logging.INFO, logger="pipeserve.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="pipeserve.engine"):
         engine = Engine(model=stories_dir, compile=False, kv_cache_gb=0.01)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")]
     assert len(lines) == 1

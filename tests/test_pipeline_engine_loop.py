@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from pipeserve.engine import process
 from pipeserve.engine.process import EngineLoop, step_output
 from pipeserve.engine.sequence import Sequence, StepUpdate, TokenLogprobs
 from pipeserve.messages import (
@@ -178,13 +179,32 @@ def test_drains_everything_queued_then_aborts_then_steps(h):
     assert all(o.new == [] for o in outs)
 
 
-def test_busy_loop_never_blocks_on_input(h):
+def record_polls(h, monkeypatch, clock: list[float] | None = None) -> list[int]:
+    """The timeout (ms) of every poll the loop makes; with `clock` (process.time.monotonic's value),
+    a poll that finds nothing advances it by its timeout, as a real one blocks that long."""
+    timeouts: list[int] = []
+    poll = h.loop.poller.poll
+
+    def recorded(timeout: int):
+        timeouts.append(timeout)
+        ready = poll(0)
+        if clock is not None and not ready:
+            clock[0] += timeout / 1000
+        return ready
+
+    monkeypatch.setattr(h.loop.poller, "poll", recorded)
+    if clock is not None:
+        monkeypatch.setattr(process.time, "monotonic", lambda: clock[0])
+    return timeouts
+
+
+def test_busy_loop_never_blocks_on_input(h, monkeypatch):
     h.request("long", [1], max_tokens=50)
     time.sleep(0.05)
-    start = time.monotonic()
+    timeouts = record_polls(h, monkeypatch)
     for _ in range(50):
         h.loop.once()
-    assert time.monotonic() - start < 2.0  # heartbeat is 10 s: a blocking poll would show
+    assert timeouts == [0] * 50  # heartbeat is 10 s: a blocking poll would wait for it
     assert len(h.received(h.steps)) == 50
 
 
@@ -210,13 +230,14 @@ def test_bad_and_malformed_requests_never_stop_the_loop(h):
     assert status and all(isinstance(m, EngineInfo) for m in status)
 
 
-def test_idle_heartbeats_go_to_the_status_socket():
+def test_idle_heartbeats_go_to_the_status_socket(monkeypatch):
     h = Harness(heartbeat=0.2)
     try:
-        start = time.monotonic()
+        timeouts = record_polls(h, monkeypatch, clock=[1000.0])
         for _ in range(3):
             h.loop.once()
-        assert 0.3 < time.monotonic() - start < 1.5  # idle: blocks until the next heartbeat is due
+        # Idle: the first beat at once, then each poll blocks until the next heartbeat is due.
+        assert timeouts == [0, pytest.approx(200, abs=1), pytest.approx(200, abs=1)]  # ms, rounded up
         steps, infos = h.received(h.steps), h.received(h.status)
         assert len(steps) == 3 and all(s.rids == [] for s in steps)
         assert len(infos) == 3 and all(isinstance(i, EngineInfo) for i in infos)

@@ -14,9 +14,9 @@ from pipeserve.engine.kv.pool import kv_bytes_per_page, kv_bytes_per_token
 from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
 from pipeserve.engine.model.llama import RMSNorm
 from pipeserve.engine.model.loader import load_model
-from pipeserve.engine.model.quantize import quantize_model, weight_bytes
 from pipeserve.engine.quantization.fused import QuantRMSNorm, SiluMulQuant
 from pipeserve.engine.quantization.linear import QuantAct, W4A16Linear, W8A8Linear
+from pipeserve.engine.quantization.model import quantize_model, weight_bytes
 from pipeserve.engine.quantization.weights import group_size, padded_in_features, quantize_4bit
 
 pytestmark = pytest.mark.timeout(120)

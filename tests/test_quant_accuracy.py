@@ -4,7 +4,7 @@ test writes itself (simple children's stories, ~3000 tokens), per configuration 
 
 Gates (perplexity increase): INT8 KV and FP8 KV 1%, W8A8 INT8 2%, W8A8 FP8 3%, W4A16 and NF4 15% (every
 weight matters at 260K parameters). Both KV caches store keys less their sequence's mean key
-(pipeserve/engine/kv/quant.key_means; attention unchanged). Without that shift FP8 KV costs +1.46%
+(quantization/kv_cache.key_means; attention unchanged). Without that shift FP8 KV costs +1.46%
 here: e4m3 keeps 3 mantissa bits, so each cached element is off by up to 1/16 of its size, and this
 model's keys carry a per-channel bias up to ~20 against a spread of ~3 (head_dim 8; fp8 only on V
 costs 0.0%, only on K +2.0%). With it: FP8 +0.26%, INT8 +0.00% (was +0.47%). On five other texts

@@ -12,7 +12,7 @@ from pipeserve.engine import LLM, SamplingParams
 from pipeserve.engine.backend import get_backend
 from pipeserve.engine.model.accuracy import logits_error, teacher_forced_logits
 from pipeserve.engine.model.loader import load_model
-from pipeserve.engine.model.quantize import quantize_model
+from pipeserve.engine.quantization.model import quantize_model
 from tests.conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow, pytest.mark.device, pytest.mark.timeout(240)]

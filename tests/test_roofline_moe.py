@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from pipeserve.bench.gpus import GPU
-from pipeserve.bench.roofline import PRESETS, ModelShape, cost_model
+from pipeserve.capacity.gpus import GPU
+from pipeserve.capacity.roofline import PRESETS, ModelShape, cost_model
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
 QWEN3 = PRESETS["qwen3-30b-a3b"]

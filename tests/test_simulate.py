@@ -8,9 +8,10 @@ import random
 import pytest
 
 from pipeserve import cli
-from pipeserve.bench.gpus import GPU
-from pipeserve.bench.roofline import ModelShape, cost_model
-from pipeserve.bench.simulate import (
+from pipeserve.bench.workload import TraceRequest
+from pipeserve.capacity.gpus import GPU
+from pipeserve.capacity.roofline import ModelShape, cost_model
+from pipeserve.capacity.simulator import (
     LinearStepTime,
     RooflineStepTime,
     ServeSpec,
@@ -23,7 +24,6 @@ from pipeserve.bench.simulate import (
     simulate,
     train,
 )
-from pipeserve.bench.workload import TraceRequest
 from tests.conftest import png_panels
 
 pytestmark = pytest.mark.timeout(60)

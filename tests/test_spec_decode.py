@@ -16,10 +16,10 @@ from pipeserve.engine import LLM, SamplingParams
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.process import step_output
 from pipeserve.engine.sequence import Sequence, Status, StepUpdate, one_token_updates
+from pipeserve.engine.spec.acceptance import accept_matching
 from pipeserve.engine.spec.adaptive import REFIT, AdaptiveK
 from pipeserve.engine.spec.ngram import NgramProposer
 from pipeserve.engine.spec.speculator import Speculator
-from pipeserve.engine.spec.verify import accept_matching
 from pipeserve.messages import unpack_ids
 
 # Repetitive prompts, so n-gram lookup finds matches in random models too (whose greedy outputs loop).

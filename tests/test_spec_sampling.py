@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pipeserve.engine.sampler import Sampler, race
+from pipeserve.engine.spec.acceptance import accept_matching, rejection_sample
 from pipeserve.engine.spec.verifier import ACCEPT_SALT, DRAFT_SALT
-from pipeserve.engine.spec.verify import accept_matching, rejection_sample
 from pipeserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

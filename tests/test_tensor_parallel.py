@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): TP=2 generates the same greedy tokens as TP=1 in fp32, with
 logprobs within 1e-4, through mixed batches, chunked prefill and preemption; for GQA with fewer KV
 heads than ranks, Qwen2's biases, Mistral, the real stories260K, mixtures of experts, the int8 KV
-cache and W8A8. Its worker processes never outlive their engine, however it ends."""
+cache and W8A8. Its other ranks never outlive their engine, however it ends; a rank that fails to
+start or dies mid-generation, killed or raising, makes the engine raise that rank's own error."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -51,10 +53,8 @@ def assert_same(model_dir: str, atol: float = 1e-4, **options: object) -> LLM:
 
 
 def workers_of(llm: LLM) -> list[int]:
-    assert llm.engine.tp is not None and llm.engine.tp._stop is not None
-    info = llm.engine.tp._stop.peek()
-    assert info is not None
-    return [p.pid for p in info[2][1]]
+    assert llm.engine.tp is not None and llm.engine.tp.ranks is not None
+    return [p.pid for p in llm.engine.tp.ranks.procs]
 
 
 def alive(pid: int) -> bool:
@@ -252,18 +252,104 @@ def test_dropping_the_llm_stops_its_workers(tiny_model) -> None:
     wait_gone(pids)
 
 
+# -- a rank that fails -----------------------------------------------------------------------------
+# Ranks' targets: spawned interpreters import them from this module.
+def raising_rank(config: EngineConfig, rank: int, world: int, port: int, threads: int, pipe: Any) -> None:
+    """A rank whose start fails with an error of its own (a missing file, no memory, a bug...)."""
+    from pipeserve.engine.parallel import group
+
+    try:
+        raise ValueError(f"rank {rank} cannot load its shard")
+    except ValueError:
+        group.report_failure(pipe)
+        raise
+
+
+def killed_rank(config: EngineConfig, rank: int, world: int, port: int, threads: int, pipe: Any) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_raising_on_its_first_step(config: EngineConfig, rank: int, world: int, port: int, threads: int,
+                                   pipe: Any) -> None:
+    """The real rank, whose runner raises once the first step's plan has arrived."""
+    from pipeserve.engine.parallel import worker
+
+    class Raising(worker.RankRunner):
+        def run(self) -> None:
+            assert self.receiver.receive() is not None
+            raise RuntimeError("rank 1's forward pass broke")
+
+    worker.RankRunner = Raising  # type: ignore[misc]  # this interpreter is the rank's own
+    worker.main(config, rank, world, port, threads, pipe)
+
+
 @pytest.mark.slow
-def test_a_dead_worker_fails_the_next_step_at_once(tiny_model) -> None:
-    """Not a hang: the engine process then exits, and its supervisor restarts it with new workers."""
+@pytest.mark.parametrize("target,error", [
+    (raising_rank, r"rank 1 failed:\n.*ValueError: rank 1 cannot load its shard"),
+    (killed_rank, r"rank 1 \(pid \d+\) was killed by SIGKILL"),
+])
+def test_a_rank_that_fails_to_start_fails_the_engine_with_its_error(
+        tiny_model, monkeypatch: pytest.MonkeyPatch, target: Any, error: str) -> None:
+    from pipeserve.engine.parallel import worker
+    from pipeserve.engine.parallel.group import RankFailed
+
+    monkeypatch.setattr(worker, "main", target)  # what the engine spawns
+    with pytest.raises(RankFailed, match=f"(?s){error}"):
+        LLM(tiny_model("llama"), device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
+
+
+NO_MAIN_GUARD = """
+import sys
+from pipeserve.engine import LLM
+LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
+print("started")
+"""
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_raises_instead_of_hanging(tiny_model, tmp_path: Path) -> None:
+    """The spawned rank re-imports the script, which starts an engine while it bootstraps: the rank
+    exits before it joins, and the script's engine raises (the test's timeout stands for a hang)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_MAIN_GUARD)
+    done = subprocess.run([sys.executable, str(script), tiny_model("llama")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 1 and "started" not in done.stdout
+    last = done.stderr.strip().splitlines()[-2:]
+    assert last[0].startswith("pipeserve.engine.parallel.group.RankFailed: tensor-parallel rank 1"), last
+    assert 'if __name__ == "__main__":' in last[1]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_generation_fails_the_next_step_with_its_error(tiny_model) -> None:
+    """Not a hang: the engine process then exits, and its supervisor restarts it with new ranks."""
+    from pipeserve.engine.parallel.group import RankFailed
+
     llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
-    (pid,) = workers_of(llm)
-    os.kill(pid, signal.SIGKILL)
-    wait_gone([pid])
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="[Cc]onnection (closed|reset)"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    assert time.monotonic() - start < 10
-    llm.engine.close()  # nothing left to stop, and no error
+    engine = llm.engine
+    engine.add("r", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # a decode step
+    assert engine.tp is not None and engine.tp.ranks is not None
+    (rank,) = engine.tp.ranks.procs
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join()
+    with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        engine.step()
+    engine.close()  # nothing left to stop, and no error
+
+
+@pytest.mark.slow
+def test_a_rank_raising_mid_step_fails_the_step_with_its_error(tiny_model,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeserve.engine.parallel import worker
+    from pipeserve.engine.parallel.group import RankFailed
+
+    monkeypatch.setattr(worker, "main", rank_raising_on_its_first_step)
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 failed:\n.*RuntimeError: rank 1's forward pass broke"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    llm.engine.close()
 
 
 SCRIPT = """
@@ -272,8 +358,7 @@ from pipeserve.engine import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2, num_pages=32)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    info = llm.engine.tp._stop.peek()
-    print(*[p.pid for p in info[2][1]], flush=True)
+    print(*[p.pid for p in llm.engine.tp.ranks.procs], flush=True)
     if sys.argv[2] == "wait":
         time.sleep(600)
 """
@@ -301,16 +386,34 @@ def test_workers_never_outlive_their_engine_process(tiny_model, tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_pipeserve_up_serves_with_two_ranks(stories_dir: str, tmp_path: Path) -> None:
+def test_pipeserve_up_serves_with_two_ranks_and_restarts_the_engine_when_one_dies(stories_dir: str,
+                                                                                   tmp_path: Path) -> None:
     prompt = [1, 403, 407, 261, 378, 302]
     want = LLM(stories_dir, device="cpu", dtype="float32").generate(
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+
+    def ranks_of(engine: int) -> list[int]:
+        """The engine's spawned children that run a rank (not multiprocessing's resource tracker)."""
+        children = subprocess.run(["pgrep", "-P", str(engine)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
     with LocalCluster(tmp_path / "up.log", stories_dir, "--tensor-parallel-size", "2", "--dtype", "float32",
                       "--kv-cache-gb", "0.02", workers=1, startup=120) as cluster:
-        engine = cluster.pids("engine")
+        (engine,) = cluster.pids("engine")
         out = cluster.client.generate(prompt, timeout=60, max_tokens=12, temperature=0.0, ignore_eos=True)
         assert out.token_ids == want
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(engine[0])], capture_output=True,
-                                                text=True).stdout.split()]
-        assert ranks, "the engine runs no worker rank"
-    wait_gone(ranks)
+        (rank,) = ranks_of(engine)
+        os.kill(rank, signal.SIGKILL)
+        wait_gone([rank])
+        # The next step fails with the rank's error: that request ends, the engine process exits...
+        with pytest.raises(grpc.RpcError):
+            cluster.client.generate(prompt, timeout=60, max_tokens=12, temperature=0.0, ignore_eos=True)
+        # ... and the launcher starts a new one, with a new rank, that serves the same tokens.
+        cluster.wait(lambda: cluster.pids("engine") not in ([], [engine]), 60, "a restarted engine")
+        cluster.client.wait_ready(timeout=180)
+        out = cluster.client.generate(prompt, timeout=60, max_tokens=12, temperature=0.0, ignore_eos=True)
+        assert out.token_ids == want
+        assert f"RankFailed: tensor-parallel rank 1 (pid {rank}) was killed by SIGKILL" in cluster.tail(400)
+        ranks = ranks_of(cluster.pids("engine")[0])
+        assert ranks and rank not in ranks
+    wait_gone([engine, *ranks])

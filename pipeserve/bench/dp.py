@@ -24,8 +24,8 @@ from typing import Any
 
 from pipeserve.bench import serve
 from pipeserve.bench.metrics import SLO, summarize
-from pipeserve.bench.reliability import default_model
 from pipeserve.bench.report import machine_info, print_table, write_json
+from pipeserve.bench.shapes import stories260k
 from pipeserve.local_cluster import LocalCluster
 
 METRICS = (
@@ -63,7 +63,7 @@ def workload(args: argparse.Namespace, target: str) -> argparse.Namespace:
 
 
 def run_one(args: argparse.Namespace, size: int, log_dir: Path) -> dict[str, Any]:
-    model = args.model or default_model()
+    model = args.model or stories260k()
     with LocalCluster(log_dir / f"up-dp{size}.log", model, "--data-parallel-size", str(size),
                       workers=args.tokenizer_workers, startup=300) as cluster:
         cluster.wait_engines(size)
@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
                 ["dp", *(name for name, _ in METRICS)],
                 [[size, *medians[str(size)].values()] for size in sizes])
     result = {"bench": "dp", "machine": {**machine_info(), "load_average": load}, "config": vars(args) | {
-        "model": args.model or default_model()}, "runs": runs, "medians": medians}
+        "model": args.model or stories260k()}, "runs": runs, "medians": medians}
     if args.json:
         print(f"wrote {write_json(args.json, result)}")
     return 0

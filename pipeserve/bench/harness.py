@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeserve.bench.machine import MachineRates, floor_cost, measure
 from pipeserve.bench.report import machine_info
-from pipeserve.bench.roofline import PRESETS, CostModel, ModelShape
+from pipeserve.capacity.roofline import PRESETS, CostModel, ModelShape
 from pipeserve.config import BACKENDS
 
 _ids = itertools.count()
@@ -141,8 +141,8 @@ def open_bench(args: argparse.Namespace, max_num_seqs: int, max_num_batched_toke
     import torch
 
     from pipeserve.engine import LLM
-    from pipeserve.engine.engine import resolve_device
     from pipeserve.engine.model.loader import resolve_dtype
+    from pipeserve.engine.shard import resolve_device
     from pipeserve.model_config import ModelConfig
 
     model_dir = resolve_model(args.model)

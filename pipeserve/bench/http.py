@@ -22,9 +22,10 @@ import time
 from typing import Any
 
 from pipeserve.bench.metrics import summarize
-from pipeserve.bench.pipeline import LLAMA_20M_BYTES, TEXT, pipeline
+from pipeserve.bench.pipeline import TEXT, pipeline
 from pipeserve.bench.report import machine_info, print_table, write_json
 from pipeserve.bench.serve import Outcome, Planned, http_session, send, send_openai
+from pipeserve.bench.shapes import LLAMA_20M_BYTES
 from pipeserve.config import EngineConfig
 from pipeserve.local_cluster import free_port
 

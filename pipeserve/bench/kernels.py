@@ -192,7 +192,7 @@ class Suite:
 
     # -- paged KV --------------------------------------------------------------------------------
     def paged(self, batch: int, ctx: int, kv: str | None) -> dict[str, Any]:
-        from pipeserve.engine.kv.quant import KV_QUANT_DTYPES, quantize_kv
+        from pipeserve.engine.quantization.kv_cache import KV_QUANT_DTYPES, quantize_kv
 
         torch, s = self.torch, self.s
         pages = -(-ctx // s.page_size)
@@ -374,8 +374,8 @@ class Suite:
 
     def rowwise(self) -> None:
         from pipeserve.engine.backend import cpu, reference
-        from pipeserve.engine.kv.quant import dequantize_kv
         from pipeserve.engine.model.rope import rope_cache
+        from pipeserve.engine.quantization.kv_cache import dequantize_kv
         from pipeserve.engine.triton_kernels import activation, kv_cache, norm, quantize, rope
 
         torch, s = self.torch, self.s

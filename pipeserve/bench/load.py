@@ -26,7 +26,7 @@ import json, sys, time
 import torch
 from pipeserve.engine.backend import get_backend
 from pipeserve.engine.model.loader import load_model
-from pipeserve.engine.model.quantize import weight_bytes
+from pipeserve.engine.quantization.model import weight_bytes
 
 def status(key):
     with open("/proc/self/status") as f:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from pipeserve.bench.gpus import GPU
-from pipeserve.bench.roofline import CostModel, ModelShape, cost_model
+from pipeserve.capacity.gpus import GPU
+from pipeserve.capacity.roofline import CostModel, ModelShape, cost_model
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ token runs through the same number of weights in both. The MoE holds experts / t
 weights. For each batch size both models decode a full batch (distinct random prompts, so that
 rows route to different experts; --output-len tokens, ignore_eos) in turn, --repeats times
 alternated, and the median ms per decode step of each is reported beside the roofline floor of
-this machine (pipeserve/bench/roofline.py, measured copy bandwidth and matmul rate) and the expected distinct
-experts the batch reads per layer. A 2-token run of each shape goes first.
+this machine (pipeserve/capacity/roofline.py, measured copy bandwidth and matmul rate) and the expected
+distinct experts the batch reads per layer. A 2-token run of each shape goes first.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from pipeserve.bench.harness import run_batch, synthetic_prompts
 from pipeserve.bench.machine import floor_cost, measure
 from pipeserve.bench.report import machine_info, print_table, write_json
-from pipeserve.bench.roofline import ModelShape
+from pipeserve.capacity.roofline import ModelShape
 from pipeserve.config import STEP_EXECUTORS
 
 VOCAB = 1024

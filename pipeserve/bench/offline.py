@@ -17,44 +17,23 @@ a no-op (target <= 2 ms per step at 256 x 2k).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from pipeserve.bench.report import machine_info, print_table, write_json
+from pipeserve.bench.shapes import LLAMA_20M, random_checkpoint
 from pipeserve.bench.workload import checkpoint, load_trace, trace_paths
 from pipeserve.config import EngineConfig
 from pipeserve.cpus import engine_core_count
 from pipeserve.model_config import model_limits
-
-# A ~20M-parameter Llama (engine-bound on a 2-core CPU), random weights.
-LLAMA_20M: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1376,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "vocab_size": 4096,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float32",
-}
 
 
 @dataclass
@@ -71,19 +50,6 @@ class Workload:
             prompts, outs = self.prompts[b : b + batch_size], self.outputs[b : b + batch_size]
             padded += len(prompts) * (max(map(len, prompts)) + max(outs))
         return padded / (sum(map(len, self.prompts)) + sum(self.outputs))
-
-
-def random_checkpoint(config: dict, directory: str, seed: int = 0) -> str:
-    """Write an HF checkpoint with random weights for `config` (no tokenizer: ids only)."""
-    from safetensors.torch import save_file
-
-    from pipeserve.engine.model.demo import random_llama_weights
-
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(random_llama_weights(config, seed), os.path.join(directory, "model.safetensors"))
-    return directory
 
 
 def trace_workload(paths: list[Path], n: int, context: int, vocab: int, seed: int = 0) -> Workload:

@@ -1,8 +1,8 @@
 """`pipeserve bench pipeline`: what the process pipeline costs, and what it can carry.
 
-Part 1, pipeline vs in-process, on a ~20M-parameter random Llama (LLAMA_20M of offline.py with a
-byte-level tokenizer, since the detokenizer needs one: vocab 259, so 7 layers instead of 6 keep it
-at ~20M) that is engine-bound on a CPU:
+Part 1, pipeline vs in-process, on a ~20M-parameter random Llama (pipeserve/bench/shapes.py's
+LLAMA_20M_BYTES: a byte-level tokenizer, since the detokenizer needs one: vocab 259, so 7 layers
+instead of 6 keep it at ~20M) that is engine-bound on a CPU:
 - throughput: the same requests (random prompts of --input-len, greedy, ignore_eos, --output-len
   tokens each), all sent at once, run (a) in this process through Engine.step() and (b) through
   gateway + tokenizers + engine + detokenizer (pipeserve.launcher's processes) by --concurrency
@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from pipeserve.bench.metrics import RequestRecord, summarize
-from pipeserve.bench.offline import LLAMA_20M
 from pipeserve.bench.report import (
     Panel,
     Series,
@@ -50,14 +49,13 @@ from pipeserve.bench.report import (
     write_json,
 )
 from pipeserve.bench.serve import Outcome, Planned, send
+from pipeserve.bench.shapes import LLAMA_20M_BYTES, random_checkpoint
 from pipeserve.config import Addresses, EngineConfig, GatewayConfig
 from pipeserve.cpus import CpuSplit, cpu_split
 from pipeserve.engine.sequence import Sequence, StepUpdate
 from pipeserve.local_cluster import free_port
 from pipeserve.sampling_params import SamplingParams
 
-# A ~20M-parameter Llama with the demo model's byte-level vocabulary (3 specials + 256 bytes).
-LLAMA_20M_BYTES = LLAMA_20M | {"vocab_size": 259, "num_hidden_layers": 7}
 TEXT = "the quick brown fox jumps over the lazy dog; "  # ASCII: one byte token per character
 
 
@@ -562,7 +560,6 @@ def main(args: argparse.Namespace) -> int:
     if args.serve_synthetic:
         return serve_synthetic(args.serve_synthetic)
     logging.basicConfig(level=logging.WARNING)
-    from pipeserve.bench.offline import random_checkpoint
     from pipeserve.engine.model.demo import save_byte_tokenizer
 
     load: dict[str, Any] = {"start": os.getloadavg()}

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from pipeserve.bench.metrics import stats
-from pipeserve.bench.offline import LLAMA_20M, random_checkpoint
 from pipeserve.bench.report import Panel, Series, machine_info, plot_panels, print_table, write_json
+from pipeserve.bench.shapes import LLAMA_20M, random_checkpoint
 from pipeserve.bench.workload import shared_dir
 from pipeserve.config import EngineConfig
 

@@ -16,7 +16,7 @@ GPU section (when CUDA is available; --gpu-model, Llama-2-7B shape with random w
 triton backend): per configuration and batch size (--gpu-batch), the engine's median decode step time
 (one run: the GPU is not shared) over --gpu-output-len steps of prompts of --gpu-input-len tokens, its
 ratio to bf16 at the same batch, and the roofline floor of that weight/KV format
-(pipeserve/bench/roofline.py, lm_head kept in bf16, bandwidth measured in the same run) as a % of the
+(pipeserve/capacity/roofline.py, lm_head kept in bf16, bandwidth measured in the same run) as a % of the
 measured time (100 = at the floor).
 
 Configurations: `none` (the reference), `kv-int8`, `kv-fp8`, `w8a8-int8`, `w8a8-fp8`, `w4a16`, `nf4`,
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def open_llm(model: str, setup: Setup, **options: Any):
     """An LLM running `setup` (the trade-off rows are quantized here, after loading)."""
     from pipeserve.engine import LLM
-    from pipeserve.engine.model.quantize import quantize_model
+    from pipeserve.engine.quantization.model import quantize_model
 
     llm = LLM(model, **setup.engine_options, **options)
     if setup.per_tensor or setup.o_proj:
@@ -138,7 +138,7 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
     from pipeserve.engine import SamplingParams
     from pipeserve.engine.kv.pool import kv_bytes_per_token
     from pipeserve.engine.model import accuracy as qeval
-    from pipeserve.engine.model.quantize import weight_bytes
+    from pipeserve.engine.quantization.model import weight_bytes
 
     torch.set_num_threads(args.cpu_threads)
     model = checkpoint(args.model, "pipeserve bench quant")
@@ -178,7 +178,7 @@ def cpu_section(args: argparse.Namespace) -> dict[str, Any]:
 
 def gpu_roofline(rates: Any) -> Any:
     """The datasheet entry of this GPU (when known) with the bandwidth measured in this run."""
-    from pipeserve.bench.gpus import GPUS
+    from pipeserve.capacity.gpus import GPUS
 
     key = "".join(c for c in rates.device.lower() if c.isalnum())
     known = [g for n, g in GPUS.items() if "".join(c for c in n.lower() if c.isalnum()) in key]
@@ -194,7 +194,7 @@ def gpu_section(args: argparse.Namespace, device: str = "cuda", backend: str = "
 
     from pipeserve.bench.harness import resolve_model
     from pipeserve.bench.machine import measure
-    from pipeserve.bench.roofline import ModelShape, cost_model
+    from pipeserve.capacity.roofline import ModelShape, cost_model
 
     rates = measure(device, torch.bfloat16)
     gpu = gpu_roofline(rates)

@@ -26,13 +26,13 @@ from typing import Any
 import grpc
 
 from pipeserve.bench.report import machine_info, print_table, write_json
-from pipeserve.bench.workload import shared_dir
+from pipeserve.bench.shapes import stories260k
+from pipeserve.bench.soak import PROMPTS, plot_soak, soak
 from pipeserve.gateway.client import AsyncClient, build_request
 from pipeserve.gateway.pb import generation_pb2 as pb
 from pipeserve.local_cluster import LocalCluster
 
 GENERATE = "/pipeserve.v1.Generation/Generate"
-PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog", "Tom had a red ball"]
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -417,12 +417,6 @@ async def fault_under_load(
 
 
 # ---- report ---------------------------------------------------------------------------------
-def default_model() -> str | None:
-    """stories260K from the shared folder when it is there (PIPESERVE_SHARED), else None: the demo model."""
-    model = shared_dir() / "models" / "stories260K"
-    return str(model) if (model / "config.json").is_file() else None
-
-
 def _left(state: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in state.items() if v) or "none"
 
@@ -495,7 +489,7 @@ def report_rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        default=default_model(),
+        default=stories260k(),
         help="checkpoint dir (default: the shared stories260K, else the demo model)",
     )
     parser.add_argument("--streams", type=int, default=1000, help="abort-storm streams")
@@ -510,8 +504,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeserve.bench.soak import plot_soak, soak  # soak.py builds on this module
-
     figures: dict[str, Any] = {
         "machine": machine_info(),
         "model": args.model or "demo",

@@ -1,4 +1,4 @@
-"""`pipeserve bench soak` (or `python -m pipeserve.bench.soak`): does memory stay flat under steady load?
+"""`pipeserve bench soak`: does memory stay flat under steady load?
 
 Starts `pipeserve up` (stories260K by default, any --model) and offers a steady mixed load for
 `--seconds` (10 minutes by default): `--rate` requests per second (at most `--concurrency` streams
@@ -21,8 +21,8 @@ when full: it filled at ~0.6 MiB/min at the default rate here (prompts over 256 
 cached), so it keeps growing for over an hour. After the load, KV pages in use and every
 per-request count in the pipeline must be back to 0. Writes JSON and a PNG plot.
 
-    python -m pipeserve.bench.soak                       # 10 minutes, into bench/results/soak/
-    python -m pipeserve.bench.soak --seconds 3600 --model /path/to/checkpoint --out /tmp/soak
+    pipeserve bench soak --out DIR --json DIR/soak.json      # 10 minutes
+    pipeserve bench soak --seconds 3600 --model /path/to/checkpoint --out /tmp/soak
 
 Not run by the tests at this length: tests/reliability/test_soak.py runs 60 seconds of it.
 """
@@ -34,7 +34,6 @@ import asyncio
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -43,8 +42,8 @@ from typing import Any
 
 import grpc
 
-from pipeserve.bench.reliability import PROMPTS, default_model
 from pipeserve.bench.report import Panel, Series, machine_info, plot_panels, print_table, write_json
+from pipeserve.bench.shapes import stories260k
 from pipeserve.gateway.client import AsyncClient
 from pipeserve.local_cluster import LocalCluster
 
@@ -56,6 +55,7 @@ def default_threshold(seconds: float) -> float:
     return THRESHOLD_MB_PER_MIN if seconds >= 300 else SHORT_THRESHOLD_MB_PER_MIN
 
 
+PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog", "Tom had a red ball"]
 WORDS = (
     "the a little big dog cat sun tree happy sad ran jumped saw played with her his friend and then".split()
 )
@@ -249,7 +249,7 @@ def plot_soak(result: SoakResult, path: str | Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=default_model(), help="checkpoint dir (default: the shared stories260K)"
+        "--model", default=stories260k(), help="checkpoint dir (default: the shared stories260K)"
     )
     parser.add_argument("--seconds", type=float, default=600.0, help="length of the load")
     parser.add_argument("--rate", type=float, default=10.0, help="requests started per second")
@@ -291,18 +291,3 @@ def main(args: argparse.Namespace) -> int:
         data = {"machine": machine_info(), "model": args.model or "demo", "soak": result}
         print(f"wrote {write_json(args.json, data)}")
     return 0 if result.verdict == "flat" and not result.pages_at_end else 1
-
-
-def script(argv: list[str] | None = None) -> int:
-    """`python -m pipeserve.bench.soak`: `pipeserve bench soak` writing soak.json and soak.png into --out
-    (bench/results/soak/ by default)."""
-    parser = argparse.ArgumentParser(add_help=False)  # --help goes to `pipeserve bench soak`
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "soak"))
-    args, rest = parser.parse_known_args(argv)
-    from pipeserve import cli
-
-    return cli.main(["bench", "soak", "--out", args.out, "--json", str(Path(args.out) / "soak.json"), *rest])
-
-
-if __name__ == "__main__":
-    sys.exit(script())

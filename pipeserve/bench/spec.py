@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.bench.report import Panel, Series, machine_info, plot_panels, print_table, write_json
-from pipeserve.bench.structured import build_model
+from pipeserve.bench.shapes import llama_18m_v512
 from pipeserve.bench.workload import BatchSizes, shared_dir
 
 PASSAGES = [
@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     for name in args.models.split(","):
         model = {"stories260K": str(stories), "llama-18m": None}.get(name, name)
         if model is None:
-            model = build_model(stories)
+            model = llama_18m_v512(stories)
         if not Path(model, "config.json").is_file():
             raise SystemExit(f"bench spec: {model} is not a checkpoint (PIPESERVE_SHARED: stories260K)")
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pipeserve.bench.report import Panel, Series, machine_info, plot_panels, print_table, write_json
-from pipeserve.bench.structured import LLAMA_18M_V512, build_model
+from pipeserve.bench.shapes import LLAMA_18M_V512, llama_18m_v512
 from pipeserve.bench.workload import BatchSizes, checkpoint, shared_dir
 from pipeserve.config import cache_dir
 
@@ -288,7 +288,7 @@ def main(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = checkpoint(args.model, "bench step")
     else:
-        model_dir = build_model(shared_dir() / "models" / "stories260K")
+        model_dir = llama_18m_v512(shared_dir() / "models" / "stories260K")
     vocab = int(__import__("json").load(open(os.path.join(model_dir, "config.json")))["vocab_size"])
     context = args.prompt_len + args.new_tokens + 8
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -36,14 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeserve.bench.offline import LLAMA_20M
 from pipeserve.bench.report import machine_info, print_table, write_json
+from pipeserve.bench.shapes import LLAMA_18M_V512, llama_18m_v512
 from pipeserve.bench.workload import shared_dir
 
-# The issue's ~18M Llama: bench offline's ~20M shape with a 512-token vocabulary (stories260K's).
-LLAMA_18M_V512: dict[str, Any] = LLAMA_20M | {"intermediate_size": 1408, "vocab_size": 512}
 VARIANTS = ("free", "half constrained, fill thread", "half constrained, fill inline")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 ITEM = {
     "type": "object",
@@ -99,20 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stories", default=None, help="stories260K dir (default: $PIPESERVE_SHARED/models/stories260K)"
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-
-
-def build_model(stories: Path) -> str:
-    """The random ~18M Llama (vocab 512) in the cache dir, with stories260K's tokenizer beside it."""
-    import torch
-
-    from pipeserve.engine.model.demo import default_cache_dir, save_random_checkpoint
-
-    target = os.path.join(os.path.dirname(default_cache_dir()), "random-llama-18m-v512")
-    save_random_checkpoint(target, LLAMA_18M_V512, dtype=torch.float32)
-    for name in TOKENIZER_FILES:
-        if (stories / name).is_file():
-            shutil.copyfile(stories / name, os.path.join(target, name))
-    return target
 
 
 class MainThreadCost:
@@ -231,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"pipeserve bench structured: no stories260K tokenizer at {stories}")
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
-    model_dir = build_model(stories)
+    model_dir = llama_18m_v512(stories)
     engine = Engine(
         model=model_dir,
         device="cpu",

@@ -36,13 +36,8 @@ from pipeserve.messages import (
     pack_ids,
     unpack_ids,
 )
-from pipeserve.tokenizer.load import (
-    add_worker_arguments,
-    connect_engines,
-    load_for,
-    start_worker,
-    worker_sockets,
-)
+from pipeserve.tokenizer.load import load_for
+from pipeserve.tokenizer.process import add_worker_arguments, connect_engines, start_worker, worker_sockets
 
 log = logging.getLogger(__name__)
 

@@ -8,32 +8,32 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import numpy as np
-import torch
 
 from pipeserve import hub
 from pipeserve.config import EngineConfig
-from pipeserve.engine.backend import Backend, get_backend, resolve_backend
-from pipeserve.engine.executor import StepPlan
+from pipeserve.engine.backend import Backend
+from pipeserve.engine.executor import EagerStep, StepPlan
 from pipeserve.engine.kv.policy import make_policy
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
 from pipeserve.engine.kv.predicted import PredictedPolicy
-from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_step
 from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
-from pipeserve.engine.model.loader import load_model, resolve_dtype
-from pipeserve.engine.model.quantize import weight_bytes
+from pipeserve.engine.model.loader import load_model
 from pipeserve.engine.model.tensor_parallel import check_shardable
 from pipeserve.engine.parallel import group as parallel_group
+from pipeserve.engine.parallel import worker
 from pipeserve.engine.parallel.group import TPGroup
+from pipeserve.engine.parallel.step_plan import StepSender
 from pipeserve.engine.prompt_logprobs import PromptLogprobs
+from pipeserve.engine.quantization.model import weight_bytes
 from pipeserve.engine.runner import ForwardRunner, ModelRunner, StepResult
 from pipeserve.engine.sampler import Sampler
 from pipeserve.engine.scheduler import Scheduler
 from pipeserve.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
+from pipeserve.engine.shard import build_pool, load_shard, resolve_device
 from pipeserve.engine.spec.draft import DraftModel
 from pipeserve.engine.spec.ngram import NgramProposer
 from pipeserve.engine.spec.speculator import Speculator
@@ -47,23 +47,27 @@ log = logging.getLogger(__name__)
 GRAMMAR_WAIT = 0.005  # seconds a step with nothing to run waits for a grammar to compile
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, tp: TPGroup | None = None, **options: Any) -> None:
-        """tp: the group of a tensor-parallel worker rank (pipeserve/engine/parallel/worker.py); rank 0
-        starts its group itself when config.tensor_parallel_size > 1."""
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        """With config.tensor_parallel_size > 1 this is rank 0: it starts ranks 1..T-1
+        (pipeserve/engine/parallel/worker.py), which hold a shard and a KV pool each, no Engine."""
         self.config = config = config or EngineConfig(**options)
+        self.tp: TPGroup | None = None
+        if config.tensor_parallel_size > 1:
+            model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
+            model_cfg = ModelConfig.from_dir(model_dir, config.rope_scaling)
+            check_shardable(model_cfg, config.tensor_parallel_size)  # before any process starts
+            self.tp = parallel_group.start(config, worker.main)
+        try:
+            self._build(config, self.tp)
+        except BaseException:
+            if self.tp is not None:  # the other ranks go with this one
+                self.tp.close()
+            raise
+
+    def _build(self, config: EngineConfig, tp: TPGroup | None) -> None:
         self.model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
         model_cfg = ModelConfig.from_dir(self.model_dir, config.rope_scaling)
-        if tp is None and config.tensor_parallel_size > 1:
-            check_shardable(model_cfg, config.tensor_parallel_size)  # before any process starts
-            tp = parallel_group.start(config)
-        self.tp = tp
         self.device = resolve_device(config.device) if tp is None else tp.device
         self._tokenizer: Any = None
         self.structured = StructuredOutputs(
@@ -75,55 +79,18 @@ class Engine:
         )
         # The grammar compiler (xgrammar's import, the vocabulary read) is built while the model
         # loads, so that the first constrained request waits only for its own grammar.
-        compiler = self.structured.prepare() if tp is None or tp.is_driver else None
-        with phase("preparing the kernel backend (a native build on first use)", log, slow=True):
-            backend = get_backend(resolve_backend(config.backend, self.device))
-        self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
-        self.max_model_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
-        )
-        quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
-        with phase(f"loading {self.model_dir} on {self.device}{quantized}", log, slow=True):
-            self.model, self.model_config = load_model(
-                self.model_dir, backend, self.device, self.dtype, self.max_model_len, tp, config.rope_scaling,
-                quantization=config.quantization, load_format=config.load_format, seed=config.seed,
-            )
-            self.backend = backend.name
-        backend.prepare_model(self.model)
-        shard_cfg = self.model.config  # with tensor parallelism: this rank's heads only
-        per_page = kv_bytes_per_page(shard_cfg, self.dtype, config.page_size, config.kv_cache_dtype,
-                                     config.prefix_caching)
+        compiler = self.structured.prepare()
+        shard = load_shard(config, tp)
+        self.model, self.model_config = shard.model, shard.model_config
+        self.dtype, self.max_model_len = shard.dtype, shard.max_model_len
+        backend = shard.backend
+        self.backend = backend.name
         # A draft model is loaded before the pool is sized: its pool holds as many pages, of its size.
-        # Only the scheduling rank proposes, so tensor-parallel workers load no draft.
-        drafting = config.speculative_method == "draft" and (tp is None or tp.is_driver)
-        draft = self._load_draft(config, backend, model_cfg) if drafting else None
+        draft = self._load_draft(config, backend, model_cfg) if config.speculative_method == "draft" else None
         draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
-        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
-        with phase("sizing and allocating the KV cache", log):
-            profile = None if tp is not None else partial(
-                profile_step, self.model, self.device, self.dtype, config.page_size, config.kv_cache_dtype,
-                self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs * (1 + spec_tokens))
-            probe = CudaProbe(self.device) if self.device.type == "cuda" else None
-            budget, activations, not_profiled = kv_budget(config, probe, profile)
-            num_pages = config.num_pages or budget // (per_page + draft_per_page)
-            if tp is not None:  # every rank holds the same pages
-                num_pages = tp.min_int(num_pages)
-            self.pool = KVPool(
-                cfg=shard_cfg,
-                num_pages=num_pages,
-                page_size=config.page_size,
-                dtype=self.dtype,
-                device=self.device,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                kv_cache_dtype=config.kv_cache_dtype,
-                prefix_caching=config.prefix_caching,
-            )
-            weights = weight_bytes(self.model) + (weight_bytes(draft[0]) if draft else 0)
-            memory = MemoryPlan(weights, activations, num_pages * (per_page + draft_per_page), num_pages,
-                                config.page_size, self.max_model_len, not_profiled)
-            log.info("%s (%s KV)", memory.line(), config.kv_cache_dtype)
+        self.pool = build_pool(config, shard, tp, draft_per_page, weight_bytes(draft[0]) if draft else 0)
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
+        spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         plan = StepPlan(
             requested=config.step_executor,
             max_rows=config.max_num_seqs * (1 + spec_tokens),  # verification rows run as decode rows
@@ -143,6 +110,12 @@ class Engine:
             sampler=self.sampler,
             structured=self.structured,
         )
+        if tp is not None:  # its steps run eager (StepPlan.tensor_parallel): each sends the step plan
+            caches = self.pool.layers
+            send = StepSender(tp, caches[0].seq_of_page if caches else None).send
+            for step in (self.runner.eager, self.runner.executor):
+                assert isinstance(step, EagerStep)
+                step.send_plan = send
         with phase("compiling and warming up the decode steps", log):
             self.runner.warm_up()  # compiles or captures before the engine reports ready
         self.speculator = self._speculator(config, backend, plan, draft)
@@ -369,7 +342,7 @@ class Engine:
         if isinstance(self.policy, PredictedPolicy):
             self.policy.save()
         self.structured.close()
-        if self.tp is not None and self.tp.is_driver:
+        if self.tp is not None:
             self.tp.close()
 
     # -- introspection --------------------------------------------------------------------------

@@ -9,28 +9,20 @@ fast tokenizer."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import logging
 import os
 import shutil
-import signal
-import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import zmq
 from transformers import PreTrainedTokenizerFast
 
-from pipeserve import config as cfg
 from pipeserve import hub
-from pipeserve.config import Addresses, EngineConfig, cache_dir, engine_endpoints
+from pipeserve.config import EngineConfig, cache_dir
 from pipeserve.model_config import ModelLimits, model_limits
 
-__all__ = ["ModelLimits", "add_worker_arguments", "load_for", "load_tokenizer", "model_limits",
-           "read_chat_template", "resolve_model_dir", "start_worker", "worker_sockets"]
+__all__ = ["ModelLimits", "load_for", "load_tokenizer", "model_limits", "read_chat_template",
+           "resolve_model_dir"]
 
 # The files a slow tokenizer's conversion reads: the cache key of the converted one.
 SLOW_TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -118,51 +110,3 @@ def load_for(config: EngineConfig) -> tuple[str, PreTrainedTokenizerFast]:
     model_dir = resolve_model_dir(config.model, config.revision)
     source = hub.resolve(config.tokenizer, config.revision) if config.tokenizer else model_dir
     return model_dir, load_tokenizer(source, config.chat_template)
-
-
-# ---- the processes that hold the tokenizer (tokenizer and detokenizer workers) --------------------
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser, sockets: dict[str, str]) -> None:
-    """A worker's flags: which tokenizer (EngineConfig's tokenizer fields), its sockets ({Addresses
-    field: what the worker does with it}) and the log level."""
-    cfg.add_arguments(parser, EngineConfig, only=cfg.TOKENIZER_FIELDS)
-    addresses = Addresses()
-    for name, role in sockets.items():
-        parser.add_argument(f"--{name}", default=getattr(addresses, name), help=role)
-    parser.add_argument("--log-level", default="INFO", help="logging level")
-
-
-def start_worker(args: argparse.Namespace, name: str) -> EngineConfig:
-    """Logging, SIGTERM as a clean exit, and the worker's EngineConfig (--model defaults to
-    $PIPESERVE_MODEL, which the launcher and compose set for every process)."""
-    logging.basicConfig(level=args.log_level.upper(), force=True,
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    args.model = args.model or os.environ.get("PIPESERVE_MODEL")
-    config: EngineConfig = cfg.from_args(EngineConfig, args)
-    return config
-
-
-def connect_engines(ctx: zmq.Context[zmq.Socket[bytes]], endpoints: str) -> list[zmq.Socket[bytes]]:
-    """One PUSH socket per engine (a requests or control address lists one endpoint per engine):
-    element i reaches engine i only, so a request and its aborts go where the gateway routed it."""
-    sockets = []
-    for endpoint in engine_endpoints(endpoints):
-        sock = ctx.socket(zmq.PUSH)
-        sock.connect(endpoint)
-        sockets.append(sock)
-    return sockets
-
-
-@contextmanager
-def worker_sockets() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    """The worker's ZeroMQ context for the life of its serve loop; Ctrl-C is a clean exit, and queued
-    messages get half a second to leave."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        yield ctx
-    except KeyboardInterrupt:
-        pass
-    finally:
-        ctx.destroy(linger=500)

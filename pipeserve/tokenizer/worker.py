@@ -42,14 +42,8 @@ from pipeserve.messages import (
     pack_ids,
     unpack_ids,
 )
-from pipeserve.tokenizer.load import (
-    add_worker_arguments,
-    connect_engines,
-    load_for,
-    model_limits,
-    start_worker,
-    worker_sockets,
-)
+from pipeserve.tokenizer.load import load_for, model_limits
+from pipeserve.tokenizer.process import add_worker_arguments, connect_engines, start_worker, worker_sockets
 
 log = logging.getLogger(__name__)
 

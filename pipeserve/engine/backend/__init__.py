@@ -16,7 +16,8 @@ compiled step executor it supports per device type) and `native_step` (whether t
 may run its models).
 
 Shapes: q [T, Hq, D], k / v [T, Hkv, D]; paged caches [P, S, Hkv, D] with, when quantized, fp16
-scales [P, S, Hkv, D // group] passed as k_scale / v_scale (format: pipeserve/engine/kv/quant.py).
+scales [P, S, Hkv, D // group] passed as k_scale / v_scale (format:
+pipeserve/engine/quantization/kv_cache.py).
 Quantized activations are (codes, fp32 scale [T, 1]).
 """
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeserve.engine.kv.quant import dequantize_kv
 from pipeserve.engine.model.cpu_linear import use_cpu_linears
+from pipeserve.engine.quantization.kv_cache import dequantize_kv
 
 from . import native, reference
 from .base import Backend, NormOut, NormQuantOut, QuantOut

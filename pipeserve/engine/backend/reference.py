@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeserve.engine.kv.quant import dequantize_kv, quantize_kv
-from pipeserve.engine.quant_formats import dequantize_4bit, per_row_quant
+from pipeserve.engine.quantization.formats import dequantize_4bit, per_row_quant
+from pipeserve.engine.quantization.kv_cache import dequantize_kv, quantize_kv
 
 from .base import Backend, NormOut, NormQuantOut, QuantOut
 

@@ -4,6 +4,8 @@ not cover."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -22,6 +24,8 @@ class EagerStep:
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, buffers: StepBuffers, max_rows: int) -> None:
         self.model, self.pool, self.buffers = model, pool, buffers
         self.max_rows = max_rows
+        # Tensor parallelism (rank 0): sends each step's model input to the other ranks first.
+        self.send_plan: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None
 
     def prepare(self, every_bucket: bool = False) -> None:
         """Nothing to compile."""
@@ -59,6 +63,8 @@ class EagerStep:
         meta = self.metadata(flat)
         input_ids = self.buffers.stage("input_ids", flat.input_ids)
         positions = self.buffers.stage("positions", flat.positions)
+        if self.send_plan is not None:
+            self.send_plan(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the rows read out
         if flat.sample_rows.size == 0:  # only partial prefill chunks this step
             return None

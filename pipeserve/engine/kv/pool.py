@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeserve.engine.quantization.kv_cache import K_SMOOTHED, KV_QUANT_DTYPES, scale_group
 from pipeserve.engine.sequence import Sequence
 from pipeserve.model_config import ModelConfig
 
 from .prefix import page_hash, root_hash
-from .quant import K_SMOOTHED, KV_QUANT_DTYPES, scale_group
 
 
 @dataclass

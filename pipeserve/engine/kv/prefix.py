@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .quant import K_SMOOTHED
+from pipeserve.engine.quantization.kv_cache import K_SMOOTHED
 
 DIGEST_BYTES = 16
 

@@ -17,7 +17,7 @@ from torch import nn
 from pipeserve.engine.backend import Backend, NormOut
 from pipeserve.engine.kv.metadata import AttentionMetadata
 from pipeserve.engine.kv.pool import LayerCache
-from pipeserve.engine.kv.quant import key_means
+from pipeserve.engine.quantization.kv_cache import key_means
 from pipeserve.model_config import ModelConfig
 
 from .moe import MoE

@@ -32,10 +32,10 @@ import torch
 from pipeserve.config import LOAD_FORMATS
 from pipeserve.engine.backend import Backend
 from pipeserve.engine.parallel.group import TPGroup
+from pipeserve.engine.quantization.model import check_method, quantize_layer, weight_bytes
 from pipeserve.model_config import ModelConfig
 
 from .llama import DecoderLayer, LlamaForCausalLM
-from .quantize import check_method, quantize_layer, weight_bytes
 from .tensor_parallel import ShardPlan, TensorParallelLlama
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ collectives:
 Attention heads are split by rank; when there are fewer KV heads than ranks, each rank keeps the
 one KV head its query heads read (so the KV heads are replicated across the ranks sharing them).
 The router of a mixture of experts is replicated; every expert is split along its intermediate dim.
-Rank 0 also sends the step plan (pipeserve/engine/parallel/step_plan.py) before its forward pass.
+The forward pass itself is the ordinary one: rank 0's runner sends the other ranks the step plan
+(pipeserve/engine/parallel/step_plan.py) before it runs it, and each rank runs it on its shard.
 """
 
 from __future__ import annotations
@@ -29,10 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.engine.backend import Backend
-from pipeserve.engine.kv.metadata import AttentionMetadata
-from pipeserve.engine.kv.pool import LayerCache
 from pipeserve.engine.parallel.group import TPGroup
-from pipeserve.engine.parallel.step_plan import StepSender
 from pipeserve.model_config import ModelConfig
 
 from .llama import DecoderLayer, LlamaForCausalLM
@@ -164,13 +162,6 @@ class TensorParallelLlama(LlamaForCausalLM):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.register_forward_hook(reduce)  # o_proj's partial sums
             layer.mlp.register_forward_hook(reduce)  # down_proj's (every expert's, the shared one's)
-        self.sender = StepSender(group) if group.is_driver else None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: list[LayerCache]) -> torch.Tensor:
-        if self.sender is not None:
-            self.sender.send(input_ids, positions, meta, caches[0].seq_of_page if caches else None)
-        return super().forward(input_ids, positions, meta, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0: the full [R, vocab] logits; the other ranks: their own columns (unused)."""

@@ -1,5 +1,5 @@
-"""The step plan: what rank 0 sends every step so ranks 1..T-1 run the same forward pass on their
-shards. It is the model's input as the runner staged it (token ids, positions, slot mapping, block
+"""The step plan: what rank 0's runner sends every step so ranks 1..T-1 run the same forward pass on
+their shards. It is the model's input as the runner staged it (token ids, positions, slot mapping, block
 tables, sequence lengths, sampled rows), so the workers need no scheduler, no block table and no
 request state of their own.
 
@@ -15,12 +15,14 @@ one fixed-size broadcast rather than a header and a payload of its size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeserve.engine.kv.metadata import AttentionMetadata
 
-from .group import TPGroup
+if TYPE_CHECKING:  # the group sends the stop plan when it closes: it imports this module
+    from .group import TPGroup
 
 STOP, STEP = 0, 1
 HEADER = 12
@@ -45,17 +47,18 @@ class Step:
 
 
 class StepSender:
-    """Rank 0's side."""
+    """Rank 0's side: the runner calls `send` with the model's input of every step, before its own
+    forward pass. seq_of_page: the quantized KV cache's page -> mean-key row map (None otherwise)."""
 
-    def __init__(self, group: TPGroup) -> None:
-        self.group = group
+    def __init__(self, group: TPGroup, seq_of_page: torch.Tensor | None = None) -> None:
+        self.group, self.seq_of_page = group, seq_of_page
         self.plan = torch.zeros(HEADER + INLINE, dtype=torch.int64, device=group.device)
         # On CUDA the header is written on the host and uploaded without a sync.
         pin = group.device.type == "cuda"
         self.host = torch.zeros(HEADER, dtype=torch.int64, pin_memory=pin) if pin else self.plan[:HEADER]
 
-    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-             seq_of_page: torch.Tensor | None) -> None:
+    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        seq_of_page = self.seq_of_page
         parts = [input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
                  meta.prefill_block_tables, meta.prefill_cu_q_lens, meta.prefill_seq_lens]
         sampled = -1  # every row

@@ -1,41 +1,61 @@
 """Ranks 1..T-1 of a tensor-parallel engine: each loads its shard and its KV pool the way rank 0 does
-(it builds an Engine with the group, which loads the shard), then runs the step loop: receive rank
-0's step plan, run the forward pass on its shard (the collectives meet rank 0's), and take part in
-the gather of the logits. No scheduling and no sampling happen here."""
+(pipeserve/engine/shard.py), then runs `RankRunner`'s loop: receive rank 0's step plan, run the
+forward pass on its shard (the collectives meet rank 0's), and take part in the gather of the
+logits. No scheduler, sampler or request state lives here. A failure is sent to rank 0 (its own
+traceback) before the rank exits, so the engine raises with it."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
+from multiprocessing.connection import Connection
 
 import torch
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.model.llama import LlamaForCausalLM
+from pipeserve.engine.shard import build_pool, load_shard
 
-from .group import exit_with_parent, join
+from .group import TPGroup, exit_with_parent, join, report_failure
 from .step_plan import StepReceiver
 
 log = logging.getLogger(__name__)
 
 
-def main(config: EngineConfig, rank: int, world: int, port: int, threads: int) -> None:
-    """The worker process's entry point (spawned by group.start)."""
+class RankRunner:
+    """A rank's step loop over its shard: the model input comes from rank 0's plan, the logits of
+    the sampled rows go back to rank 0 through the gather inside `compute_logits`."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, group: TPGroup) -> None:
+        self.model, self.caches = model, pool.layers
+        self.receiver = StepReceiver(group, self.caches[0].seq_of_page if self.caches else None)
+        self.steps = 0
+
+    def run(self) -> None:
+        """Run steps until rank 0 sends the stop plan."""
+        while (step := self.receiver.receive()) is not None:
+            hidden = self.model(step.input_ids, step.positions, step.meta, self.caches)
+            if step.num_sampled:
+                self.model.compute_logits(hidden)
+            self.steps += 1
+
+
+def main(config: EngineConfig, rank: int, world: int, port: int, threads: int, pipe: Connection) -> None:
+    """A rank's entry point (the target group.start spawns)."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches every rank; rank 0 decides
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
-    from pipeserve.engine.engine import Engine  # the engine module imports this one
-
-    group = join(config, rank, world, port)
-    engine = Engine(config, tp=group)
-    caches = engine.pool.layers
-    receiver = StepReceiver(group, caches[0].seq_of_page if caches else None)
-    model = engine.model
-    steps = 0
-    while (step := receiver.receive()) is not None:
-        hidden = model(step.input_ids, step.positions, step.meta, caches)
-        if step.num_sampled:
-            model.compute_logits(hidden)
-        steps += 1
-    log.info("rank %d stops after %d steps", rank, steps)
+    try:
+        group = join(config, rank, world, port, pipe)
+        shard = load_shard(config, group)
+        runner = RankRunner(shard.model, build_pool(config, shard, group), group)
+        runner.run()
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        report_failure(pipe)
+        sys.exit(1)
+    log.info("rank %d stops after %d steps", rank, runner.steps)

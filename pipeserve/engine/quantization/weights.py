@@ -1,6 +1,6 @@
 """Load-time weight quantizers (no calibration data): what an ordinary fp32/fp16/bf16 checkpoint's
 linear weight [N, K] becomes under each method, in the code formats of
-pipeserve/engine/quant_formats.py:
+pipeserve/engine/quantization/formats.py:
 
 - W8A8 int8 / fp8: one symmetric scale per output channel, or one per tensor for the ablation that
   shows why per-channel matters.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeserve.engine.quant_formats import (
+from .formats import (
     NF4_LEVELS,
     QMAX,
     W4_GROUP,

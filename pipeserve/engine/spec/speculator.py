@@ -94,7 +94,7 @@ class Speculator:
                     proposals[seq] = proposal
         else:
             # A sampled request draws one token more than it proposes and always verifies, so each
-            # of its tokens is decided by rejection sampling whatever the size (verify.py).
+            # of its tokens is decided by rejection sampling whatever the size (acceptance.py).
             assert self.draft is not None
             sampled = np.fromiter((s.params.temperature >= MIN_TEMPERATURE for s in eligible), bool,
                                   len(eligible))

@@ -1,5 +1,5 @@
 """One step's verification on the device and the host: the target has sampled every row of the
-batch (each verification row at its own output index); this keeps the proposals `verify.py` accepts
+batch (each verification row at its own output index); this keeps the proposals `acceptance.py` accepts
 and lays out what each request emits. One readback per step, as without speculation."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeserve.engine.prompt_logprobs import Read
 from pipeserve.engine.sampler import Sampler
 from pipeserve.engine.sequence import Sequence
 
-from .verify import accept_matching, rejection_sample
+from .acceptance import accept_matching, rejection_sample
 
 if TYPE_CHECKING:
     from pipeserve.engine.scheduler import ScheduledBatch

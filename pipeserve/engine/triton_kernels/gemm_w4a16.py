@@ -2,7 +2,7 @@
 loop, group-wise along K (group 128). Two code books:
 - int4: asymmetric, w = (q - zero) * scale, zero in [0, 15] per group and output channel (AWQ/GPTQ).
 - nf4: w = NF4[q] * absmax, the 16 normal-float levels of QLoRA looked up in a table.
-Packing and levels: pipeserve/engine/quant_formats.py (qweight int32 [K // 8, N], scales [K // group,
+Packing and levels: pipeserve/engine/quantization/formats.py (qweight int32 [K // 8, N], scales [K // group,
 N] in the activation dtype, zeros uint8 [K // group, N])."""
 # Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeserve.engine.quant_formats import NF4_LEVELS
+from pipeserve.engine.quantization.formats import NF4_LEVELS
 
 from .common import (
     compute_dtype,

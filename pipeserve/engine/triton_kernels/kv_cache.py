@@ -2,7 +2,8 @@
 and the tile loader both attention kernels read (and dequantize) the cache with.
 
 Cache [P, S, Hkv, D]; int8 / fp8 caches carry a scale [P, S, Hkv, D // QGROUP] in fp16 (the format
-and its torch quantizer: pipeserve/engine/kv/quant.py). Negative slots are skipped (padding rows).
+and its torch quantizer: pipeserve/engine/quantization/kv_cache.py). Negative slots are skipped
+(padding rows).
 A kernel receives the whole cache as one `PagedKV` argument (tensors and strides).
 """
 # Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeserve.engine.quant_formats import QMAX
+from pipeserve.engine.quantization.formats import QMAX
 
 from .common import check_fp8, pow2
 from .quantize import inverse, to_codes

@@ -1,5 +1,5 @@
 """int8 / fp8 codes in Triton: the jit helpers every quantizing kernel turns fp32 into codes with
-(rounding as pipeserve/engine/quant_formats.py), and dynamic per-token activation quantization
+(rounding as pipeserve/engine/quantization/formats.py), and dynamic per-token activation quantization
 (one fp32 scale per row, no calibration)."""
 # Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeserve.engine.quant_formats import QMAX
+from pipeserve.engine.quantization.formats import QMAX
 
 from .common import check_fp8, pow2
 
