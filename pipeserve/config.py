@@ -16,6 +16,7 @@ from typing import Any
 from pipeserve.startup import StartupError
 
 ADMISSION_POLICIES = ("max", "optimistic", "predicted")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 PREDICTOR_MODES = ("peak", "reserve")
 BACKENDS = ("reference", "cpu", "triton")
 BACKEND_ALIASES = {"torch": "cpu"}  # former names, still accepted on the command line and in LLM(...)
@@ -73,6 +74,10 @@ class EngineConfig:
     rope_scaling: str | None = opt(None, "override the checkpoint's rope_scaling, as JSON: '{\"rope_type\": "
                                    "\"linear\", \"factor\": 4}' serves 4x the trained context "
                                    "(--max-model-len up to it); llama3 scaling states its context itself")
+    scheduling_policy: str = opt("fcfs", "order of the waiting queue: fcfs (arrival) or priority (each "
+                                 "request's priority, lower first, then arrival; running requests of a "
+                                 "later priority are preempted when pages run short)",
+                                 choices=SCHEDULING_POLICIES)
     admission: str = opt("optimistic", "KV admission policy: max reserves the whole budget, optimistic "
                          "admits while pages are free, predicted learns output lengths",
                          choices=ADMISSION_POLICIES)

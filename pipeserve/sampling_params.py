@@ -41,6 +41,8 @@ class SamplingParams:
     skip_special_tokens: bool = opt(True, "leave special tokens out of the text")
     speculative: bool = opt(True, "let the engine's speculative decoding propose tokens for this request "
                             "(exact either way); false opts out")
+    priority: int = opt(0, "scheduling priority under --scheduling-policy priority: lower runs sooner; "
+                        "ignored under fcfs")
     # Structured outputs: the output must match this constraint (at most one is set).
     json_schema: dict[str, Any] | str | None = opt(
         None, "the output must be JSON valid under this JSON schema (a dict or JSON text)")
@@ -84,6 +86,8 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             bad("seed", "must be an integer in [0, 2**63)")
+        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+            bad("priority", "must be an integer in [-2**31, 2**31)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):

@@ -38,6 +38,7 @@ from pipeserve.engine.spec.draft import DraftModel
 from pipeserve.engine.spec.ngram import NgramProposer
 from pipeserve.engine.spec.speculator import Speculator
 from pipeserve.engine.structured import StructuredOutputs
+from pipeserve.messages import PREEMPTIONS_BY_PRIORITY
 from pipeserve.model_config import ModelConfig, generation_defaults
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.startup import phase
@@ -135,7 +136,9 @@ class Engine:
             max_model_len=self.max_model_len,
             on_admit=self._on_admit,
             on_release=self._on_release,
+            scheduling_policy=config.scheduling_policy,
         )
+        log.info("scheduling policy: %s", config.scheduling_policy)
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
         self.step_count = 0
@@ -356,6 +359,7 @@ class Engine:
             "pages_used": pool.pages_used,
             "pages_reserved": pool.pages_reserved,
             "preemptions": self.scheduler.num_preemptions,
+            **{f"{PREEMPTIONS_BY_PRIORITY}{p}": n for p, n in self.scheduler.preemptions_by_priority.items()},
             "pages_cached": pool.pages_cached,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,

@@ -1,6 +1,8 @@
 """Continuous batching: every step is one merge step of decode rows (one token per running request)
 and prefill chunks (new or partially prefilled requests), under a token budget and a request cap.
-FCFS admission through the admission policy; preemption by recompute when the pool runs dry. With
+Admission through the admission policy, in arrival order (fcfs) or by (priority, arrival) (priority:
+lower runs sooner); preemption by recompute when the pool runs dry, under priority of the running
+requests that come latest in that order, also to admit a waiting request of an earlier priority. With
 prefix caching a request is admitted on the longest run of cached pages that starts its tokens, and
 its prefill starts at the first token they do not hold; the pages a step fills are findable from
 that step on (the model writes every row's K/V before any attention reads the cache, so a request
@@ -8,13 +10,19 @@ admitted later in the same step shares them)."""
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeserve.engine.kv.policy import AdmissionPolicy
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.sequence import Sequence, Status
+
+
+def priority_key(seq: Sequence) -> tuple[int, float]:
+    """Order under the priority policy: lower priority value first, then arrival."""
+    return seq.params.priority, seq.arrival
 
 
 @dataclass
@@ -53,7 +61,11 @@ class Scheduler:
         max_model_len: int,
         on_admit: Callable[[Sequence], None],
         on_release: Callable[[Sequence], None],
+        scheduling_policy: str = "fcfs",
     ):
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {scheduling_policy!r}")
+        self.by_priority = scheduling_policy == "priority"
         self.pool, self.policy = pool, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -62,11 +74,19 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.preemptions_by_priority: Counter[int] = Counter()  # the preempted request's priority
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens found
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Priority policy: insert in (priority, arrival) order, after its equals."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, priority_key(seq), key=priority_key), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -80,6 +100,12 @@ class Scheduler:
         proposals = proposals or {}
         budget = self.max_num_batched_tokens
         preempted = False
+        if self.by_priority:
+            # Running requests in priority order, so the ones after a request are those it may preempt.
+            self.running.sort(key=priority_key)
+        # Pages held back for the waiting head from the running requests' growth this step.
+        held = self._make_room() if self.by_priority else 0
+        self.pool.promised += held
         # Running requests in admission order: decode rows, then chunks of unfinished prefills.
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
@@ -111,8 +137,12 @@ class Scheduler:
             if self.pool.prefix_caching:  # only real tokens: a proposal's page is never published
                 self.pool.commit(seq, seq.num_computed + min(chunk, n))
             budget -= chunk
-        # New requests, strictly first come first served; none in a step that had to preempt.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        self.pool.promised -= held
+        # New requests in queue order (the head blocks those behind it); none in a step that had to
+        # preempt, but the head pages were held for.
+        seats = self.max_num_seqs
+        while self.waiting and budget > 0 and (held or not preempted) and len(self.running) < seats:
+            held = 0
             seq = self.waiting[0]
             need = min(
                 self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
@@ -151,6 +181,26 @@ class Scheduler:
                 self.pool.commit(seq, seq.num_computed + chunk)
             budget -= chunk
         return batch
+
+    def _make_room(self) -> int:
+        """Priority policy: when the waiting head outranks a running request, preempt running requests
+        of a later priority (the latest first) until the pool has the pages that admit it, before
+        anything is scheduled. Returns the pages to hold for it (0: it does not outrank anyone)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return 0
+        head = self.waiting[0]
+        if not self.running or self.running[-1].params.priority <= head.params.priority:
+            return 0
+        need = min(self.pool.pages_for(self.policy.reservation_tokens(head, self.max_model_len)),
+                   self.pool.num_pages)
+        while (
+            self.running
+            and self.running[-1].params.priority > head.params.priority
+            and (need > self.pool.available
+                 or not self.policy.admits(head, self.running, self.pool, self.max_model_len, []))
+        ):
+            self.preempt(self.running[-1])
+        return need if need <= self.pool.available else 0
 
     def postprocess(
         self,
@@ -207,13 +257,18 @@ class Scheduler:
         self.running.remove(seq)
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: drop the cache, keep the tokens, go back to the head of the queue."""
+        """Recompute later: drop the cache, keep the tokens, go back to the head of the queue (under
+        priority: ahead of the waiting requests of its priority, which all arrived later)."""
         self._release(seq)
         seq.status = Status.WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.preemptions_by_priority[seq.params.priority] += 1
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:

@@ -63,7 +63,8 @@ def sampling_fields(request: pb.GenerateRequest) -> dict[str, Any]:
         assert constraint in CONSTRAINTS
         given[constraint] = getattr(request, constraint)
     given |= {"stop": list(request.stop), "stop_token_ids": list(request.stop_token_ids),
-              "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}
+              "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens,
+              "priority": request.priority}
     return given
 
 

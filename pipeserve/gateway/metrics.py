@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pipeserve.gateway.router import Router
+from pipeserve.messages import PREEMPTIONS_BY_PRIORITY
 
 PREFIX = "pipeserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -98,6 +99,14 @@ def engine_families(engines: Sequence[Mapping[str, int]]) -> Iterator[Metric]:
             if key in stats:
                 metric.add_metric([str(i)], stats[key])
         yield metric
+    metric = CounterMetricFamily(PREFIX + "num_preemptions_by_priority",
+                                 "requests preempted by the scheduler, by the preempted request's priority",
+                                 labels=["engine", "priority"])
+    for i, stats in enumerate(engines):
+        for key, n in stats.items():
+            if key.startswith(PREEMPTIONS_BY_PRIORITY):
+                metric.add_metric([str(i), key.removeprefix(PREEMPTIONS_BY_PRIORITY)], n)
+    yield metric
     usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "fraction of the KV cache pages in use "
                               "(1 = full)", labels=["engine"])
     for i, stats in enumerate(engines):

@@ -141,6 +141,7 @@ class Sampling(RequestBody):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     cache_salt: str = ""
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs sooner (priority scheduling only)
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
 
@@ -153,7 +154,7 @@ class Sampling(RequestBody):
                          "frequency_penalty", "repetition_penalty", "skip_special_tokens")
         }
         out |= {"stop": stop or [], "stop_token_ids": self.stop_token_ids or [],
-                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos}
+                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "priority": self.priority}
         if self.response_format is not None and self.response_format.type == "json_object":
             out["json_object"] = True
         elif self.response_format is not None and self.response_format.type == "json_schema":
