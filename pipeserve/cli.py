@@ -55,6 +55,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "structured outputs: step overhead and grammar compile time",
     ),
     "moe": ("pipeserve.bench.moe", "MoE vs dense decode steps at the same active parameters"),
+    "priority": ("pipeserve.bench.priority", "interactive requests over a batch flood: fcfs vs priority"),
     "prefix": ("pipeserve.bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
     "tp": ("pipeserve.bench.tp", "tensor parallelism: TP=1 vs TP=T step time, step plan over gloo vs zmq"),
     "dp": (
