@@ -6,9 +6,11 @@ greedy, ignore_eos), all queued at the start, more than --max-num-seqs seats. In
 one at priority -1 every --every engine steps (--interactive in all, --interactive-output tokens),
 injected by step count so both policies see the same arrivals. The same engine config runs the
 workload under --scheduling-policy fcfs and priority, alternated over --repeats (which goes first
-alternates too). Figures: TTFT (submission to first token) p50/p99 of the interactive requests, and
-batch throughput (the flood's generated tokens over the time until its last request finished),
-medians over the repetitions.
+alternates too). Figures, medians over the repetitions: TTFT (submission to first token) p50/p99 of
+the interactive requests; throughput: every generated token (flood and interactive) over the time
+until the last request finished (the target's figure: under fcfs the interactive requests run after
+the flood, under priority inside it, so this compares the same work); and the flood's tokens over
+the time until its own last request finished.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def run_once(engine: Any, args: argparse.Namespace, rng: np.random.Generator, ta
         submitted[rid] = start
     first: dict[str, float] = {}
     batch_done = start
+    interactive_tokens = args.interactive * args.interactive_output
     batch_left = args.batch
     sent, step = 0, 0
     while engine.has_work() or sent < args.interactive:
@@ -81,8 +84,10 @@ def run_once(engine: Any, args: argparse.Namespace, rng: np.random.Generator, ta
                 batch_done = now
     assert batch_left == 0
     ttft = [first[f"{tag}-i{i}"] for i in range(args.interactive)]
-    throughput = args.batch * args.batch_output / (batch_done - start)
-    return {"ttft_s": stats(ttft), "batch_tokens_per_s": throughput, "steps": step}
+    end = time.perf_counter()
+    flood_tokens = args.batch * args.batch_output
+    return {"ttft_s": stats(ttft), "tokens_per_s": (flood_tokens + interactive_tokens) / (end - start),
+            "batch_tokens_per_s": flood_tokens / (batch_done - start), "steps": step}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -106,20 +111,22 @@ def main(args: argparse.Namespace) -> int:
         summary[p] = {
             "ttft_p50_ms": 1e3 * float(np.median([r["ttft_s"]["p50"] for r in runs[p]])),
             "ttft_p99_ms": 1e3 * float(np.median([r["ttft_s"]["p99"] for r in runs[p]])),
+            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in runs[p]])),
             "batch_tokens_per_s": float(np.median([r["batch_tokens_per_s"] for r in runs[p]])),
         }
     ratio = summary["priority"]["ttft_p50_ms"] / summary["fcfs"]["ttft_p50_ms"]
-    change = summary["priority"]["batch_tokens_per_s"] / summary["fcfs"]["batch_tokens_per_s"] - 1
+    change = summary["priority"]["tokens_per_s"] / summary["fcfs"]["tokens_per_s"] - 1
     print_table("interactive (priority -1) TTFT and batch throughput",
-                ["policy", "interactive TTFT p50 ms", "p99 ms", "batch tok/s"],
-                [[p, f"{s['ttft_p50_ms']:.1f}", f"{s['ttft_p99_ms']:.1f}", f"{s['batch_tokens_per_s']:.0f}"]
+                ["policy", "interactive TTFT p50 ms", "p99 ms", "all tok/s", "flood tok/s"],
+                [[p, f"{s['ttft_p50_ms']:.1f}", f"{s['ttft_p99_ms']:.1f}", f"{s['tokens_per_s']:.0f}",
+                  f"{s['batch_tokens_per_s']:.0f}"]
                  for p, s in summary.items()])
     met = ratio <= TARGETS["ttft_p50_ratio"] and abs(change) <= TARGETS["throughput_within"]
-    print(f"TTFT p50 priority/fcfs: {ratio:.3f} (target <= 0.333); batch throughput change: {change:+.1%} "
+    print(f"TTFT p50 priority/fcfs: {ratio:.3f} (target <= 0.333); throughput change: {change:+.1%} "
           f"(target within 10%): {'met' if met else 'NOT met'}")
     if args.json:
         write_json(args.json, {"args": vars(args), "machine": machine_info(), "summary": summary,
-                               "ttft_p50_ratio": ratio, "batch_throughput_change": change, "targets": TARGETS,
+                               "ttft_p50_ratio": ratio, "throughput_change": change, "targets": TARGETS,
                                "met": met, "runs": runs})
     return 0
 
