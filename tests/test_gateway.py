@@ -23,6 +23,7 @@ from pipeserve.gateway.pb import generation_pb2 as pb
 from pipeserve.gateway.server import Gateway
 from pipeserve.local_cluster import scrape
 from pipeserve.messages import (
+    PREEMPTIONS_BY_PRIORITY,
     Abort,
     ChatMessage,
     EngineInfo,
@@ -236,9 +237,10 @@ def test_stream_roundtrip_and_request_fields(fake):
         app="chat",
         cache_salt="tenant-a",
         speculative=False,
+        priority=-3,
     )
     req = fake.next_request()
-    assert req.sampling.speculative is False
+    assert req.sampling.speculative is False and req.sampling.priority == -3
     assert (req.rid, req.prompt, req.app, req.cache_salt) == ("r1", "Hello", "chat", "tenant-a")
     assert req.sampling.max_tokens == 7 and req.sampling.temperature == 0.7  # exact: doubles on the wire
     sampling = req.sampling
@@ -260,8 +262,10 @@ def test_stream_roundtrip_and_request_fields(fake):
     assert fake.metric('pipeserve_gateway_requests_total{outcome="length"}') == 1
     assert fake.metric('pipeserve_engine{name="running"}') == 0
     fake.stats.update(spec_draft_tokens=12, spec_accepted_tokens=5, spec_verifications=4)
+    fake.stats[PREEMPTIONS_BY_PRIORITY + "-1"] = 3
     drafts = 'pipeserve:spec_decode_num_draft_tokens_total{engine="0"}'
     fake.wait(lambda: scrape(fake.metrics_port).get(drafts) == 12)  # the next heartbeat
+    assert fake.metric('pipeserve:num_preemptions_by_priority_total{engine="0",priority="-1"}') == 3
     assert fake.metric('pipeserve:spec_decode_num_accepted_tokens_total{engine="0"}') == 5
     assert fake.metric('pipeserve:spec_decode_num_drafts_total{engine="0"}') == 4
 

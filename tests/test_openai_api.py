@@ -90,10 +90,11 @@ def test_completion_fields_text_and_usage(api):
         presence_penalty=0.5,
         frequency_penalty=0.25,
         user="u1",
-        extra_body={"top_k": 4, "min_p": 0.1, "repetition_penalty": 1.2},
+        extra_body={"top_k": 4, "min_p": 0.1, "repetition_penalty": 1.2, "priority": -2},
     )
     req = api.next_request()
     s = req.sampling
+    assert s.priority == -2
     assert req.prompt == "Hello" and req.n == 1 and not req.fit_max_tokens
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop, s.top_k, s.min_p) == (
         7,
@@ -273,6 +274,8 @@ def test_api_key(tmp_path):
         ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
         ({"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
         ({"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
+        ({"prompt": "x", "priority": 2**40}, "priority"),
+        ({"prompt": "x", "priority": "high"}, "priority"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
         ({"messages": []}, "messages"),
     ],
