@@ -29,9 +29,6 @@ import numpy as np
 
 from pipeserve.sampling_params import SamplingParams
 
-# Engine stats keys PREEMPTIONS_BY_PRIORITY + str(priority): requests of that priority preempted.
-PREEMPTIONS_BY_PRIORITY = "preemptions_priority:"
-
 # 2: nested typed fields (sampling, new, logprobs, info, messages); status socket. 3: detokenizer
 # settings from the tokenizer (DetokenizeRequest), aborts through the tokenizers, engine counters only
 # on the status socket.

@@ -17,6 +17,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 1024
 # Structured-output constraints, at most one per request (pipeserve/grammar.py builds them).
 CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# The engine's stats key PREEMPTIONS_BY_PRIORITY + str(priority): requests of that priority preempted.
+PREEMPTIONS_BY_PRIORITY = "preemptions_priority:"
 
 
 @dataclass

@@ -5,8 +5,7 @@ is alone, preempted or not."""
 from __future__ import annotations
 
 from pipeserve.engine.engine import Engine
-from pipeserve.messages import PREEMPTIONS_BY_PRIORITY
-from pipeserve.sampling_params import SamplingParams
+from pipeserve.sampling_params import PREEMPTIONS_BY_PRIORITY, SamplingParams
 
 PROMPTS = {f"low{i}": [1, 300 + 7 * i, 301, 302 + i, 303] for i in range(5)}
 URGENT = [1, 410, 411, 412, 413]

@@ -23,7 +23,6 @@ from pipeserve.gateway.pb import generation_pb2 as pb
 from pipeserve.gateway.server import Gateway
 from pipeserve.local_cluster import scrape
 from pipeserve.messages import (
-    PREEMPTIONS_BY_PRIORITY,
     Abort,
     ChatMessage,
     EngineInfo,
@@ -40,7 +39,7 @@ from pipeserve.messages import (
     pack_ids,
     unpack_ids,
 )
-from pipeserve.sampling_params import MAX_STOP_STRINGS
+from pipeserve.sampling_params import MAX_STOP_STRINGS, PREEMPTIONS_BY_PRIORITY
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -38,9 +38,8 @@ from pipeserve.engine.spec.draft import DraftModel
 from pipeserve.engine.spec.ngram import NgramProposer
 from pipeserve.engine.spec.speculator import Speculator
 from pipeserve.engine.structured import StructuredOutputs
-from pipeserve.messages import PREEMPTIONS_BY_PRIORITY
 from pipeserve.model_config import ModelConfig, generation_defaults
-from pipeserve.sampling_params import SamplingParams
+from pipeserve.sampling_params import PREEMPTIONS_BY_PRIORITY, SamplingParams
 from pipeserve.startup import phase
 
 log = logging.getLogger(__name__)

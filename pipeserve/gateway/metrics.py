@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pipeserve.gateway.router import Router
-from pipeserve.messages import PREEMPTIONS_BY_PRIORITY
+from pipeserve.sampling_params import PREEMPTIONS_BY_PRIORITY
 
 PREFIX = "pipeserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
