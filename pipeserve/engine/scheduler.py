@@ -106,7 +106,8 @@ class Scheduler:
         # Pages held back for the waiting head from the running requests' growth this step.
         held = self._make_room() if self.by_priority else 0
         self.pool.promised += held
-        # Running requests in admission order: decode rows, then chunks of unfinished prefills.
+        # Running requests in admission (fcfs) or priority order: decode rows, then chunks of
+        # unfinished prefills.
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
@@ -258,7 +259,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the cache, keep the tokens, go back to the head of the queue (under
-        priority: ahead of the waiting requests of its priority, which all arrived later)."""
+        priority: to its place in (priority, arrival) order)."""
         self._release(seq)
         seq.status = Status.WAITING
         seq.num_computed = 0
