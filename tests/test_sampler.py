@@ -1,4 +1,4 @@
-"""The on-device sampler (pipeserve/engine/sampler.py), on the CPU.
+"""The on-device sampler (pipeserve/engine/sampler.py), on the test device ($PIPESERVE_TEST_DEVICE).
 
 Statistical tests use fixed seeds, so they are deterministic; their thresholds are chi-square
 critical values at alpha = 1e-4 (Wilson-Hilferty), generous enough for any healthy RNG."""
@@ -15,12 +15,21 @@ import torch
 
 from pipeserve.engine.sampler import Sampler, mix32, uniform, vocab_keys
 from pipeserve.sampling_params import SamplingParams
+from tests.conftest import TEST_DEVICE
+from tests.kernel_utils import DEVICE
 
-pytestmark = pytest.mark.timeout(60)
-
-CPU = torch.device("cpu")
+pytestmark = [pytest.mark.timeout(60), pytest.mark.device]
 SHARED = Path(os.environ.get("PIPESERVE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 STORIES = SHARED / "models" / "stories260K"
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    """Seeded normal draws, the same on every device: drawn on the DEVICE, then moved."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), device="cpu").to(DEVICE)
+
+
+def on_device(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).to(DEVICE)
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, slots: list[int]):
@@ -49,7 +58,7 @@ def test_mix32_is_exact_lowbias32_without_int64_overflow():
 
 
 def test_uniform_is_a_pure_function_in_the_open_interval():
-    keys = vocab_keys(1000, CPU)
+    keys = vocab_keys(1000, DEVICE)
     seeds = torch.tensor([0, 1, 2**62 + 7, 12345], dtype=torch.int64)
     steps = torch.tensor([0, 0, 3, 99], dtype=torch.int64)
     u = uniform(seeds, steps, keys)
@@ -63,11 +72,11 @@ def test_uniform_is_a_pure_function_in_the_open_interval():
 
 
 def test_greedy_is_argmax_for_any_float_dtype():
-    sampler = Sampler(8, 100, CPU)
+    sampler = Sampler(8, 100, DEVICE)
     for slot in range(6):
         sampler.set_request(slot, SamplingParams(temperature=0.0), [1, 2], [], [0])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1)).to(dtype)
+        logits = randn(6, 100, seed=1).to(dtype)
         out = sample(sampler, logits, [3, 0, 5, 1, 2, 4])
         assert out.tokens.dtype == torch.int64
         assert torch.equal(out.tokens, logits.float().argmax(-1))
@@ -75,7 +84,7 @@ def test_greedy_is_argmax_for_any_float_dtype():
 
 
 def test_tiny_temperature_is_greedy():
-    sampler = Sampler(2, 50, CPU)
+    sampler = Sampler(2, 50, DEVICE)
     sampler.set_request(0, SamplingParams(temperature=1e-7, seed=3), [], [], [])
     logits = torch.randn(1, 50)
     assert torch.equal(sample(sampler, logits, [0]).tokens, logits.argmax(-1))
@@ -109,7 +118,7 @@ def test_penalties_match_per_row_reference(name: str):
     params, vocab, rows, steps = PENALTIES[name], 16, 16, 12
     gen = np.random.default_rng(7)
     prompts = [gen.integers(0, vocab, 5).tolist() for _ in range(rows)]
-    sampler = Sampler(rows + 4, vocab, CPU)
+    sampler = Sampler(rows + 4, vocab, DEVICE)
     slots = [rows + 3 - i for i in range(rows)]  # not the identity, to catch slot / row mix-ups
     for slot, prompt in zip(slots, prompts, strict=True):
         sampler.set_request(slot, params, prompt, [], [])
@@ -117,7 +126,7 @@ def test_penalties_match_per_row_reference(name: str):
     changed = 0
     for _ in range(steps):
         logits = gen.normal(0.0, 2.0, (rows, vocab)).astype(np.float32)
-        tokens = sample(sampler, torch.from_numpy(logits), slots).tokens.tolist()
+        tokens = sample(sampler, on_device(logits), slots).tokens.tolist()
         for r in range(rows):
             expected = int(penalised_reference(logits[r], params, prompts[r], outputs[r]).argmax())
             assert tokens[r] == expected, (r, outputs[r])
@@ -129,11 +138,11 @@ def test_penalties_match_per_row_reference(name: str):
 def test_penalty_state_survives_readmission():
     params = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.8)
     gen = np.random.default_rng(3)
-    logits = [torch.from_numpy(gen.normal(0, 1, (1, 12)).astype(np.float32)) for _ in range(10)]
-    straight = Sampler(4, 12, CPU)
+    logits = [on_device(gen.normal(0, 1, (1, 12)).astype(np.float32)) for _ in range(10)]
+    straight = Sampler(4, 12, DEVICE)
     straight.set_request(2, params, [1, 5], [], [])
     expected = [sample(straight, x, [2]).tokens.item() for x in logits]
-    resumed = Sampler(4, 12, CPU)
+    resumed = Sampler(4, 12, DEVICE)
     resumed.set_request(0, params, [1, 5], [], [])
     got = [sample(resumed, x, [0]).tokens.item() for x in logits[:5]]
     resumed.free(0)
@@ -145,7 +154,7 @@ def test_penalty_state_survives_readmission():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_min_tokens_blocks_eos_and_stop_ids(temperature: float):
     vocab, eos, stop = 20, 2, 7
-    sampler = Sampler(4, vocab, CPU)
+    sampler = Sampler(4, vocab, DEVICE)
     blocked = SamplingParams(temperature=temperature, min_tokens=3, seed=1)
     sampler.set_request(1, blocked, [1], [], [eos, stop])
     sampler.set_request(0, SamplingParams(temperature=temperature, seed=2), [1], [], [eos, stop])
@@ -172,8 +181,8 @@ def seeded_run(
     it so that it sits at batch row `row`."""
     tokens = []
     for step in steps:
-        target = torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step))
-        noise = torch.randn(len(others), vocab, generator=torch.Generator().manual_seed(step))
+        target = randn(vocab, seed=1000 + step)
+        noise = randn(len(others), vocab, seed=step)
         logits = torch.cat([noise[:row], target[None], noise[row:]])
         slots = list(others)[:row] + [slot] + list(others)[row:]
         tokens.append(sample(sampler, logits, slots).tokens[row].item())
@@ -185,11 +194,11 @@ SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=
 
 def test_seeded_sampling_independent_of_batch_and_slot_and_resumes():
     vocab = 64
-    alone = Sampler(1, vocab, CPU)
+    alone = Sampler(1, vocab, DEVICE)
     alone.set_request(0, SEEDED, [1], [], [])
     expected = seeded_run(alone, 0, {}, 0, range(10), vocab)
 
-    crowd = Sampler(16, vocab, CPU)
+    crowd = Sampler(16, vocab, DEVICE)
     others = {
         3: SamplingParams(temperature=0.0),
         11: SamplingParams(top_p=0.5, seed=9),
@@ -202,14 +211,14 @@ def test_seeded_sampling_independent_of_batch_and_slot_and_resumes():
     assert seeded_run(crowd, 9, others, 2, range(10), vocab) == expected
 
     # Preempted after 4 tokens, re-admitted elsewhere with its output: the stream continues.
-    resumed = Sampler(8, vocab, CPU)
+    resumed = Sampler(8, vocab, DEVICE)
     resumed.set_request(5, SEEDED, [1], [], [])
     first = seeded_run(resumed, 5, {}, 0, range(4), vocab)
     resumed.free(5)
     resumed.set_request(1, SEEDED, [1], first, [])
     assert first + seeded_run(resumed, 1, {}, 0, range(4, 10), vocab) == expected
 
-    other_seed = Sampler(1, vocab, CPU)
+    other_seed = Sampler(1, vocab, DEVICE)
     other_seed.set_request(
         0, SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=4321), [1], [], []
     )
@@ -218,7 +227,7 @@ def test_seeded_sampling_independent_of_batch_and_slot_and_resumes():
 
 def test_unseeded_requests_draw_their_own_seeds():
     vocab = 64
-    sampler = Sampler(2, vocab, CPU, seed=0)
+    sampler = Sampler(2, vocab, DEVICE, seed=0)
     sampler.set_request(0, SamplingParams(), [], [], [])
     sampler.set_request(1, SamplingParams(), [], [], [])
     logits = torch.zeros(2, vocab)  # uniform: any correlation between the two rows would show
@@ -229,14 +238,14 @@ def test_unseeded_requests_draw_their_own_seeds():
 def draw_counts(params: SamplingParams, logits: np.ndarray, rows: int = 512, steps: int = 8) -> np.ndarray:
     """Token frequencies over rows * steps draws of one logits row, each row with its own seed."""
     vocab = len(logits)
-    sampler = Sampler(rows, vocab, CPU)
+    sampler = Sampler(rows, vocab, DEVICE)
     for slot in range(rows):
         params.seed = 10_000 + slot
         sampler.set_request(slot, params, [], [], [])
-    batch = torch.from_numpy(np.tile(logits.astype(np.float32), (rows, 1)))
+    batch = on_device(np.tile(logits.astype(np.float32), (rows, 1)))
     slots = list(range(rows))
     tokens = torch.cat([sample(sampler, batch, slots).tokens for _ in range(steps)])
-    return np.bincount(tokens.numpy(), minlength=vocab)
+    return np.bincount(tokens.cpu().numpy(), minlength=vocab)
 
 
 def reference_probs(
@@ -297,7 +306,7 @@ def test_wide_vocab_temperature_sampling_matches_softmax():
 
 def test_logprobs_are_raw_log_softmax_with_true_top_ids():
     vocab = 300
-    sampler = Sampler(8, vocab, CPU)
+    sampler = Sampler(8, vocab, DEVICE)
     requests = {
         4: SamplingParams(temperature=0.0, logprobs=2),
         1: SamplingParams(temperature=0.8, top_k=10, seed=5, logprobs=5),
@@ -307,7 +316,7 @@ def test_logprobs_are_raw_log_softmax_with_true_top_ids():
     for slot, params in requests.items():
         sampler.set_request(slot, params, [3, 4], [], [])
     for dtype in (torch.float32, torch.bfloat16):
-        logits = (3 * torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))).to(dtype)
+        logits = (3 * randn(4, vocab, seed=2)).to(dtype)
         out = sample(sampler, logits, list(requests))
         reference = torch.log_softmax(logits.float(), dim=-1)
         assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
@@ -328,21 +337,22 @@ def test_mixed_greedy_and_sampled_rows():
         2: SamplingParams(temperature=0.0, repetition_penalty=2.0),
         3: SamplingParams(temperature=0.7, min_p=0.05, seed=78),
     }
-    mixed = Sampler(4, vocab, CPU)
+    mixed = Sampler(4, vocab, DEVICE)
     for slot, p in params.items():
         mixed.set_request(slot, p, [9], [], [])
-    logits = 4 * torch.randn(4, vocab, generator=torch.Generator().manual_seed(11))
+    logits = 4 * randn(4, vocab, seed=11)
     logits[2, 9] = 100.0  # the prompt token: repetition penalty 2 halves it, still the max
     tokens = sample(mixed, logits, [0, 1, 2, 3]).tokens
     assert tokens[0].item() == logits[0].argmax().item()
     assert tokens[2].item() == 9
     for row in (1, 3):
-        alone = Sampler(1, vocab, CPU)
+        alone = Sampler(1, vocab, DEVICE)
         alone.set_request(0, params[row], [9], [], [])
         assert tokens[row].item() == sample(alone, logits[row : row + 1], [0]).tokens.item()
 
 
 @pytest.mark.skipif(not (STORIES / "config.json").exists(), reason=f"stories260K not found under {SHARED}")
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the transformers reference runs on the CPU")
 def test_matches_hf_greedy_repetition_penalty_and_logprobs():
     """HF generate on the real tiny Llama as the oracle: our greedy + repetition penalty on its raw
     logits picks HF's tokens, and our logprobs equal its normalised transition scores."""
@@ -361,7 +371,7 @@ def test_matches_hf_greedy_repetition_penalty_and_logprobs():
         )
     hf_tokens = out.sequences[0, len(prompt) :].tolist()
     scores = model.compute_transition_scores(out.sequences, out.logits, normalize_logits=True)[0]
-    sampler = Sampler(2, model.config.vocab_size, CPU)
+    sampler = Sampler(2, model.config.vocab_size, torch.device("cpu"))
     sampler.set_request(
         1, SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=1), prompt, [], [2]
     )
