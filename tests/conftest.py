@@ -91,6 +91,8 @@ def traces_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """Factory: tiny_model("llama" | "qwen2" | "mistral", **config overrides) -> checkpoint dir."""
+    import torch
+
     from tests.models import build_tiny_model
 
     cache: dict[tuple, str] = {}
@@ -98,7 +100,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     def make(kind: str = "llama", **overrides) -> str:
         key = (kind, json.dumps(overrides, sort_keys=True))
         if key not in cache:
-            cache[key] = build_tiny_model(str(tmp_path_factory.mktemp(kind)), kind, **overrides)
+            # A checkpoint is host data: built on the CPU whatever device a `device` test runs on.
+            with torch.device("cpu"):
+                cache[key] = build_tiny_model(str(tmp_path_factory.mktemp(kind)), kind, **overrides)
         return cache[key]
 
     return make

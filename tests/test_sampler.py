@@ -24,7 +24,7 @@ STORIES = SHARED / "models" / "stories260K"
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
-    """Seeded normal draws, the same on every device: drawn on the DEVICE, then moved."""
+    """Seeded normal draws, the same on every device: drawn on the CPU, then moved."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), device="cpu").to(DEVICE)
 
 

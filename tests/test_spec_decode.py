@@ -21,6 +21,7 @@ from pipeserve.engine.spec.adaptive import REFIT, AdaptiveK
 from pipeserve.engine.spec.ngram import NgramProposer
 from pipeserve.engine.spec.speculator import Speculator
 from pipeserve.messages import unpack_ids
+from tests.conftest import TEST_DEVICE
 
 # Repetitive prompts, so n-gram lookup finds matches in random models too (whose greedy outputs loop).
 PROMPTS = [
@@ -33,7 +34,7 @@ CHUNKED = dict(page_size=4, max_num_batched_tokens=16)  # prompts split into chu
 
 
 def run(model: str, prompts: list[list[int]], params: SamplingParams, **options) -> tuple[list, dict]:
-    llm = LLM(model, device="cpu", dtype="float32", **options)
+    llm = LLM(model, device=TEST_DEVICE, dtype="float32", **options)
     outs = llm.generate(prompts, params)
     stats = llm.engine.stats()
     assert stats["pages_used"] == 0 and stats["pages_reserved"] == 0  # rollback kept the pool whole
@@ -67,6 +68,7 @@ ARCHS = [
 ]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("kind,overrides", ARCHS)
 def test_greedy_identical_on_every_architecture(tiny_model, kind, overrides, method):
@@ -81,6 +83,7 @@ def test_greedy_identical_on_every_architecture(tiny_model, kind, overrides, met
     assert stats["spec_draft_tokens"] > 0 and (method == "ngram" or stats["spec_accepted_tokens"] > 0)
 
 
+@pytest.mark.device
 @pytest.mark.slow
 def test_a_bad_draft_changes_speed_not_tokens(tiny_model):
     model, other = tiny_model("llama"), tiny_model("llama", seed=5)
@@ -104,6 +107,7 @@ def stories(stories_dir):
     return stories_dir, prompts
 
 
+@pytest.mark.device
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_stories_under_preemption(stories, method):
@@ -116,11 +120,12 @@ def test_stories_under_preemption(stories, method):
     assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
 def test_stops_and_max_tokens_inside_an_accepted_run(stories, method):
     model, prompts = stories
-    plain = LLM(model, device="cpu", dtype="float32")
-    fast = LLM(model, device="cpu", dtype="float32", **spec(method, model))
+    plain = LLM(model, device=TEST_DEVICE, dtype="float32")
+    fast = LLM(model, device=TEST_DEVICE, dtype="float32", **spec(method, model))
     prompt = prompts[:1]
     base = plain.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0))[0]
     # A stop token met inside a run of kept proposals ends the request there.
@@ -139,12 +144,13 @@ def test_stops_and_max_tokens_inside_an_accepted_run(stories, method):
     assert stats["spec_accepted_tokens"] > 0 and stats["pages_used"] == 0
 
 
+@pytest.mark.device
 @pytest.mark.slow
 def test_seeded_sampling_with_ngram_is_the_plain_stream_in_any_batch(stories):
     model, prompts = stories
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11)
     plain, _ = run(model, prompts, params)
-    llm = LLM(model, device="cpu", dtype="float32", **spec("ngram", model))
+    llm = LLM(model, device=TEST_DEVICE, dtype="float32", **spec("ngram", model))
     together, alone = llm.generate(prompts, params), llm.generate(prompts[:1], params)
     assert [o.token_ids for o in together] == [o.token_ids for o in plain]
     assert alone[0].token_ids == plain[0].token_ids
@@ -153,13 +159,14 @@ def test_seeded_sampling_with_ngram_is_the_plain_stream_in_any_batch(stories):
     assert [o.token_ids for o in adaptive] == [o.token_ids for o in plain]
 
 
+@pytest.mark.device
 @pytest.mark.slow
 def test_seeded_sampling_with_a_draft_is_reproducible(stories):
     model, prompts = stories
     # Sampled requests beside greedy ones: the greedy ones are plain greedy decoding.
     params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.8, seed=11)
               for i in range(len(prompts))]
-    llm = LLM(model, device="cpu", dtype="float32", **spec("draft", model))
+    llm = LLM(model, device=TEST_DEVICE, dtype="float32", **spec("draft", model))
     first, second = llm.generate(prompts, params), llm.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
@@ -167,16 +174,17 @@ def test_seeded_sampling_with_a_draft_is_reproducible(stories):
     assert [o.token_ids for o in first[1::2]] == [o.token_ids for o in plain]
 
 
+@pytest.mark.device
 @pytest.mark.slow
 def test_opt_out_and_logprob_requests_decode_beside_speculating_ones(stories):
     model, prompts = stories
-    llm = LLM(model, device="cpu", dtype="float32", **spec("ngram", model))
+    llm = LLM(model, device=TEST_DEVICE, dtype="float32", **spec("ngram", model))
     llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, speculative=False))
     assert llm.engine.stats()["spec_verifications"] == 0
     # A request asking for logprobs decodes one token a step beside one that verifies proposals.
     requests = [(prompts[0], SamplingParams(max_tokens=16, temperature=0.0)),
                 (prompts[1], SamplingParams(max_tokens=16, temperature=0.0, logprobs=3))]
-    plain = LLM(model, device="cpu", dtype="float32")
+    plain = LLM(model, device=TEST_DEVICE, dtype="float32")
     want = plain.generate([p for p, _ in requests], [s for _, s in requests])
     got = llm.generate([p for p, _ in requests], [s for _, s in requests])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -369,19 +377,20 @@ def test_several_tokens_become_one_row_each():
     assert out.finish == ["", "", "stop", "abort"] and len(out.new) == 1
 
 
+@pytest.mark.device
 def test_sampler_rows_at_offsets_draw_the_later_steps():
     """A verification row at output index g + j samples exactly what plain decoding draws at step
     g + j: same noise, same min_tokens mask."""
     from pipeserve.engine.sampler import Sampler
 
-    sampler = Sampler(2, 50, torch.device("cpu"))
+    sampler = Sampler(2, 50, torch.device(TEST_DEVICE))
     params = SamplingParams(temperature=1.0, seed=3, min_tokens=2)
     sampler.set_request(0, params, [1], [], [4])
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0), device="cpu").to(TEST_DEVICE)
     logits[:, 4] = 10.0  # the stop id dominates once allowed
     slots = np.zeros(3, dtype=np.int64)
     rows = sampler.sample(logits, slots, torch.as_tensor(slots), offsets=(np.arange(3), torch.arange(3)))
-    plain = Sampler(2, 50, torch.device("cpu"))
+    plain = Sampler(2, 50, torch.device(TEST_DEVICE))
     plain.set_request(0, params, [1], [], [4])
     one = np.zeros(1, dtype=np.int64)
     seq = [plain.sample(logits[i : i + 1], one, torch.as_tensor(one)).tokens.item() for i in range(3)]
@@ -449,6 +458,7 @@ def test_scheduler_verifies_grows_and_truncates_inside_an_accepted_run():
     assert pool.num_free == 30  # the short one's pages back, the long one's third page too
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_prompt_logprobs_beside_speculating_requests(tiny_model, method):
     """Requests asking for prompt logprobs prefill in chunks beside ones that verify proposals: the
@@ -456,8 +466,8 @@ def test_prompt_logprobs_beside_speculating_requests(tiny_model, method):
     model = tiny_model("llama")
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
               for k in (2, None, 1, 0)]
-    want = LLM(model, device="cpu", dtype="float32", **CHUNKED).generate(PROMPTS, params)
-    llm = LLM(model, device="cpu", dtype="float32", **CHUNKED, **spec(method, model))
+    want = LLM(model, device=TEST_DEVICE, dtype="float32", **CHUNKED).generate(PROMPTS, params)
+    llm = LLM(model, device=TEST_DEVICE, dtype="float32", **CHUNKED, **spec(method, model))
     got = llm.generate(PROMPTS, params)
     assert llm.engine.stats()["spec_verifications"] > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
