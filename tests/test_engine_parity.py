@@ -1,5 +1,6 @@
 """Greedy parity with HF transformers `generate`, token for token in fp32, through every engine path:
-batching of mixed lengths, chunked prefill, page sizes, preemption, sliding windows, biases."""
+batching of mixed lengths, chunked prefill, page sizes, preemption, sliding windows, biases. The engine runs
+on $PIPESERVE_TEST_DEVICE, the transformers reference on the CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import pytest
 import torch
 
 from pipeserve.engine import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
+
+pytestmark = pytest.mark.device
 
 STORY_PROMPTS = [
     "Once upon a time",
@@ -18,6 +22,11 @@ STORY_PROMPTS = [
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    with torch.device("cpu"):
+        return _hf_greedy(model_dir, prompts, max_new)
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
@@ -34,7 +43,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[li
 
 
 def run_llm(model_dir: str, prompts: list[list[int]], max_new: int, **options) -> list[list[int]]:
-    llm = LLM(model_dir, **{"device": "cpu", "dtype": "float32", **options})
+    llm = LLM(model_dir, **{"device": TEST_DEVICE, "dtype": "float32", **options})
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0))
     assert llm.engine.stats()["pages_used"] == 0
     return [o.token_ids for o in outs]
@@ -65,7 +74,7 @@ def test_stories_greedy_matches_hf(story_case, options):
 
 
 def test_stories_text_is_the_known_continuation(stories_dir):
-    llm = LLM(stories_dir, device="cpu")
+    llm = LLM(stories_dir, device=TEST_DEVICE)
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, temperature=0.0))[0]
     assert out.text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
     assert out.finish_reason == "length"
@@ -75,7 +84,7 @@ def test_stories_text_is_the_known_continuation(stories_dir):
 def test_preemption_keeps_tokens_identical(story_case, policy):
     model_dir, prompts, expected = story_case
     # 14 pages of 4 tokens cannot hold five ~35-token requests at once: the engine must preempt.
-    llm = LLM(model_dir, device="cpu", dtype="float32", page_size=4, num_pages=14, admission=policy)
+    llm = LLM(model_dir, device=TEST_DEVICE, dtype="float32", page_size=4, num_pages=14, admission=policy)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.stats()
@@ -110,7 +119,7 @@ def test_preemption_keeps_tokens_identical(story_case, policy):
 def test_random_models_match_hf(tiny_model, kind, overrides):
     model_dir = tiny_model(kind, **overrides)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 1, 11)]
+    prompts = [torch.randint(3, 320, (n,), generator=g, device="cpu").tolist() for n in (5, 17, 1, 11)]
     expected = hf_greedy(model_dir, prompts, 12)
     assert run_llm(model_dir, prompts, 12, page_size=4, max_num_batched_tokens=8) == expected
 
@@ -120,10 +129,10 @@ def test_top_logprobs_match_hf(stories_dir):
 
     tok = AutoTokenizer.from_pretrained(stories_dir)
     ids = tok("Once upon a time").input_ids
-    llm = LLM(stories_dir, device="cpu", dtype="float32")
+    llm = LLM(stories_dir, device=TEST_DEVICE, dtype="float32")
     out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, logprobs=5))[0]
-    hf = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
+    with torch.device("cpu"), torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32).eval()
         logits = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1]
     ref = torch.log_softmax(logits.float(), dim=-1)
     assert len(out.logprobs) == len(out.token_ids)
@@ -136,6 +145,6 @@ def test_top_logprobs_match_hf(stories_dir):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(stories_dir, dtype):
-    llm = LLM(stories_dir, device="cpu", dtype=dtype, step_executor="eager")
+    llm = LLM(stories_dir, device=TEST_DEVICE, dtype=dtype, step_executor="eager")
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert len(out.token_ids) == 12 and out.text.startswith(", there was")
