@@ -14,6 +14,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine import LLM, SamplingParams
 from pipeserve.engine.backend import get_backend, native
 from pipeserve.engine.executor.select import StepPlan, choose, compiled_mode
+from tests.conftest import TEST_DEVICE
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -79,6 +80,7 @@ def count_host_reads(monkeypatch) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("executor", ["auto", "eager"])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_one_readback_per_steady_state_step(stories_dir, monkeypatch, executor, speculative):
@@ -87,7 +89,8 @@ def test_one_readback_per_steady_state_step(stories_dir, monkeypatch, executor, 
     spec = {}
     if speculative:
         spec = dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
-    llm = LLM(stories_dir, device="cpu", dtype="float32", step_executor=executor, max_num_seqs=4, **spec)
+    llm = LLM(stories_dir, device=TEST_DEVICE, dtype="float32", step_executor=executor, max_num_seqs=4,
+              **spec)
     engine = llm.engine
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.8, seed=1, logprobs=3, min_tokens=30),
