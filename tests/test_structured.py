@@ -26,6 +26,7 @@ from pipeserve.messages import EngineRequest, TokenizeRequest, decode, encode
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.tokenizer.load import load_tokenizer
 from pipeserve.tokenizer.worker import Tokenizer
+from tests.conftest import TEST_DEVICE
 
 SCHEMAS = {
     "nested-enums-ranges-optional": {
@@ -121,7 +122,7 @@ def is_arithmetic(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def llm(stories_dir) -> LLM:
-    return LLM(stories_dir, device="cpu", max_num_batched_tokens=256)
+    return LLM(stories_dir, device=TEST_DEVICE, max_num_batched_tokens=256)
 
 
 def sample_many(llm: LLM, n: int, max_tokens: int, **constraint) -> list:
@@ -225,13 +226,14 @@ def test_constraints_cross_the_wire():
         assert decode(encode(sent)) == sent
 
 
+@pytest.mark.device
 def test_a_constraint_that_does_not_compile_is_refused_by_the_engine(stories_dir):
     """The tokenizer worker forwards it (it never imports xgrammar); the engine's compilation refuses
     it with the reason, before it is scheduled, and the batch goes on."""
     worker = Tokenizer(load_tokenizer(stories_dir), 512)
     out = worker.handle(TokenizeRequest("r1", SamplingParams(regex="(unclosed"), prompt="hi"))
     assert out.TAG == "request"
-    engine = Engine(model=stories_dir, device="cpu", num_pages=64)
+    engine = Engine(model=stories_dir, device=TEST_DEVICE, num_pages=64)
     ids = engine.tokenizer("Once upon a time").input_ids
     engine.add("bad", ids, SamplingParams(max_tokens=4, regex="(unclosed"))
     engine.add("ok", ids, SamplingParams(max_tokens=4, temperature=0.0))
@@ -248,6 +250,7 @@ def test_a_constraint_that_does_not_compile_is_refused_by_the_engine(stories_dir
     engine.close()
 
 
+@pytest.mark.device
 def test_llm_refuses_bad_constraints_before_any_engine_work(llm):
     before = llm.engine.step_count
     with pytest.raises(ValueError, match="grammar is invalid"):
@@ -261,9 +264,10 @@ def test_llm_refuses_bad_constraints_before_any_engine_work(llm):
 # -- the sampler's mask -----------------------------------------------------------------------------
 
 
+@pytest.mark.device
 def test_mask_applies_to_its_rows_only_and_logprobs_stay_raw():
     vocab = 70  # not a multiple of 32: the last bitmask word is partial
-    sampler = Sampler(4, vocab, torch.device("cpu"), max_logprobs=3)
+    sampler = Sampler(4, vocab, torch.device(TEST_DEVICE), max_logprobs=3)
     for slot in range(3):
         sampler.set_request(slot, SamplingParams(temperature=0.0, logprobs=2), [1], [], [])
     logits = torch.randn(3, vocab)
@@ -281,11 +285,12 @@ def test_mask_applies_to_its_rows_only_and_logprobs_stay_raw():
     assert torch.allclose(out.logprobs, torch.log_softmax(raw, -1).gather(1, out.tokens[:, None]).squeeze(1))
 
 
+@pytest.mark.device
 def test_mask_comes_before_temperature_and_top_p():
     """A constrained row samples only allowed tokens at any temperature and top-p, even when the
     allowed tokens are far outside the unconstrained top-p nucleus."""
     vocab = 64
-    sampler = Sampler(1, vocab, torch.device("cpu"))
+    sampler = Sampler(1, vocab, torch.device(TEST_DEVICE))
     sampler.set_request(0, SamplingParams(temperature=2.0, top_p=0.5, seed=3), [1], [], [])
     logits = torch.zeros(1, vocab)
     logits[0, :8] = 20.0  # the whole nucleus
@@ -300,8 +305,9 @@ def test_mask_comes_before_temperature_and_top_p():
     assert seen == {35, 41}
 
 
+@pytest.mark.device
 def test_grammars_are_cached_by_content_and_compiled_once(stories_dir):
-    engine = Engine(model=stories_dir, device="cpu", num_pages=64)
+    engine = Engine(model=stories_dir, device=TEST_DEVICE, num_pages=64)
     structured = engine.structured
     first = structured.compile("regex", "[ab]+")
     again = structured.compile("regex", "[ab]+")  # while the first may still be compiling
@@ -313,6 +319,7 @@ def test_grammars_are_cached_by_content_and_compiled_once(stories_dir):
 # -- the engine, end to end -------------------------------------------------------------------------
 
 
+@pytest.mark.device
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_json_schema_outputs_validate_at_temperature_one(llm, name):
@@ -337,6 +344,7 @@ def test_json_schema_outputs_validate_at_temperature_one(llm, name):
             assert out.text.startswith("{") and is_json_prefix(out.text), out.text
 
 
+@pytest.mark.device
 def test_json_object_outputs_are_compact_objects(llm):
     """stories260K opens a key string and tells a story in it, never reaching `}` within the budget:
     what it writes must still be a compact JSON object cut short."""
@@ -348,6 +356,7 @@ def test_json_object_outputs_are_compact_objects(llm):
     assert not is_json_prefix('{"a":1}x') and not is_json_prefix('{"a" 1') and is_json_prefix('{"a":[tr')
 
 
+@pytest.mark.device
 def test_regex_choice_and_grammar_outputs_match(llm):
     outs = sample_many(llm, 16, 40, regex=REGEX)
     assert all(o.finish_reason == "stop" and re.fullmatch(REGEX, o.text) for o in outs), [
@@ -363,9 +372,10 @@ def test_regex_choice_and_grammar_outputs_match(llm):
     assert stopped and all(is_arithmetic(o.text) for o in stopped), [o.text for o in stopped]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("background_fill", [True, False], ids=["fill-thread", "fill-inline"])
 def test_free_rows_in_mixed_batches_get_exactly_their_solo_tokens(stories_dir, background_fill):
-    llm = LLM(stories_dir, device="cpu")
+    llm = LLM(stories_dir, device=TEST_DEVICE)
     llm.engine.structured.background_fill = background_fill
     free = SamplingParams(max_tokens=24, temperature=0.0)
     alone = [o.token_ids for o in llm.generate(PROMPTS, free)]
@@ -382,6 +392,7 @@ def test_free_rows_in_mixed_batches_get_exactly_their_solo_tokens(stories_dir, b
     assert re.fullmatch(REGEX, mixed[3].text) and mixed[5].text in CHOICES
 
 
+@pytest.mark.device
 @pytest.mark.slow
 def test_matcher_state_survives_preemption_and_chunked_prefill(stories_dir):
     prompts = [p + " and then" for p in PROMPTS] + ["One day a little"]
@@ -389,13 +400,13 @@ def test_matcher_state_survives_preemption_and_chunked_prefill(stories_dir):
         SamplingParams(max_tokens=40, temperature=0.0, json_schema=SCHEMAS["nested-enums-ranges-optional"]),
         SamplingParams(max_tokens=40, temperature=0.0, grammar=ARITHMETIC),
     ] * 2 + [SamplingParams(max_tokens=40, temperature=0.0, regex=REGEX)]
-    roomy = LLM(stories_dir, device="cpu", dtype="float32")
+    roomy = LLM(stories_dir, device=TEST_DEVICE, dtype="float32")
     expected = [o.token_ids for o in roomy.generate(prompts, params)]
     # 14 pages of 4 tokens cannot hold five ~45-token requests: the engine preempts (recompute).
-    tight = LLM(stories_dir, device="cpu", dtype="float32", page_size=4, num_pages=14)
+    tight = LLM(stories_dir, device=TEST_DEVICE, dtype="float32", page_size=4, num_pages=14)
     assert [o.token_ids for o in tight.generate(prompts, params)] == expected
     assert tight.engine.stats()["preemptions"] > 0 and not tight.engine.structured.matchers
-    chunked = LLM(stories_dir, device="cpu", dtype="float32", max_num_batched_tokens=3)
+    chunked = LLM(stories_dir, device=TEST_DEVICE, dtype="float32", max_num_batched_tokens=3)
     outs = chunked.generate(prompts, params)
     assert re.fullmatch(REGEX, outs[4].text) or outs[4].finish_reason == "length"
     for out in outs[0::2][:2]:
@@ -403,8 +414,9 @@ def test_matcher_state_survives_preemption_and_chunked_prefill(stories_dir):
             jsonschema.validate(json.loads(out.text), SCHEMAS["nested-enums-ranges-optional"])
 
 
+@pytest.mark.device
 def test_a_slow_compilation_holds_back_only_its_own_request(stories_dir, monkeypatch):
-    engine = Engine(model=stories_dir, device="cpu", num_pages=64)
+    engine = Engine(model=stories_dir, device=TEST_DEVICE, num_pages=64)
     gate = threading.Event()
     original = engine.structured.compile
 
@@ -437,8 +449,9 @@ def test_a_slow_compilation_holds_back_only_its_own_request(stories_dir, monkeyp
     assert text.startswith("{") and len(tokens["json"]) <= 8
 
 
+@pytest.mark.device
 def test_abort_while_compiling_and_a_failed_compilation_end_only_that_request(stories_dir, monkeypatch):
-    engine = Engine(model=stories_dir, device="cpu", num_pages=64)
+    engine = Engine(model=stories_dir, device=TEST_DEVICE, num_pages=64)
     ids = engine.tokenizer("Once upon a time").input_ids
     gate = threading.Event()
     blocked = engine.structured._compile_pool.submit(gate.wait, 30)  # noqa: F841  (occupies a compile thread)
@@ -466,10 +479,11 @@ def test_abort_while_compiling_and_a_failed_compilation_end_only_that_request(st
     assert seen == {"b": "abort", "c": "length"}
 
 
+@pytest.mark.device
 def test_ids_past_the_tokenizer_vocabulary_are_never_allowed(tiny_model):
     """A random model with 320 logits over a 259-token byte-level tokenizer: the ids past the
     tokenizer are never allowed, and outputs still match."""
-    llm = LLM(tiny_model("llama"), device="cpu")
+    llm = LLM(tiny_model("llama"), device=TEST_DEVICE)
     assert llm.engine.model_config.vocab_size > len(llm.tokenizer)
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, regex="[a-c]{2,4}!") for s in range(8)]
     for out in llm.generate(["hello"] * 8, params):
