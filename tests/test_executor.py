@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,3 +112,21 @@ def test_one_readback_per_steady_state_step(stories_dir, monkeypatch, executor, 
     assert counts["other"] == 0
     if speculative:
         assert engine.stats()["spec_verifications"] > 0
+
+
+@pytest.mark.device
+def test_prompt_logprob_steps_read_back_once(stories_dir):
+    """Steps that score prompt logprobs (chunks beside a decoding request, the last one sampling)
+    bring the scores back in the step's one readback."""
+    llm = LLM(stories_dir, device=TEST_DEVICE, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add("0", [1, 30, 31], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()
+    prompt = list(range(100, 120))
+    engine.add("1", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    seq = engine.scheduler.waiting[0]
+    before = engine.runner.buffers.readbacks
+    for _ in range(4):  # 20 prompt tokens in chunks of up to 7 beside the decode row
+        engine.step()
+    assert engine.runner.buffers.readbacks - before == 4
+    assert seq.prompt_logprobs is not None and not np.isnan(seq.prompt_logprobs.logprobs[1:]).any()

@@ -82,33 +82,43 @@ def prompt_rows(prefill: list[Sequence], num_decode: int, cu_q_lens: np.ndarray)
 Read = Callable[..., list[np.ndarray]]  # device tensors -> host arrays, one readback for them all
 
 
-def score(logits: torch.Tensor, rows: PromptRows, read: Read) -> None:
-    """Each extra row's logprob of its target and its top-k (k the largest any request asked for),
-    stored into the requests' PromptLogprobs (one host copy for the step)."""
+@dataclass
+class PromptScores:
+    """One step's prompt logprobs, still on the device: the step's one readback brings `tensors` to
+    the host beside the sampled tokens, then `store` files them into the requests."""
+
+    rows: PromptRows
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # target logprob [E], top-k logprobs, ids
+
+    def store(self, host: list[np.ndarray]) -> None:
+        chosen, top_lps_np, top_ids_np = host
+        for seq, first, end, position in self.rows.segments:
+            store = seq.prompt_logprobs
+            if store is None:
+                width = seq.params.prompt_logprobs or 0
+                store = seq.prompt_logprobs = PromptLogprobs.empty(seq.prompt_len, width)
+            span, width = slice(position, position + end - first), store.top_ids.shape[1]
+            store.logprobs[span] = chosen[first:end]
+            store.top_ids[span] = top_ids_np[first:end, :width]
+            store.top_logprobs[span] = top_lps_np[first:end, :width]
+
+
+def score(logits: torch.Tensor, rows: PromptRows) -> PromptScores:
+    """Each extra row's logprob of its target and its top-k (k the largest any request asked for)."""
     k = max(seq.params.prompt_logprobs or 0 for seq, *_ in rows.segments)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = upload(rows.targets, logits.device)
     top_lps, top_ids = logprobs.topk(k, dim=-1)
-    chosen, top_lps_np, top_ids_np = read(logprobs.gather(1, targets[:, None])[:, 0], top_lps, top_ids)
-    for seq, first, end, position in rows.segments:
-        store = seq.prompt_logprobs
-        if store is None:
-            width = seq.params.prompt_logprobs or 0
-            store = seq.prompt_logprobs = PromptLogprobs.empty(seq.prompt_len, width)
-        span, width = slice(position, position + end - first), store.top_ids.shape[1]
-        store.logprobs[span] = chosen[first:end]
-        store.top_ids[span] = top_ids_np[first:end, :width]
-        store.top_logprobs[span] = top_lps_np[first:end, :width]
+    return PromptScores(rows, (logprobs.gather(1, targets[:, None])[:, 0], top_lps, top_ids))
 
 
-def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows, every_row: bool,
-             read: Read) -> torch.Tensor:
-    """Score the extra rows out of the logits of the rows the model read out and return the sampled
-    rows' logits. The model returned the rows asked for in that order (sample rows, then extra rows)
-    or, when together they are every row of the batch, all rows in batch order."""
+def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows,
+             every_row: bool) -> tuple[torch.Tensor, PromptScores]:
+    """Score the extra rows out of the logits of the rows the model read out; return the sampled
+    rows' logits and the scores. The model returned the rows asked for in that order (sample rows,
+    then extra rows) or, when together they are every row of the batch, all rows in batch order."""
     if every_row:
         device = logits.device
-        score(logits.index_select(0, upload(extra.rows, device)), extra, read)
-        return logits.index_select(0, upload(sample_rows, device))
-    score(logits[len(sample_rows):], extra, read)
-    return logits[: len(sample_rows)]
+        scores = score(logits.index_select(0, upload(extra.rows, device)), extra)
+        return logits.index_select(0, upload(sample_rows, device)), scores
+    return logits[: len(sample_rows)], score(logits[len(sample_rows):], extra)

@@ -31,7 +31,7 @@ from pipeserve.engine.executor.base import EAGER
 from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.model.llama import LlamaForCausalLM
-from pipeserve.engine.prompt_logprobs import PromptRows, prompt_rows, read_out
+from pipeserve.engine.prompt_logprobs import PromptRows, PromptScores, prompt_rows, read_out
 from pipeserve.engine.sampler import SampleOutput, Sampler
 from pipeserve.engine.scheduler import ScheduledBatch
 from pipeserve.engine.sequence import Sequence
@@ -156,19 +156,22 @@ class ForwardRunner:
                          sample_offsets=offsets)
 
     # -- the forward pass -------------------------------------------------------------------------
-    def logits(self, flat: FlatBatch, extra: PromptRows | None = None) -> torch.Tensor | None:
-        """Logits [R, V] of flat's sample rows (None: no row samples). extra: prompt rows read out
-        too and scored on the way (their steps run eager)."""
-        if extra is None:
-            executor = self.executor if self.executor.covers(flat) else self.eager
-            return executor.run(flat)
+    def logits(self, flat: FlatBatch) -> torch.Tensor | None:
+        """Logits [R, V] of flat's sample rows (None: no row samples)."""
+        executor = self.executor if self.executor.covers(flat) else self.eager
+        return executor.run(flat)
+
+    def scored_logits(self, flat: FlatBatch,
+                      extra: PromptRows) -> tuple[torch.Tensor | None, PromptScores]:
+        """The sample rows' logits and the prompt rows `extra`, read out too and scored on the way
+        (such steps run eager); the scores stay on the device for the step's one readback."""
         read = replace(flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
                        sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
                        sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
         logits = self.eager.run(read)
         assert logits is not None  # extra has rows
-        logits = read_out(logits, flat.sample_rows, extra, read.every_row_read, self.buffers.read)
-        return logits if flat.sample_rows.size else None
+        logits, scores = read_out(logits, flat.sample_rows, extra, read.every_row_read)
+        return (logits if flat.sample_rows.size else None), scores
 
     def forward(self, batch: ScheduledBatch) -> tuple[FlatBatch, torch.Tensor | None]:
         """The batch's model input and the logits [R, V] of its sample rows (None: no row samples)."""
@@ -196,31 +199,43 @@ class ModelRunner(ForwardRunner):
         # The chunks are the verification rows, then the prefills: skip the former's offsets.
         extra = (prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
                  if batch.prefill else None)
-        logits = self.logits(flat, extra)
+        scores = None
+        if extra is None:
+            logits = self.logits(flat)
+        else:
+            logits, scores = self.scored_logits(flat, extra)
         if logits is None:
+            if scores is not None:  # prompt chunks only: the scores are the step's one readback
+                scores.store(self.buffers.read(*scores.tensors))
             return StepResult([])
+        scored = () if scores is None else scores.tensors
         # The sampler runs eager: on the CPU it reads the host array as it is.
         slots_t = self.buffers.host_or_stage("sample_slots", flat.sample_slots)
         mask = self.structured.mask()
         if flat.sample_offsets is None:
             out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask)
             logprobs = self._logprobs(out)
-            tokens, *host_logprobs = self.buffers.read(out.tokens, *logprobs)  # the step's one readback
+            # The step's one readback: tokens, their logprobs and the prompt rows' scores.
+            tokens, *host = self.buffers.read(out.tokens, *logprobs, *scored)
+            host_logprobs, host_scores = host[: len(logprobs)], host[len(logprobs):]
             row_tokens = tokens.tolist()
             result = StepResult(row_tokens)
         else:
             offsets = (flat.sample_offsets, self.buffers.stage("sample_offsets", flat.sample_offsets))
             out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask, offsets)
             logprobs = self._logprobs(out)
-            verified, host_logprobs = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits,
+            verified, host = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits,
                                                            out.tokens, offsets, drafts, self.buffers.read,
-                                                           logprobs)
+                                                           logprobs + scored)
             row_tokens = verified.row_tokens
             result = StepResult(verified.tokens, accepted=verified.accepted)
             self.sampler.advance(verified.slots, upload(verified.slots, self.device),
                                  upload(verified.emitted, self.device))
             # Requests with logprobs never verify (one row each): their rows, in request order.
-            host_logprobs = [a[verified.seq_rows] for a in host_logprobs]
+            host_logprobs = [a[verified.seq_rows] for a in host[: len(logprobs)]]
+            host_scores = host[len(logprobs):]
+        if scores is not None:
+            scores.store(host_scores)
         self.structured.advance(row_tokens)
         if host_logprobs:
             result.logprobs, result.top_ids, result.top_logprobs = host_logprobs
