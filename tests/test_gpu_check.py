@@ -17,7 +17,7 @@ import torch
 
 from pipeserve.gpu_check import kernels, parity, speed, sync
 from pipeserve.gpu_check.environment import ceilings, environment
-from pipeserve.gpu_check.models import build_tiny_model, random_weights
+from pipeserve.gpu_check.models import build_tiny_model
 from pipeserve.gpu_check.report import AGREEMENT, THRESHOLDS, CorrectnessRow, Report, SpeedRow
 from pipeserve.gpu_check.runner import SECTIONS, Context, Section, run_sections
 from tests.conftest import REPO
@@ -206,8 +206,7 @@ def test_speed_floors_and_random_weights(tmp_path):
     os.remove(os.path.join(model_dir, "model.safetensors"))  # config.json and tokenizer only
     from pipeserve.engine import LLM, SamplingParams
 
-    with random_weights():
-        llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=16)
+    llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=16, load_format="dummy")
     model = llm.engine.model
     weights = dict(model.named_parameters())
     assert float(weights["layers.0.input_layernorm.weight"].min()) == 1.0

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -92,23 +90,3 @@ def write_shape_config(path: str, shape: str, torch_dtype: str = "bfloat16") -> 
         json.dump(cfg, f)
     save_byte_tokenizer(path, 4096)
     return path
-
-
-@contextmanager
-def random_weights() -> Iterator[None]:
-    """Engines built inside draw their weights at random on their device instead of reading the
-    checkpoint (which may hold only config.json): the loader's `load_format="dummy"`, which also
-    quantizes them layer by layer when the engine asks for a quantization."""
-    from pipeserve.engine import engine as engine_module
-
-    namespace = vars(engine_module)
-    load = namespace["load_model"]
-
-    def load_random(*args: Any, **kwargs: Any) -> Any:
-        return load(*args, **{**kwargs, "load_format": "dummy"})
-
-    namespace["load_model"] = load_random
-    try:
-        yield
-    finally:
-        namespace["load_model"] = load
