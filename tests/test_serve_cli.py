@@ -24,6 +24,7 @@ from pipeserve.local_cluster import free_port
 from tests.conftest import REPO, STORIES
 
 pytestmark = [
+    pytest.mark.slow,  # real processes: a CLI per start-up
     pytest.mark.timeout(240),
     pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason=f"stories260K not found at {STORIES}"),
 ]

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import STORIES
 
 pytestmark = [
+    pytest.mark.slow,  # real processes: a CLI per start-up
     pytest.mark.timeout(300),
     pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason=f"stories260K not found at {STORIES}"),
 ]
