@@ -491,6 +491,19 @@ def test_malformed_steps_and_restart(stories) -> None:
     assert list(det.requests) == ["c"]
 
 
+def test_restart_drops_the_dead_engines_queued_requests(stories) -> None:
+    """A request the dead engine held but never started leaves no state: the new engine's first
+    message (its idle heartbeat) drops it, and the gateway's abort of it, should its add reach the new
+    engine, ends nothing held for settings that will not come again."""
+    det = Detokenizer(stories)
+    run_steps(det, told("a", stories, "Hi"), told("q", stories, "Hi"), step(5, [("a", 300, "")], [new("a")]))
+    assert list(det.requests) == ["a", "q"]  # q queued in the engine, not started yet
+    run_steps(det, step(0, []))  # the new engine's heartbeat
+    assert not det.requests
+    run_steps(det, step(1, [("q", 0, "abort")], [new("q")]))  # its add and abort, queued during the restart
+    assert not det.requests and not det.early and not det.gone
+
+
 # -- the process ------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -365,10 +365,11 @@ class FaultResult:
 
 
 async def fault_under_load(
-    pipe: LocalCluster, name: str, streams: int = 16, max_tokens: int = 48
+    pipe: LocalCluster, name: str, streams: int = 16, max_tokens: int = 400
 ) -> FaultResult:
     """SIGKILL the first `name` process while `streams` streams run (4 of them already producing).
-    Streams the fault did not break (a tokenizer's started ones) run to completion."""
+    Streams the fault did not break (a tokenizer's started ones) run to completion. max_tokens is long
+    enough that no stream can finish between its first token and the kill, however fast the engine."""
     async with AsyncClient(pipe.target, **pipe.security) as client:
         calls = [
             client.stream("Once upon a time", max_tokens=max_tokens, ignore_eos=True) for _ in range(streams)

@@ -88,6 +88,8 @@ class Detokenizer:
         self.texts = TokenTexts(tokenizer)
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.early: OrderedDict[str, Early] = OrderedDict()
+        # Queued requests of a dead engine, dropped: output for them is ignored, never held as early.
+        self.gone: OrderedDict[str, None] = OrderedDict()
         self.last_step: dict[int, int] = {}  # engine -> its latest step (each engine counts its own)
 
     def handle(self, msg: DetokenizeRequest | StepOutput, rows: dict[str, Row]) -> list[tuple[int, str]]:
@@ -128,20 +130,29 @@ class Detokenizer:
         lp_rows = n if step.logprobs is None else len(step.logprobs)
         if len(tokens) != n or len(step.finish) != n or lp_rows != n:
             raise MessageError(f"step {step.step}: {n} rids, {len(tokens)} tokens, {len(step.finish)} finish")
-        if n or step.new:
-            last = self.last_step.get(step.engine, -1)
-            if step.step < last:  # a new engine: its predecessor's requests are gone (not those to come)
-                lost = [rid for rid, state in self.requests.items()
-                        if state.engine == step.engine and state.started]
-                log.warning("engine %d restarted (step %d after %d): dropping %d requests", step.engine,
-                            step.step, last, len(lost))
-                for rid in lost:
-                    del self.requests[rid]
-            self.last_step[step.engine] = step.step
+        # Every step counts, the idle heartbeat too: a new engine sends one as it comes up, before the
+        # gateway routes it anything, so the states of that engine held now are all its predecessor's.
+        last = self.last_step.get(step.engine, -1)
+        if step.step < last:  # a new engine: its predecessor's requests are gone, started or queued
+            coming = {info.rid for info in step.new}  # already this engine's (adds queued during the restart)
+            lost = [rid for rid, state in self.requests.items()
+                    if state.engine == step.engine and rid not in coming]
+            log.warning("engine %d restarted (step %d after %d): dropping %d requests", step.engine,
+                        step.step, last, len(lost))
+            for rid in lost:
+                if not self.requests.pop(rid).started:
+                    # Its add may still reach the new engine, behind it the gateway's abort: that
+                    # finish must not wait for settings that came and went.
+                    self.gone[rid] = None
+            while len(self.gone) > MAX_EARLY:
+                self.gone.popitem(last=False)
+        self.last_step[step.engine] = step.step
         for info in step.new:
             state = self.requests.get(info.rid)
             if state is not None:
                 self._started(state, info)
+            elif info.rid in self.gone:
+                continue
             elif len(self.early) < MAX_EARLY:
                 self.early[info.rid] = Early(info)
             else:
@@ -154,6 +165,8 @@ class Detokenizer:
                 early = self.early.get(rid)
                 if early is not None:
                     early.steps.append((int(tokens[i]), step.finish[i], lp))
+                elif step.finish[i]:
+                    self.gone.pop(rid, None)
                 continue
             if self._feed(rid, state, int(tokens[i]), step.finish[i], lp, rows):
                 stopped.append((state.engine, rid))
