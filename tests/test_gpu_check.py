@@ -101,6 +101,7 @@ def test_report_json_markdown_and_exit_status(tmp_path):
     assert "| kernel b | FAIL | 0.5 | 0.01 |" in md and "a \\| b" in md and "## Sections" in md
 
 
+@pytest.mark.slow  # a process per section, one of them timed out on purpose
 def test_sections_run_isolated_with_time_limits(capsys):
     sections = [
         Section("ceilings", f"{HERE}:ceiling_section", 60, True, False),

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a whole `pipeserve up`
 
 
 def raw(url: str) -> socket.socket:
