@@ -73,8 +73,14 @@ def test_200_concurrent_requests_complete_on_both_engines_with_the_single_engine
     share = [after - b for after, b in zip(routed(dp2), before, strict=True)]
     assert sum(share) == 200 and min(share) >= 60, share  # both engines served a fair share
     dp2.wait_idle()
-    metrics = dp2.metrics()
-    finished = [metrics[f'pipeserve_engine_stat{{engine="{i}",name="finished"}}'] for i in range(2)]
+
+    def finished_per_engine() -> list[float]:
+        metrics = dp2.metrics()
+        return [metrics[f'pipeserve_engine_stat{{engine="{i}",name="finished"}}'] for i in range(2)]
+
+    # The engines' counters reach the gateway with their heartbeats: wait for the ones after the last finish.
+    dp2.wait(lambda: sum(finished_per_engine()) >= 200, 10, "the engines' finished counters")
+    finished = finished_per_engine()
     assert sum(finished) >= 200 and min(finished) >= 60, finished  # the engines' own counters agree
 
 
