@@ -155,6 +155,21 @@ class LocalCluster:
         """One of the engine's gauges as the gateway last heard it (running, steps, pages_used, ...)."""
         return self.metrics()[f'pipeserve_engine{{name="{name}"}}']
 
+    def settled_engine(self, name: str, changed_from: float, quiet: float = 1.5,
+                       timeout: float = 20.0) -> float:
+        """An engine counter once it moved off `changed_from` and then held for `quiet` seconds (three
+        heartbeats): the count after the work that moved it, not a heartbeat's stale reading."""
+        seen = {"value": changed_from, "since": time.monotonic()}
+
+        def settled() -> bool:
+            value, now = self.engine(name), time.monotonic()
+            if value != seen["value"]:
+                seen.update(value=value, since=now)
+            return value != changed_from and now - seen["since"] >= quiet
+
+        self.wait(settled, timeout, f"engine counter {name} settled")
+        return seen["value"]
+
     def state(self) -> dict[str, float]:
         """Every per-request count the pipeline holds: gateway streams and aborted ids awaiting the
         engine, engine requests/pages, detokenizer states (as last reported)."""

@@ -1,28 +1,31 @@
-"""A request whose gRPC deadline passes is aborted in the engine within one step."""
+"""A request whose gRPC deadline passes is aborted in the engine within a few steps."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
+from pipeserve.gateway.client import Completion
 from tests.deadlines import mid_generation_deadline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
-def test_deadline_aborts_in_the_engine_within_one_step(pipeline):
+def test_deadline_aborts_in_the_engine_within_a_few_steps(pipeline):
     timeout = mid_generation_deadline(pipeline.client, "Once upon a time", 400)
-    pipeline.wait_clean(timeout=10)
+    # The engine's step count reaches the gateway in heartbeats: read it only once it has settled
+    # (read mid-run, or just after the deadline, it lags by up to a heartbeat).
+    before = pipeline.settled_engine("steps", changed_from=-1)
     call = pipeline.client.stream("Once upon a time", max_tokens=400, ignore_eos=True, timeout=timeout)
+    received = Completion()
     with pytest.raises(grpc.RpcError) as info:
-        for _ in call:
-            pass
-    at_deadline = pipeline.state()
+        for response in call:
+            received.add(response)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    steps = pipeline.metrics()['pipeserve_engine{name="steps"}']
-    left = pipeline.wait_clean(timeout=10)
-    after = pipeline.metrics()['pipeserve_engine{name="steps"}']
-    # The engine applies aborts before its next step (test_pipeline_engine_loop checks that exactly).
-    # End to end the gateway's step count lags the engine by the steps in flight through the
-    # detokenizer, a few on a fast host with ~1 ms steps; the request had ~300 steps left to run.
-    assert after - steps <= 8, (steps, after, at_deadline, left)
+    ran = pipeline.settled_engine("steps", changed_from=before) - before
+    pipeline.wait_clean(timeout=10)
+    # One step a token (no speculation here). Beyond the tokens the client saw, the engine ran only
+    # the steps in flight through the detokenizer and the gateway's abort: a few, against the ~300
+    # left to run had the abort not reached it. The exact one-step bound is test_pipeline_engine_loop's.
+    assert 0 < len(received.token_ids) < 400
+    assert ran - len(received.token_ids) <= 12, (ran, len(received.token_ids))
