@@ -20,6 +20,7 @@ import torch
 
 from pipeserve.engine.backend import Backend
 from pipeserve.engine.executor import (
+    DeviceIds,
     EagerStep,
     FlatBatch,
     StepBuffers,
@@ -81,6 +82,7 @@ class ForwardRunner:
             "sample_block_tables": (i32, (max_tokens, pages)),
             "sample_seq_lens": (i32, (max_tokens,)),
             "sample_offsets": (i64, (max_tokens,)),
+            "patch_rows": (i64, (max_tokens,)),  # rows whose input ids are on the device (proposals)
         })
         self.eager = EagerStep(model=model, pool=pool, buffers=self.buffers, max_rows=max_tokens)
         self.executor: StepExecutor = select_executor(plan, backend=backend, model=model, pool=pool,
@@ -97,7 +99,9 @@ class ForwardRunner:
         self.executor.prepare(every_bucket)
 
     # -- metadata -------------------------------------------------------------------------------
-    def build(self, batch: ScheduledBatch) -> FlatBatch:
+    def build(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> FlatBatch:
+        """drafts: where the verification rows' proposals are (on the device: their input ids are
+        copied from there, the host holds placeholders)."""
         table, size = self.pool.block_table, self.page_size
         nd = len(batch.decode)
         d_slots = np.fromiter((s.slot for s in batch.decode), np.int64, nd)
@@ -145,15 +149,20 @@ class ForwardRunner:
         sample_slots = np.concatenate([d_slots, p_slots[p_rows_req[:nvr]], p_slots[p_samples]])
         sample_seq_lens = np.concatenate([d_pos + 1, p_pos[:nvr] + 1, done[p_samples]])
         offsets = None
+        device_ids = None
         if nv:  # the output index of each verification row past its request's next one
             offsets = np.zeros(sample_rows.size, dtype=np.int64)
             offsets[nd : nd + nvr] = np.arange(nvr) - cu[:nv][p_rows_req[:nvr]]
+            if drafts is not None:  # each request's rows after its newest token: its proposals
+                is_proposal = offsets[nd : nd + nvr] > 0
+                device_ids = DeviceIds(nd + np.flatnonzero(is_proposal),
+                                       drafts.proposed(batch.verify, v_lens - 1))
         return FlatBatch(input_ids=np.concatenate([d_ids, p_ids]), positions=positions,
                          slot_mapping=slot_mapping, row_slots=row_slots, num_decode=nd, decode_slots=d_slots,
                          prefill_slots=p_slots,
                          prefill_cu_q_lens=cu, prefill_seq_lens=done, sample_rows=sample_rows,
                          sample_slots=sample_slots, sample_seq_lens=sample_seq_lens, num_verify_rows=nvr,
-                         sample_offsets=offsets)
+                         sample_offsets=offsets, device_ids=device_ids)
 
     # -- the forward pass -------------------------------------------------------------------------
     def logits(self, flat: FlatBatch) -> torch.Tensor | None:
@@ -173,9 +182,11 @@ class ForwardRunner:
         logits, scores = read_out(logits, flat.sample_rows, extra, read.every_row_read)
         return (logits if flat.sample_rows.size else None), scores
 
-    def forward(self, batch: ScheduledBatch) -> tuple[FlatBatch, torch.Tensor | None]:
-        """The batch's model input and the logits [R, V] of its sample rows (None: no row samples)."""
-        flat = self.build(batch)
+    def forward(self, batch: ScheduledBatch,
+                device_ids: DeviceIds | None = None) -> tuple[FlatBatch, torch.Tensor | None]:
+        """The batch's model input and the logits [R, V] of its sample rows (None: no row samples).
+        device_ids: rows whose input ids are on the device (the host's are placeholders)."""
+        flat = replace(self.build(batch), device_ids=device_ids)
         return flat, self.logits(flat)
 
 
@@ -194,7 +205,7 @@ class ModelRunner(ForwardRunner):
     def run(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> StepResult:
         """drafts: the draft model's distributions behind batch.proposals (sampled proposals are
         verified by rejection sampling; without them, proposals are kept while they match)."""
-        flat = self.build(batch)
+        flat = self.build(batch, drafts)
         self.structured.begin(flat.sample_slots)  # bitmask rows fill while the model runs
         # The chunks are the verification rows, then the prefills: skip the former's offsets.
         extra = (prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
@@ -224,9 +235,10 @@ class ModelRunner(ForwardRunner):
             offsets = (flat.sample_offsets, self.buffers.stage("sample_offsets", flat.sample_offsets))
             out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask, offsets)
             logprobs = self._logprobs(out)
+            proposed = None if flat.device_ids is None else flat.device_ids.values
             verified, host = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits,
-                                                           out.tokens, offsets, drafts, self.buffers.read,
-                                                           logprobs + scored)
+                                                  out.tokens, offsets, drafts, self.buffers.read,
+                                                  logprobs + scored, proposed)
             row_tokens = verified.row_tokens
             result = StepResult(verified.tokens, accepted=verified.accepted)
             self.sampler.advance(verified.slots, upload(verified.slots, self.device),

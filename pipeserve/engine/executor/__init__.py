@@ -18,7 +18,8 @@ the chosen executor or the eager one.
 from .base import MODES, StepExecutor
 from .buffers import StepBuffers
 from .eager import EagerStep
-from .flat import FlatBatch
+from .flat import DeviceIds, FlatBatch
 from .select import StepPlan, select_executor
 
-__all__ = ["MODES", "EagerStep", "FlatBatch", "StepBuffers", "StepExecutor", "StepPlan", "select_executor"]
+__all__ = ["MODES", "DeviceIds", "EagerStep", "FlatBatch", "StepBuffers", "StepExecutor", "StepPlan",
+           "select_executor"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .flat import DeviceIds
+
 
 class StepBuffers:
     def __init__(self, *, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -35,6 +37,14 @@ class StepBuffers:
         host = self.staging[name].view(-1)[:n].view(array.shape)
         host.numpy()[...] = array
         dev.copy_(host, non_blocking=True)
+        return dev
+
+    def stage_ids(self, name: str, ids: np.ndarray, patch: DeviceIds | None) -> torch.Tensor:
+        """stage(name, ids), then the rows whose ids live on the device written from there (a
+        device-to-device copy: nothing waits)."""
+        dev = self.stage(name, ids)
+        if patch is not None and patch.rows.size:
+            dev.index_copy_(0, self.host_or_stage("patch_rows", patch.rows), patch.values)
         return dev
 
     def host_or_stage(self, name: str, array: np.ndarray) -> torch.Tensor:

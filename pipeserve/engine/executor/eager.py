@@ -61,7 +61,7 @@ class EagerStep:
 
     def run(self, flat: FlatBatch) -> torch.Tensor | None:
         meta = self.metadata(flat)
-        input_ids = self.buffers.stage("input_ids", flat.input_ids)
+        input_ids = self.buffers.stage_ids("input_ids", flat.input_ids, flat.device_ids)
         positions = self.buffers.stage("positions", flat.positions)
         if self.send_plan is not None:
             self.send_plan(input_ids, positions, meta)

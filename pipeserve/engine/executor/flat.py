@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceIds:
+    """Input ids the host has not read: a draft model's proposals, which stay on the device from
+    drafting through verification (the step's one readback brings them back with its results)."""
+
+    rows: np.ndarray  # int64: the rows of the flat batch they fill (their input_ids are placeholders)
+    values: torch.Tensor  # int64 [len(rows)], on the step's device
 
 
 @dataclass(kw_only=True)
@@ -26,6 +36,7 @@ class FlatBatch:
     sample_seq_lens: np.ndarray
     num_verify_rows: int = 0  # sample rows num_decode .. num_decode + this are verification rows
     sample_offsets: np.ndarray | None = None  # with verification: each sample row's output index
+    device_ids: DeviceIds | None = None  # rows whose input ids live on the device only
 
     @property
     def num_rows(self) -> int:

@@ -212,6 +212,10 @@ class NativeExecutor:
         return 0 < flat.num_rows <= self.max_rows
 
     def run(self, flat: FlatBatch) -> torch.Tensor | None:
-        logits = self.step(flat.input_ids, flat.positions, flat.slot_mapping,
+        ids = flat.input_ids
+        if flat.device_ids is not None:  # the device is the host here: the values are readable as they lie
+            ids = ids.copy()
+            ids[flat.device_ids.rows] = flat.device_ids.values.numpy()
+        logits = self.step(ids, flat.positions, flat.slot_mapping,
                            self.pool.block_table[flat.row_slots], flat.positions + 1)
         return select_rows(logits, flat, self.buffers)

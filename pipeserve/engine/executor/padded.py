@@ -119,7 +119,8 @@ class PaddedStep(ABC):
         n = flat.num_rows
         tables = self.pool.block_table[flat.row_slots]
         arrays = self.pad(flat.input_ids, flat.positions, flat.slot_mapping, tables)
-        args = tuple(self.buffers.stage(name, a) for name, a in zip(INPUTS, arrays, strict=True))
+        ids = self.buffers.stage_ids(INPUTS[0], arrays[0], flat.device_ids)
+        args = (ids, *(self.buffers.stage(name, a) for name, a in zip(INPUTS[1:], arrays[1:], strict=True)))
         with torch.inference_mode():
             logits = self.execute(args)[:n]
         return select_rows(logits, flat, self.buffers)

@@ -19,7 +19,7 @@ from pipeserve.engine.sequence import Sequence, Status
 from .adaptive import AdaptiveK
 from .draft import DraftModel
 from .ngram import NgramProposer
-from .verifier import DraftProposals
+from .verifier import UNREAD, DraftProposals
 
 
 def speculates(seq: Sequence) -> bool:
@@ -100,11 +100,12 @@ class Speculator:
                                   len(eligible))
             rounds = np.asarray(sizes) + sampled
             chosen = [s for s, n in zip(eligible, rounds, strict=True) if n > 0]
-            drawn, drafts = self.draft.propose(chosen, rounds[rounds > 0])
+            # The draws stay on the device (verification reads them): the scheduler needs their count.
+            drew, drafts = self.draft.propose(chosen, rounds[rounds > 0])
             for seq, n, extra in zip(eligible, sizes, sampled.tolist(), strict=True):
-                tokens = drawn.get(seq)
-                if tokens:
-                    proposals[seq] = tokens[: min(n, len(tokens) - extra)]
+                count = drew.get(seq, 0)
+                if count:
+                    proposals[seq] = [UNREAD] * min(n, count - extra)
         self._proposed = list(proposals)
         asked = [i for i, n in enumerate(sizes) if n]
         if asked:

@@ -24,18 +24,30 @@ if TYPE_CHECKING:
 # Salts of the seed's independent streams: the draft's proposals and the acceptance test.
 DRAFT_SALT = 0x5DEECE66D
 ACCEPT_SALT = 0x2545F4914F6CDD1D
+# A proposal the host has not read (ScheduledBatch.proposals of a draft model): its value is on the
+# device, in DraftProposals.tokens, until the step's one readback.
+UNREAD = -1
 
 
 @dataclass
 class DraftProposals:
-    """What a draft model drew this step: each request's row of tokens [M, R] and of q [M, R, V], the
-    probabilities they were drawn from. A sampled request has one draft token more than it proposed
-    (rejection_sample decides its last row with it); greedy requests' rows are unused (they verify
-    by matching)."""
+    """What a draft model drew this step, left on the device: each drafting request's row of tokens
+    [M, R] and each sampled request's row of q [S, R, V], the probabilities they were drawn from. A
+    sampled request has one draft token more than it proposed (rejection_sample decides its last row
+    with it); greedy requests verify by matching their proposals, read back with the step's result."""
 
-    rows: dict[Sequence, int]
-    q: torch.Tensor
+    rows: dict[Sequence, int]  # request -> its row of tokens
     tokens: torch.Tensor
+    q_rows: dict[Sequence, int]  # sampled request -> its row of q
+    q: torch.Tensor
+
+    def proposed(self, seqs: list[Sequence], lens: np.ndarray) -> torch.Tensor:
+        """The first lens[i] tokens of seqs[i], concatenated, on the device (nothing waits)."""
+        width = self.tokens.shape[1]
+        starts = np.fromiter((self.rows[s] * width for s in seqs), np.int64, len(seqs))
+        cu = np.cumsum(lens) - lens  # each request's first entry in the result
+        index = np.repeat(starts - cu, lens) + np.arange(int(lens.sum()))
+        return self.tokens.view(-1).index_select(0, upload(index, self.tokens.device))
 
 
 @dataclass
@@ -63,9 +75,11 @@ class Verifier:
         drafts: DraftProposals | None,
         read: Read,
         also: tuple[torch.Tensor, ...] = (),
+        proposed: torch.Tensor | None = None,
     ) -> tuple[Verified, list[np.ndarray]]:
         """What each request emits; read: the step's one readback, which brings the tensors `also`
-        (the sampled rows' logprobs) to the host in the same wait, returned beside it."""
+        (the sampled rows' logprobs) to the host in the same wait, returned beside it. proposed: the
+        draft model's proposals (batch.proposals' values, flat, on the device), read in that wait."""
         nd, nv = num_decode, len(batch.verify)
         lens = np.fromiter((len(p) for p in batch.proposals), np.int64, nv)
         k = int(lens.max())
@@ -75,8 +89,9 @@ class Verifier:
         rows = nd + cu[:-1, None] + np.minimum(np.arange(k + 1)[None, :], lens[:, None])
         valid = np.arange(k)[None, :] < lens[:, None]
         proposals = np.full((nv, k), -1, dtype=np.int64)
-        flat_proposals = itertools.chain.from_iterable(batch.proposals)
-        proposals[valid] = np.fromiter(flat_proposals, np.int64, int(lens.sum()))
+        if proposed is None:  # known on the host (n-gram lookup)
+            flat_proposals = itertools.chain.from_iterable(batch.proposals)
+            proposals[valid] = np.fromiter(flat_proposals, np.int64, int(lens.sum()))
         v_slots = sample_slots[rows[:, 0]]
 
         sampled = np.zeros(0, dtype=np.int64)  # requests verified by rejection sampling
@@ -85,23 +100,27 @@ class Verifier:
             sampled = np.flatnonzero(~self.sampler.is_greedy(v_slots))
         if sampled.size:
             assert drafts is not None
-            draft_rows = np.fromiter((drafts.rows[batch.verify[i]] for i in sampled), np.int64, sampled.size)
-            index = upload(draft_rows, self.device)
+            q_rows = np.fromiter((drafts.q_rows[batch.verify[i]] for i in sampled), np.int64, sampled.size)
+            d_rows = np.fromiter((drafts.rows[batch.verify[i]] for i in sampled), np.int64, sampled.size)
             pad = max(0, k + 1 - drafts.q.shape[1])  # a greedy request proposed the most: no extra row
-            q = torch.nn.functional.pad(drafts.q[index], (0, 0, 0, pad))[:, : k + 1]
-            d = torch.nn.functional.pad(drafts.tokens[index], (0, pad))[:, : k + 1]
+            q = torch.nn.functional.pad(drafts.q[upload(q_rows, self.device)], (0, 0, 0, pad))[:, : k + 1]
+            d = torch.nn.functional.pad(drafts.tokens[upload(d_rows, self.device)], (0, pad))[:, : k + 1]
             sync += self._rejection(logits, rows[sampled], lens[sampled], d, v_slots[sampled], q)
+        if proposed is not None:
+            sync.append(proposed)
         # The step's one readback.
         flat_sync, *also_host = read(torch.cat([t.reshape(-1) for t in sync]), *also)
         host = flat_sync.astype(np.int64)
         num_rows = row_tokens.shape[0]
+        if proposed is not None:  # the draft's proposals, read last
+            proposals[valid] = host[host.size - proposed.shape[0] :]
         targets = host[:num_rows][rows]
         kept = accept_matching(targets, proposals, lens)
         emitted_v = [targets[i, : kept[i] + 1] for i in range(nv)]
         if sampled.size:
             n = sampled.size
             rej_tokens = host[num_rows : num_rows + n * (k + 1)].reshape(n, k + 1)
-            rej_counts = host[num_rows + n * (k + 1) :]
+            rej_counts = host[num_rows + n * (k + 1) : num_rows + n * (k + 2)]
             for j, i in enumerate(sampled):
                 emitted_v[i] = rej_tokens[j, : rej_counts[j]]
                 kept[i] = rej_counts[j] - 1
