@@ -83,35 +83,46 @@ def count_host_reads(monkeypatch) -> dict[str, int]:
 
 @pytest.mark.device
 @pytest.mark.parametrize("executor", ["auto", "eager"])
-@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("speculative", [None, "ngram", "draft"])
 def test_one_readback_per_steady_state_step(stories_dir, monkeypatch, executor, speculative):
-    """Decode steps with logprobs, min_tokens, penalties and sampling (and ngram verification) each
-    read the device once, through the helper; nothing else converts a tensor to host values."""
+    """Decode steps with logprobs, min_tokens, penalties and sampling (and speculation: n-gram, or a
+    draft model with a greedy and a sampled request speculating) each read the device once, through
+    the helper; nothing else converts a tensor to host values, and a draft model's rounds read nothing."""
     spec = {}
-    if speculative:
+    if speculative == "ngram":
         spec = dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    elif speculative == "draft":
+        spec = dict(speculative_method="draft", draft_model=stories_dir, num_speculative_tokens=3,
+                    speculative_adaptive=False)
     llm = LLM(stories_dir, device=TEST_DEVICE, dtype="float32", step_executor=executor, max_num_seqs=4,
               **spec)
     engine = llm.engine
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.8, seed=1, logprobs=3, min_tokens=30),
               SamplingParams(max_tokens=40, temperature=0.7, seed=2, repetition_penalty=1.2,
-                             presence_penalty=0.5)]
-    prompts = [[1, 403, 407, 261, 403, 407, 261, 403], [1, 500, 301], [1, 30, 31, 32]]
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True)]
+    prompts = [[1, 403, 407, 261, 403, 407, 261, 403], [1, 500, 301], [1, 30, 31, 32], [1, 403, 407, 261, 403]]
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add(str(i), prompt, p)
     for _ in range(3):  # prefill and the first decode steps (admissions)
         engine.step()
+    drafter = engine.speculator.draft if engine.speculator is not None else None
     counts = count_host_reads(monkeypatch)
     before, steps = engine.runner.buffers.readbacks, 0
-    while len(engine.scheduler.running) == 3 and steps < 10:
+    draft_before = drafter.runner.buffers.readbacks if drafter is not None else 0
+    while len(engine.scheduler.running) == 4 and steps < 10:
         engine.step()
         steps += 1
     assert steps >= 5
     assert engine.runner.buffers.readbacks - before == steps
     assert counts["other"] == 0
     if speculative:
-        assert engine.stats()["spec_verifications"] > 0
+        stats = engine.stats()
+        assert stats["spec_verifications"] > 0
+    if drafter is not None:  # its own model as the draft: proposals are accepted, never read apart
+        assert drafter.runner.buffers.readbacks == draft_before
+        assert stats["spec_accepted_tokens"] > 0
 
 
 @pytest.mark.device
