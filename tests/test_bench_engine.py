@@ -85,8 +85,8 @@ def test_preset_config_round_trips(name: str) -> None:
     ids=lambda s: s.name,
 )
 def test_random_checkpoint_of_a_shape_loads(shape: ModelShape, tmp_path) -> None:
+    from pipeserve.demo import save_random_checkpoint
     from pipeserve.engine import LLM, SamplingParams
-    from pipeserve.engine.model.demo import save_random_checkpoint
 
     path = save_random_checkpoint(str(tmp_path / shape.name), preset_config(shape))
     assert replace(ModelShape.from_path(path), name=shape.name) == shape

@@ -1,4 +1,4 @@
-"""The CPU's linear layers (pipeserve/engine/model/cpu_linear.py) and the native packed product
+"""The CPU's linear layers (pipeserve/engine/backend/cpu_linear.py) and the native packed product
 behind them: which layers are swapped (and that only the packed weight is kept), its numbers against
 F.linear (row counts, tails of K and N, bias, strided rows, one and two threads, in and out of the
 compiler), and an engine's greedy tokens with the native kernels on and off."""
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.backend import cpu_linear as C
 from pipeserve.engine.backend import native
-from pipeserve.engine.model import cpu_linear as C
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -102,7 +102,8 @@ def test_one_readback_per_steady_state_step(stories_dir, monkeypatch, executor, 
               SamplingParams(max_tokens=40, temperature=0.7, seed=2, repetition_penalty=1.2,
                              presence_penalty=0.5),
               SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True)]
-    prompts = [[1, 403, 407, 261, 403, 407, 261, 403], [1, 500, 301], [1, 30, 31, 32], [1, 403, 407, 261, 403]]
+    prompts = [[1, 403, 407, 261, 403, 407, 261, 403], [1, 500, 301], [1, 30, 31, 32],
+               [1, 403, 407, 261, 403]]
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add(str(i), prompt, p)
     for _ in range(3):  # prefill and the first decode steps (admissions)

@@ -2,7 +2,7 @@
 thread, alternated, medians:
 
 - linear: the native packed product (pipeserve/engine/backend/native.py, used by
-  pipeserve/engine/model/cpu_linear.py; the weight packed once beforehand) vs F.linear (MKL), by row
+  pipeserve/engine/backend/cpu_linear.py; the weight packed once beforehand) vs F.linear (MKL), by row
   count, on the ~18M Llama's weight shapes by default, each over copies of the weight totalling 64
   MB (a model's weights are not in the core's caches when its step reaches them);
 - decode attention: the native kernel (pipeserve/engine/backend/native.py) vs the torch path (pages

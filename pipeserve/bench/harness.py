@@ -87,7 +87,7 @@ def preset_config(shape: ModelShape) -> dict[str, Any]:
 def resolve_model(spec: str | None) -> str:
     """A checkpoint dir as given; a preset name becomes a random-weight checkpoint in the cache dir;
     None is the demo model."""
-    from pipeserve.engine.model.demo import default_cache_dir, ensure_demo_model, save_random_checkpoint
+    from pipeserve.demo import default_cache_dir, ensure_demo_model, save_random_checkpoint
 
     if spec is None:
         return ensure_demo_model()

@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
-    from pipeserve.engine.model.demo import save_byte_tokenizer
+    from pipeserve.demo import save_byte_tokenizer
     from pipeserve.tokenizer.load import load_tokenizer
 
     if min(args.rounds, args.ttft_requests, args.streams, args.output_len) < 1:

@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from pipeserve.demo import default_cache_dir, save_random_checkpoint
     from pipeserve.engine import LLM
-    from pipeserve.engine.model.demo import default_cache_dir, save_random_checkpoint
 
     if args.top_k > args.experts or min(args.batch) < 1 or args.output_len < 2 or args.repeats < 1:
         raise SystemExit("pipeserve bench moe: need --top-k <= --experts, --batch >= 1, --output-len >= 2, "

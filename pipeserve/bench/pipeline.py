@@ -560,7 +560,7 @@ def main(args: argparse.Namespace) -> int:
     if args.serve_synthetic:
         return serve_synthetic(args.serve_synthetic)
     logging.basicConfig(level=logging.WARNING)
-    from pipeserve.engine.model.demo import save_byte_tokenizer
+    from pipeserve.demo import save_byte_tokenizer
 
     load: dict[str, Any] = {"start": os.getloadavg()}
     result: dict[str, Any] = {"bench": "pipeline"}

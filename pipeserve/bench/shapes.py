@@ -44,7 +44,7 @@ def random_checkpoint(config: dict[str, Any], directory: str, seed: int = 0) -> 
     """Write an HF checkpoint with random weights for `config` (no tokenizer: ids only)."""
     from safetensors.torch import save_file
 
-    from pipeserve.engine.model.demo import random_llama_weights
+    from pipeserve.demo import random_llama_weights
 
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -57,7 +57,7 @@ def llama_18m_v512(stories: Path) -> str:
     """The random ~18M Llama (vocab 512) in the cache dir, with stories260K's tokenizer beside it."""
     import torch
 
-    from pipeserve.engine.model.demo import default_cache_dir, save_random_checkpoint
+    from pipeserve.demo import default_cache_dir, save_random_checkpoint
 
     target = os.path.join(os.path.dirname(default_cache_dir()), "random-llama-18m-v512")
     save_random_checkpoint(target, LLAMA_18M_V512, dtype=torch.float32)

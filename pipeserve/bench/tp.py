@@ -155,8 +155,8 @@ def plan_transport(batches: list[int], iters: int) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from pipeserve.demo import default_cache_dir, save_random_checkpoint
     from pipeserve.engine import LLM
-    from pipeserve.engine.model.demo import default_cache_dir, save_random_checkpoint
 
     world = args.tensor_parallel_size
     if world < 2 or min(args.batch) < 1 or args.output_len < 2 or args.repeats < 1:

@@ -14,12 +14,12 @@ import numpy as np
 
 from pipeserve import hub
 from pipeserve.config import EngineConfig
+from pipeserve.demo import ensure_demo_model
 from pipeserve.engine.backend import Backend
 from pipeserve.engine.executor import EagerStep, StepPlan
 from pipeserve.engine.kv.policy import make_policy
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
 from pipeserve.engine.kv.predicted import PredictedPolicy
-from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model
 from pipeserve.engine.model.tensor_parallel import check_shardable

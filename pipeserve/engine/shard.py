@@ -13,10 +13,10 @@ import torch
 
 from pipeserve import hub
 from pipeserve.config import EngineConfig
+from pipeserve.demo import ensure_demo_model
 from pipeserve.engine.backend import Backend, get_backend, resolve_backend
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
 from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_step
-from pipeserve.engine.model.demo import ensure_demo_model
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
 from pipeserve.engine.parallel.group import TPGroup

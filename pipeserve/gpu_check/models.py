@@ -52,7 +52,7 @@ def build_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides:
     init, so greedy tokens are not decided by ties."""
     import transformers
 
-    from pipeserve.engine.model.demo import save_byte_tokenizer
+    from pipeserve.demo import save_byte_tokenizer
 
     classes = {
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -81,7 +81,7 @@ def build_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides:
 
 def write_shape_config(path: str, shape: str, torch_dtype: str = "bfloat16") -> str:
     """A checkpoint directory with only config.json (a Llama of SHAPES[shape]) and a tokenizer."""
-    from pipeserve.engine.model.demo import save_byte_tokenizer
+    from pipeserve.demo import save_byte_tokenizer
 
     os.makedirs(path, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,

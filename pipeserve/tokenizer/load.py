@@ -34,7 +34,7 @@ def resolve_model_dir(model: str | None, revision: str | None = None) -> str:
     torch, once)."""
     if model:
         return hub.resolve(model, revision)
-    from pipeserve.engine.model.demo import ensure_demo_model
+    from pipeserve.demo import ensure_demo_model
 
     return ensure_demo_model()
 

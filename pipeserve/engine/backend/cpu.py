@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeserve.engine.model.cpu_linear import use_cpu_linears
 from pipeserve.engine.quantization.kv_cache import dequantize_kv
 
 from . import native, reference
 from .base import Backend, NormOut, NormQuantOut, QuantOut
+from .cpu_linear import use_cpu_linears
 from .step_memo import StepMemo
 
 _WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}

@@ -13,7 +13,7 @@ compiler (`g++`, or `$CXX`) the backend keeps its torch path: `available()` says
 
 Library GEMMs (MKL) repack the weight on every call, which for the few to a few dozen rows of a
 decode step costs more than the product; the packed product takes the weight packed once
-(model/cpu_linear.py packs the model's linear layers).
+(backend/cpu_linear.py packs the model's linear layers).
 
 Every kernel is also a torch op (`pipeserve::native_decode_attention`, `pipeserve::native_store_kv`,
 `pipeserve::native_packed_linear`) so a compiled step calls them as opaque ops.

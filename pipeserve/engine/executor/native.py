@@ -18,7 +18,7 @@ model/llama.py declares the native step mirrors (NATIVE_STEP).
 Each row runs as itself (nothing is padded, nothing to compile beyond the kernels' C++), so merged
 steps (decode rows beside a prefill chunk of up to NATIVE_MERGED_ROWS rows) run native too.
 
-Linear layers that model/cpu_linear.py packed are used as they are; smaller ones (left unpacked
+Linear layers that backend/cpu_linear.py packed are used as they are; smaller ones (left unpacked
 there, where a call of their own would cost more than packing gains) are packed here, once.
 """
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from pipeserve.engine.backend import native
+from pipeserve.engine.backend.cpu_linear import CpuLinear
 from pipeserve.engine.kv.pool import KVPool
-from pipeserve.engine.model.cpu_linear import CpuLinear
 from pipeserve.engine.model.llama import MLP, NATIVE_STEP, DecoderLayer, LlamaForCausalLM
 
 from .base import NATIVE

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import pipeserve.engine.backend.native as native  # the module alone, not the backend package
+from . import native
 
 MIN_ELEMENTS = 256 * 1024  # smaller weights: the call's own cost outweighs what packing gains
 
