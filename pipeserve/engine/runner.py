@@ -167,6 +167,7 @@ class ForwardRunner:
     # -- the forward pass -------------------------------------------------------------------------
     def logits(self, flat: FlatBatch) -> torch.Tensor | None:
         """Logits [R, V] of flat's sample rows (None: no row samples)."""
+        self.buffers.begin()
         executor = self.executor if self.executor.covers(flat) else self.eager
         return executor.run(flat)
 
@@ -174,6 +175,7 @@ class ForwardRunner:
                       extra: PromptRows) -> tuple[torch.Tensor | None, PromptScores]:
         """The sample rows' logits and the prompt rows `extra`, read out too and scored on the way
         (such steps run eager); the scores stay on the device for the step's one readback."""
+        self.buffers.begin()
         read = replace(flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
                        sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
                        sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))

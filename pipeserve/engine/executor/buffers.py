@@ -2,14 +2,18 @@
 
 Buffers are allocated once at their largest and refilled in place every step (a captured CUDA graph
 reads them at fixed addresses). On CUDA, host arrays go through pinned staging with non-blocking
-copies; on the CPU they are written in place. Results reach the host only through `read`, which
-counts its blocking readbacks: the steady-state step makes one (tests assert it on the CPU too).
+copies, two sets used in turns (pipeserve/engine/staging.py: a step never rewrites host memory that
+the last step's copies may still be reading); on the CPU they are written in place. Results reach
+the host only through `read`, which counts its blocking readbacks: the steady-state step makes one
+(tests assert it on the CPU too).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from pipeserve.engine.staging import Turns
 
 from .flat import DeviceIds
 
@@ -21,20 +25,31 @@ class StepBuffers:
         self.device = device
         self.buf = {name: torch.zeros(shape, dtype=dtype, device=device)
                     for name, (dtype, shape) in shapes.items()}
-        # Pinned host staging for asynchronous uploads; on the CPU the buffers are written directly.
-        self.staging = None if device.type == "cpu" else {
-            name: torch.zeros_like(b, device="cpu", pin_memory=True) for name, b in self.buf.items()}
+        # Pinned host staging for asynchronous uploads on CUDA; on the CPU the buffers are written
+        # directly (elsewhere, copied with a blocking copy).
+        self.staging: Turns[dict[str, torch.Tensor]] | None = None
+        if device.type == "cuda":
+            self.staging = Turns([{name: torch.zeros_like(b, device="cpu", pin_memory=True)
+                                   for name, b in self.buf.items()} for _ in range(2)], torch.cuda.Event)
         self.readbacks = 0  # blocking device-to-host reads so far
+
+    def begin(self) -> None:
+        """A step starts: its uploads are staged in the other set of host buffers."""
+        if self.staging is not None:
+            self.staging.next()
 
     def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """Copy a host array into the persistent device buffer `name`; return the filled prefix,
         contiguous in the array's shape."""
         n = array.size
         dev = self.buf[name].view(-1)[:n].view(array.shape)
-        if self.staging is None:  # host memory already: write in place
+        if self.device.type == "cpu":  # host memory already: write in place
             dev.numpy()[...] = array
             return dev
-        host = self.staging[name].view(-1)[:n].view(array.shape)
+        if self.staging is None:
+            dev.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+            return dev
+        host = self.staging.current[name].view(-1)[:n].view(array.shape)
         host.numpy()[...] = array
         dev.copy_(host, non_blocking=True)
         return dev
@@ -49,7 +64,7 @@ class StepBuffers:
 
     def host_or_stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """The array as a tensor on the device: on the CPU the array itself (no copy)."""
-        return torch.from_numpy(array) if self.staging is None else self.stage(name, array)
+        return torch.from_numpy(array) if self.device.type == "cpu" else self.stage(name, array)
 
     def read(self, *tensors: torch.Tensor) -> list[np.ndarray]:
         """The tensors on the host, with one blocking wait for them all: on CUDA each is copied

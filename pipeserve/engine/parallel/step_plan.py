@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeserve.engine.kv.metadata import AttentionMetadata
+from pipeserve.engine.staging import Turns
 
 if TYPE_CHECKING:  # the group sends the stop plan when it closes: it imports this module
     from .group import TPGroup
@@ -53,9 +54,14 @@ class StepSender:
     def __init__(self, group: TPGroup, seq_of_page: torch.Tensor | None = None) -> None:
         self.group, self.seq_of_page = group, seq_of_page
         self.plan = torch.zeros(HEADER + INLINE, dtype=torch.int64, device=group.device)
-        # On CUDA the header is written on the host and uploaded without a sync.
-        pin = group.device.type == "cuda"
-        self.host = torch.zeros(HEADER, dtype=torch.int64, pin_memory=pin) if pin else self.plan[:HEADER]
+        # On CUDA the header is written on the host and uploaded without a sync, from two pinned
+        # buffers used in turns: rewriting the one just uploaded could race its copy, still in flight
+        # when the next step's plan is written (pipeserve/engine/staging.py). On the CPU the plan's
+        # header is written in place.
+        self.headers: Turns[torch.Tensor] | None = None
+        if group.device.type == "cuda":
+            self.headers = Turns([torch.zeros(HEADER, dtype=torch.int64, pin_memory=True) for _ in range(2)],
+                                 torch.cuda.Event)
 
     def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         seq_of_page = self.seq_of_page
@@ -67,13 +73,13 @@ class StepSender:
             parts += [meta.sample_rows, meta.sample_block_tables, meta.sample_seq_lens]
             sampled = int(meta.sample_rows.shape[0])
         payload = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
-        header = self.host.numpy()
-        header[:] = (STEP, input_ids.shape[0], meta.num_decode, meta.num_prefill_seqs,
+        host = self.plan[:HEADER] if self.headers is None else self.headers.next()
+        host.numpy()[:] = (STEP, input_ids.shape[0], meta.num_decode, meta.num_prefill_seqs,
                      meta.decode_block_tables.shape[1], sampled, meta.prefill_max_q_len,
                      meta.prefill_max_seq_len, meta.decode_max_seq_len, meta.sample_max_seq_len,
                      payload.shape[0], seq_of_page is not None)
-        if self.host.device != self.plan.device:
-            self.plan[:HEADER].copy_(self.host, non_blocking=True)
+        if self.headers is not None:
+            self.plan[:HEADER].copy_(host, non_blocking=True)
         inline = payload.shape[0] <= INLINE
         if inline:
             self.plan[HEADER : HEADER + payload.shape[0]] = payload
