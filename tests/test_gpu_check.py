@@ -223,18 +223,26 @@ def test_speed_floors_and_random_weights(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sync_section_drives_steady_decode_steps(tmp_path):
-    # On the CPU (Triton interpreted) with a stand-in count: every counted call is one engine step
-    # that still has all 8 requests running.
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sync_section_drives_steady_decode_steps(tmp_path, proposer):
+    # On the CPU (Triton interpreted), counting the runners' readbacks instead of CUDA's syncs: every
+    # counted call is one engine step that still has all 8 requests running, reads back once (a
+    # draft model's rounds never), and speculation verifies.
     model_dir = build_tiny_model(str(tmp_path / "llama"), "llama")
     running: list[int] = []
+    engines = []
 
     def count(step) -> int:
+        engine = step.__self__  # the engine the bound step belongs to
+        runners = [engine.runner] + ([engine.speculator.draft.runner] if proposer == "draft" else [])
+        before = sum(r.buffers.readbacks for r in runners)
         step()
-        running.append(len(step.__self__.requests))  # the engine the bound step belongs to
-        return 1
+        running.append(len(engine.requests))
+        engines.append(engine)
+        return sum(r.buffers.readbacks for r in runners) - before
 
-    counts = sync.step_syncs(model_dir, "cpu", count, dtype="float32", counted=4)
-    assert counts == [1] * 4 and sync.one_sync_row(counts).passed
+    counts = sync.step_syncs(model_dir, "cpu", count, dtype="float32", counted=4, proposer=proposer)
+    assert counts == [1] * 4 and sync.one_sync_row(counts, proposer).passed
     assert running == [8] * 4
+    assert engines[0].stats()["spec_verifications"] > 0

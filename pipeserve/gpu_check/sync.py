@@ -1,7 +1,8 @@
 """gpu-check's one-sync section: the steady-state decode step of the Triton engine with CUDA graphs
 does exactly one blocking device-to-host readback (the sampled tokens), with logprobs, min_tokens,
-penalties and n-gram speculation on. torch.cuda.set_sync_debug_mode("warn") warns on every
-synchronizing call; the warnings of each step are counted."""
+penalties and speculative decoding on: once with n-gram proposals, once with a draft model (whose
+proposals stay on the device through verification). torch.cuda.set_sync_debug_mode("warn") warns on
+every synchronizing call; the warnings of each step are counted."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .runner import Context
 
 WARM_STEPS = 6  # prefills and the first decode steps (buffers, graph capture) are not steady state
 COUNTED_STEPS = 24
+PROPOSERS = {"ngram": "n-gram", "draft": "draft model"}
 
 
 def count_syncs(fn: Callable[[], object]) -> int:
@@ -31,29 +33,38 @@ def count_syncs(fn: Callable[[], object]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def one_sync_row(counts: list[int]) -> CorrectnessRow:
+def one_sync_row(counts: list[int], proposer: str = "ngram") -> CorrectnessRow:
     """Passes when every counted step synchronized exactly once."""
     ok = bool(counts) and all(c == 1 for c in counts)
-    return CorrectnessRow.check("one blocking readback per decode step", ok,
+    return CorrectnessRow.check(f"one blocking readback per decode step ({PROPOSERS[proposer]})", ok,
                                 f"syncs per step: {counts}")
 
 
 def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object]], int] = count_syncs,
-               dtype: str = "bfloat16", counted: int = COUNTED_STEPS) -> list[int]:
-    """`count` of each steady-state step of 8 requests with every per-step host need switched on."""
+               dtype: str = "bfloat16", counted: int = COUNTED_STEPS, proposer: str = "ngram") -> list[int]:
+    """`count` of each steady-state step of 8 requests with every per-step host need switched on:
+    half of them with logprobs and penalties (they decode one token a step), half speculating
+    (greedy and seeded sampling, verified by matching and by rejection sampling). proposer: ngram,
+    or draft (the model as its own draft)."""
     from pipeserve.engine import LLM, SamplingParams
 
     executor = "compiled" if device == "cuda" else "eager"  # CUDA graphs; the interpreter runs eager
+    spec = {"draft_model": model_dir} if proposer == "draft" else {}
     llm = LLM(model_dir, device=device, dtype=dtype, backend="triton", step_executor=executor, page_size=16,
-              num_pages=256, speculative_method="ngram", num_speculative_tokens=3)
+              num_pages=256, speculative_method=proposer, num_speculative_tokens=3,
+              speculative_adaptive=False, **spec)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     for i in range(8):
         phrase = torch.randint(3, vocab, (5,), generator=g).tolist()
-        params = SamplingParams(max_tokens=WARM_STEPS + counted + 8, temperature=0.8, seed=i,
-                                logprobs=5, min_tokens=WARM_STEPS + counted, repetition_penalty=1.1,
-                                presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)
+        # Enough tokens that every request runs through the counted steps, even accepting every proposal.
+        long = dict(max_tokens=(WARM_STEPS + counted) * 5, min_tokens=WARM_STEPS + counted, ignore_eos=True)
+        if i % 2:
+            params = SamplingParams(temperature=0.0 if i % 4 == 1 else 0.8, seed=i, **long)
+        else:
+            params = SamplingParams(temperature=0.8, seed=i, logprobs=5, repetition_penalty=1.1,
+                                    presence_penalty=0.3, frequency_penalty=0.2, **long)
         engine.add(f"sync-{i}", phrase * (2 + i), params)
     for _ in range(WARM_STEPS):
         engine.step()
@@ -64,4 +75,6 @@ def run(ctx: Context) -> None:
     if ctx.device != "cuda":
         raise RuntimeError("the sync count needs CUDA (torch.cuda.set_sync_debug_mode)")
     with tempfile.TemporaryDirectory(prefix="gpu-check-sync-") as tmp:
-        ctx.row(one_sync_row(step_syncs(build_tiny_model(f"{tmp}/llama", "llama"), ctx.device)))
+        model_dir = build_tiny_model(f"{tmp}/llama", "llama")
+        for proposer in PROPOSERS:
+            ctx.row(one_sync_row(step_syncs(model_dir, ctx.device, proposer=proposer), proposer))
