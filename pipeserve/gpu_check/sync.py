@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -59,12 +60,11 @@ def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object
     for i in range(8):
         phrase = torch.randint(3, vocab, (5,), generator=g).tolist()
         # Enough tokens that every request runs through the counted steps, even accepting every proposal.
-        long = dict(max_tokens=(WARM_STEPS + counted) * 5, min_tokens=WARM_STEPS + counted, ignore_eos=True)
-        if i % 2:
-            params = SamplingParams(temperature=0.0 if i % 4 == 1 else 0.8, seed=i, **long)
-        else:
-            params = SamplingParams(temperature=0.8, seed=i, logprobs=5, repetition_penalty=1.1,
-                                    presence_penalty=0.3, frequency_penalty=0.2, **long)
+        params = SamplingParams(max_tokens=(WARM_STEPS + counted) * 5, min_tokens=WARM_STEPS + counted,
+                                ignore_eos=True, temperature=0.0 if i % 4 == 1 else 0.8, seed=i)
+        if i % 2 == 0:
+            params = replace(params, logprobs=5, repetition_penalty=1.1, presence_penalty=0.3,
+                             frequency_penalty=0.2)
         engine.add(f"sync-{i}", phrase * (2 + i), params)
     for _ in range(WARM_STEPS):
         engine.step()
