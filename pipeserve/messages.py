@@ -37,6 +37,10 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest batched step or request we a
 # Prompt ids a DetokenizeRequest carries: the incremental detokenizer's left context
 # (pipeserve.detokenizer.incremental.MAX_CONTEXT is this value).
 PROMPT_TAIL = 8
+# How the detokenizer hands a request's logprobs to the gateway: "" as TokenLogprob entries (gRPC
+# builds its protobufs from them), "completion" or "chat" already rendered as that OpenAI API's JSON
+# (LogprobsJSON), which the HTTP front end splices into its responses unchanged.
+LOGPROBS_FORMATS = ("", "completion", "chat")
 
 
 class MessageError(ValueError):
@@ -115,6 +119,7 @@ class TokenizeRequest(Message):
     fit_max_tokens: bool = False  # max_tokens was not given: lower it to what the context leaves
     engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends all n there)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template's `tools`
+    logprobs_format: str = ""  # one of LOGPROBS_FORMATS: how its logprobs reach the gateway
 
     def engine_rids(self) -> list[str]:
         """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""
@@ -172,6 +177,7 @@ class DetokenizeRequest(Message):
     skip_special_tokens: bool = True
     logprobs: bool = False  # whether its tokens' logprobs are formatted
     engine: int = 0  # data parallel: the engine running it (its stop abort goes there)
+    logprobs_format: str = ""  # one of LOGPROBS_FORMATS (prompt logprobs too)
 
 
 # ---- engine -> detokenizer ---------------------------------------------------------------------
@@ -245,6 +251,17 @@ class TokenLogprob:
 
 
 @dataclass
+class LogprobsJSON:
+    """Logprob entries rendered as the OpenAI API's JSON by the detokenizer. parts[j]: the
+    comma-separated elements of the format's j-th array (completion: tokens, token_logprobs,
+    top_logprobs; chat: content); lengths: each entry's token text length in characters, packed
+    int32 (one per entry: their count, and completion's text_offset)."""
+
+    parts: list[str]
+    lengths: bytes
+
+
+@dataclass
 class TextDeltas(Message):
     """detokenizer -> gateway: every delta produced by one receive, batched.
 
@@ -270,6 +287,10 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     # With a request's first row, when it asked: one entry per prompt token (the first's logprob NaN).
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
     row_engines: list[int] | None = None  # data parallel: the engine running each row's request
+    # Rows of requests whose logprobs_format is an OpenAI one: their logprobs (and prompt logprobs)
+    # here, rendered, instead of in logprobs / prompt_logprobs.
+    logprobs_json: list[LogprobsJSON | None] | None = None
+    prompt_logprobs_json: list[LogprobsJSON | None] | None = None
 
 
 # ---- errors socket: request failures -----------------------------------------------------------

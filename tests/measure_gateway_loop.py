@@ -66,6 +66,8 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def measure(url: str) -> dict[str, Any]:
+    asyncio.run(stream(url, HEAVY | {"max_tokens": 8}))  # warm: the first requests pay one-time costs
+    asyncio.run(stream(url, PLAIN))
     unloaded = gaps(asyncio.run(stream(url, PLAIN)))
     stop = mp.Event()
     out = {name: mp.Queue() for name in ("health", "metrics", "plain", "heavy0", "heavy1")}

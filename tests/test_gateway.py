@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from pipeserve.config import Addresses, GatewayConfig, engine_endpoints
+from pipeserve.detokenizer.openai_logprobs import Renderer
 from pipeserve.gateway.client import AsyncClient, Client, build_request
 from pipeserve.gateway.pb import generation_pb2 as pb
 from pipeserve.gateway.server import Gateway
@@ -45,6 +46,17 @@ pytestmark = pytest.mark.timeout(60)
 
 INFO = ModelInfo(name="fake", context_length=512, vocab_size=512, eos_token_ids=[2], dtype="float32",
                  device="cpu", max_logprobs=5)
+
+
+def render_logprobs(entries: list[Any], fmt: str) -> Any:
+    """TokenLogprob entries rendered as the detokenizer renders them for an OpenAI format."""
+    texts = {e.token_id: e.token for e in entries} | {t.token_id: t.token for e in entries for t in e.top}
+    renderer = Renderer(texts)  # type: ignore[arg-type]  # any id -> text mapping
+    pieces = renderer.pieces(fmt)
+    for e in entries:
+        top = e.top
+        renderer.add(pieces, fmt, e.token_id, e.logprob, [t.token_id for t in top], [t.logprob for t in top])
+    return pieces.message()
 
 
 def free_port() -> int:
@@ -86,6 +98,7 @@ class FakePipeline:
         self.boots = [1] * engines
         self.silent: set[int] = set()  # engines whose heartbeats stopped
         self.completions: dict[str, int] = {}
+        self.formats: dict[str, str] = {}  # rid -> the logprobs_format it was submitted with
         self.stats = {"running": 0, "pages_used": 0}
         self.per_engine: dict[int, dict[str, int]] = {}  # an engine's own counters, instead of stats
         self.beating = threading.Event()
@@ -155,6 +168,7 @@ class FakePipeline:
     def next_request(self, timeout: float = 5) -> TokenizeRequest:
         msg = self._next_from_worker(TokenizeRequest, timeout)
         assert msg is not None, "no TokenizeRequest arrived"
+        self.formats.update(dict.fromkeys(msg.engine_rids(), msg.logprobs_format))
         return msg
 
     def next_abort(self, timeout: float = 5, engine: int = 0, via: str = "control") -> Abort:
@@ -175,6 +189,13 @@ class FakePipeline:
         offsets = np.cumsum([0] + [len(r[2]) for r in rows]).tolist()
         for r in rows:
             self.completions[r[0]] = self.completions.get(r[0], 0) + len(r[2])
+        # As the detokenizer does: the rows of a request with an OpenAI logprobs format go rendered.
+        rendered = [None] * len(rows)
+        for i, r in enumerate(rows):
+            fmt = self.formats.get(r[0], "")
+            if logprobs is not None and logprobs[i] is not None and fmt:
+                rendered[i] = render_logprobs(logprobs[i], fmt)
+                logprobs = [None if j == i else entries for j, entries in enumerate(logprobs)]
         self.deltas.send(
             encode(
                 TextDeltas(
@@ -186,7 +207,8 @@ class FakePipeline:
                     prompt_tokens=[3] * len(rows),
                     completion_tokens=[self.completions[r[0]] for r in rows],
                     cached_prompt_tokens=[2] * len(rows),
-                    logprobs=logprobs,
+                    logprobs=logprobs if logprobs and any(lp is not None for lp in logprobs) else None,
+                    logprobs_json=rendered if any(lp is not None for lp in rendered) else None,
                 )
             )
         )

@@ -50,8 +50,9 @@ def format_logprobs(token_id: int, row: StepLogprobs, texts: TokenTexts) -> Toke
     return _entry(token_id, row.logprob, top_ids, top_lps, texts)
 
 
-def format_prompt_logprobs(prompt: PromptLogprobs, texts: TokenTexts) -> list[TokenLogprob]:
-    """Every prompt token with its logprob (NaN for the first) and top alternatives, with texts."""
+def prompt_rows(prompt: PromptLogprobs) -> list[tuple[int, float, list[int], list[float]]]:
+    """Every prompt token: its id, its logprob (NaN for the first) and its top alternatives (none for
+    the first), checked."""
     ids = unpack_ids(prompt.prompt_ids).tolist()
     lps = unpack_floats(prompt.logprobs).tolist()
     top_ids, top_lps = unpack_ids(prompt.top_ids), unpack_floats(prompt.top_logprobs)
@@ -60,8 +61,13 @@ def format_prompt_logprobs(prompt: PromptLogprobs, texts: TokenTexts) -> list[To
                            f"{len(top_lps)} top logprobs")
     k = len(top_ids) // max(1, len(ids))
     top_id_rows, top_lp_rows = top_ids.reshape(len(ids), k).tolist(), top_lps.reshape(len(ids), k).tolist()
-    return [_entry(t, lp, top_id_rows[i] if i else [], top_lp_rows[i] if i else [], texts)
+    return [(t, lp, top_id_rows[i] if i else [], top_lp_rows[i] if i else [])
             for i, (t, lp) in enumerate(zip(ids, lps, strict=True))]
+
+
+def format_prompt_logprobs(prompt: PromptLogprobs, texts: TokenTexts) -> list[TokenLogprob]:
+    """Every prompt token with its logprob (NaN for the first) and top alternatives, with texts."""
+    return [_entry(*row, texts) for row in prompt_rows(prompt)]
 
 
 def _entry(token_id: int, logprob: float, top_ids: list[int], top_lps: list[float],

@@ -21,12 +21,15 @@ from typing import Any
 import zmq
 
 from pipeserve.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
-from pipeserve.detokenizer.logprobs import TokenTexts, format_logprobs, format_prompt_logprobs
+from pipeserve.detokenizer.logprobs import TokenTexts, format_logprobs, format_prompt_logprobs, prompt_rows
+from pipeserve.detokenizer.openai_logprobs import Pieces, Renderer
 from pipeserve.messages import (
     Abort,
     DetokenizeRequest,
+    LogprobsJSON,
     MessageError,
     NewRequestInfo,
+    PromptLogprobs,
     StepLogprobs,
     StepOutput,
     TextDeltas,
@@ -34,6 +37,7 @@ from pipeserve.messages import (
     decode,
     encode,
     pack_ids,
+    unpack_floats,
     unpack_ids,
 )
 from pipeserve.tokenizer.load import load_for
@@ -56,6 +60,8 @@ class RequestState:
     cached_prompt_tokens: int = 0
     queue_time: float = 0.0
     prompt_logprobs: list[TokenLogprob] | None = None  # sent with the request's first row
+    logprobs_format: str = ""  # "": TokenLogprob entries; else rendered as that OpenAI format's JSON
+    prompt_logprobs_json: LogprobsJSON | None = None  # sent with the request's first row
 
 
 @dataclass
@@ -76,6 +82,8 @@ class Row:
     logprobs: list[TokenLogprob] | None = None
     finish: str = ""
     prompt_logprobs: list[TokenLogprob] | None = None
+    logprobs_json: Pieces | None = None
+    prompt_logprobs_json: LogprobsJSON | None = None
 
 
 class Detokenizer:
@@ -86,6 +94,7 @@ class Detokenizer:
         self._decode = make_decoder(tokenizer)
         self._skip = skipped_ids(tokenizer)
         self.texts = TokenTexts(tokenizer)
+        self.renderer = Renderer(self.texts)
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.early: OrderedDict[str, Early] = OrderedDict()
         # Queued requests of a dead engine, dropped: output for them is ignored, never held as early.
@@ -111,7 +120,7 @@ class Detokenizer:
             detok = IncrementalDetokenizer(self.tokenizer, tail, msg.stop, msg.skip_special_tokens,
                                            decode=self._decode, skip=self._skip)
             state = self.requests[rid] = RequestState(RequestText(detok), msg.prompt_len, msg.logprobs,
-                                                      msg.engine)
+                                                      msg.engine, logprobs_format=msg.logprobs_format)
             early = self.early.pop(rid, None)
             if early is not None:
                 self._started(state, early.info)
@@ -179,7 +188,11 @@ class Detokenizer:
         state.cached_prompt_tokens, state.queue_time = info.cached_prompt_tokens, info.queue_time
         if info.prompt_logprobs is not None:
             try:
-                state.prompt_logprobs = format_prompt_logprobs(info.prompt_logprobs, self.texts)
+                fmt = state.logprobs_format
+                if fmt:
+                    state.prompt_logprobs_json = self._render_prompt(info.prompt_logprobs, fmt)
+                else:
+                    state.prompt_logprobs = format_prompt_logprobs(info.prompt_logprobs, self.texts)
             except MessageError as exc:
                 log.warning("dropping malformed prompt logprobs of %s: %s", info.rid, exc)
 
@@ -190,16 +203,20 @@ class Detokenizer:
         state.started = True
         row = rows.get(rid)
         if row is None or row.state is not state:
-            row = rows[rid] = Row(state, prompt_logprobs=state.prompt_logprobs)
-            state.prompt_logprobs = None
+            row = rows[rid] = Row(state, prompt_logprobs=state.prompt_logprobs,
+                                  prompt_logprobs_json=state.prompt_logprobs_json)
+            state.prompt_logprobs, state.prompt_logprobs_json = None, None
         ids = [token] if token >= 0 else []
         if ids:
             row.tokens.append(token)
             if state.logprobs and lp is not None:
                 try:
-                    entry = format_logprobs(token, lp, self.texts)
-                    row.logprobs = row.logprobs if row.logprobs is not None else []
-                    row.logprobs.append(entry)
+                    if state.logprobs_format:
+                        self._render(row, state.logprobs_format, token, lp)
+                    else:
+                        entry = format_logprobs(token, lp, self.texts)
+                        row.logprobs = row.logprobs if row.logprobs is not None else []
+                        row.logprobs.append(entry)
                 except MessageError as exc:
                     log.warning("dropping malformed logprobs of %s: %s", rid, exc)
         update = state.text.feed(ids, finish)
@@ -209,6 +226,21 @@ class Detokenizer:
             del self.requests[rid]
         return update.abort
 
+    def _render(self, row: Row, fmt: str, token: int, lp: StepLogprobs) -> None:
+        top_ids, top_lps = unpack_ids(lp.top_ids).tolist(), unpack_floats(lp.top_logprobs).tolist()
+        if len(top_ids) != len(top_lps):
+            raise MessageError(f"{len(top_ids)} top ids but {len(top_lps)} top logprobs")
+        if row.logprobs_json is None:
+            row.logprobs_json = self.renderer.pieces(fmt)
+        self.renderer.add(row.logprobs_json, fmt, token, lp.logprob, top_ids, top_lps)
+
+    def _render_prompt(self, prompt: PromptLogprobs, fmt: str) -> LogprobsJSON:
+        """Prompt logprobs rendered (the first token has none: NaN, no top)."""
+        pieces = self.renderer.pieces(fmt)
+        for entry in prompt_rows(prompt):
+            self.renderer.add(pieces, fmt, *entry)
+        return pieces.message()
+
     def deltas(self, rows: dict[str, Row]) -> TextDeltas:
         offsets, tokens = [0], []
         for row in rows.values():
@@ -216,6 +248,9 @@ class Detokenizer:
             offsets.append(len(tokens))
         logprobs = [row.logprobs for row in rows.values()]
         prompt = [row.prompt_logprobs for row in rows.values()]
+        rendered = [row.logprobs_json.message() if row.logprobs_json is not None else None
+                    for row in rows.values()]
+        prompt_rendered = [row.prompt_logprobs_json for row in rows.values()]
         return TextDeltas(
             rids=list(rows), text=["".join(row.text) for row in rows.values()], tokens=pack_ids(tokens),
             offsets=offsets, finish=[row.finish for row in rows.values()],
@@ -226,7 +261,9 @@ class Detokenizer:
             stats={"detok_requests": len(self.requests)},
             queue_time=[row.state.queue_time for row in rows.values()],
             prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None,
-            row_engines=[row.state.engine for row in rows.values()])
+            row_engines=[row.state.engine for row in rows.values()],
+            logprobs_json=rendered if any(lp is not None for lp in rendered) else None,
+            prompt_logprobs_json=prompt_rendered if any(lp is not None for lp in prompt_rendered) else None)
 
 
 def serve(

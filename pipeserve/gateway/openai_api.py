@@ -21,7 +21,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -65,10 +64,11 @@ from pipeserve.gateway.openai_fields import (
 from pipeserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pipeserve.gateway.reasoning import ReasoningParser
 from pipeserve.gateway.reasoning.constraint import constrain_after_reasoning
+from pipeserve.gateway.rendered_json import Logprobs, dumps
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.gateway.responses_api import Responses, ResponsesRequest
 from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, plan_tools
-from pipeserve.messages import ChatMessage, TokenLogprob
+from pipeserve.messages import ChatMessage
 
 log = logging.getLogger("pipeserve.gateway.http")
 
@@ -259,8 +259,8 @@ class Choice:
     index: int
     stream: Stream
     text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None
+    logprobs: Logprobs = field(default_factory=Logprobs)  # rendered by the detokenizer
+    prompt_logprobs: Logprobs | None = None
     emitted: int = 0  # characters sent so far (text_offset)
     sent: bool = False  # a stream event of it went out
     ids: list[int] = field(default_factory=list)  # with return_token_ids
@@ -270,10 +270,10 @@ class Choice:
     def add(self, rows: list[Delta]) -> None:
         for row in rows:
             self.text.append(row.text)
-            self.logprobs += row.logprobs or ()
+            self.logprobs.add(row.logprobs_json)
             self.ids += row.ids.tolist()
-            if row.prompt_logprobs is not None:
-                self.prompt_logprobs = row.prompt_logprobs
+            if row.prompt_logprobs_json is not None:
+                self.prompt_logprobs = Logprobs([row.prompt_logprobs_json])
 
 
 def usage(choices: list[Choice], per_prompt: int, generated: bool = True) -> dict[str, Any]:
@@ -286,34 +286,12 @@ def usage(choices: list[Choice], per_prompt: int, generated: bool = True) -> dic
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """OpenAI's completion logprobs; an echoed first prompt token has none (null, as vLLM)."""
-    offsets, position = [], offset
-    for e in entries:
-        offsets.append(position)
-        position += len(e.token)
-    none = [math.isnan(e.logprob) for e in entries]
-    return {"tokens": [e.token for e in entries],
-            "token_logprobs": [None if n else e.logprob for n, e in zip(none, entries, strict=True)],
-            "top_logprobs": [None if n else {t.token: t.logprob for t in e.top}
-                             for n, e in zip(none, entries, strict=True)],
-            "text_offset": offsets}
-
-
-def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    def one(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t.token, t.logprob) for t in e.top]}
-                        for e in entries]}
-
-
 def _json(payload: dict[str, Any]) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return dumps(payload).encode()
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dumps(payload).encode() + b"\n\n"
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -344,7 +322,7 @@ class Call:
         return {"id": self.rid, "object": self.kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model}
 
-    def choice(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None, first: bool,
+    def choice(self, c: Choice, text: str, entries: Logprobs, finish: str | None, first: bool,
                chunk: bool, ids: list[int]) -> dict[str, Any]:
         """One choice of a response (chunk: of a stream event); first: its first; ids: its tokens."""
         out: dict[str, Any] = {"index": c.index}
@@ -363,20 +341,20 @@ class Call:
                     content, calls, finish = c.tools.whole(content or "", finish or "")
                     message["tool_calls"] = [call.message() for call in calls]
                 out["message"] = message | {"content": content}
-            out["logprobs"] = chat_logprobs(entries) if self.logprobs else None
+            out["logprobs"] = entries.chat() if self.logprobs else None
         else:
             if not self.generated:
-                text, entries = "", []
+                text, entries = "", Logprobs()
             if first and self.prompts:
                 text = self.prompts[c.index // self.per_prompt] + text
-                entries = (c.prompt_logprobs or []) + entries
+                entries = (c.prompt_logprobs or Logprobs()) + entries
             out["text"] = text
-            out["logprobs"] = completion_logprobs(entries, c.emitted) if self.logprobs else None
+            out["logprobs"] = entries.completion(c.emitted) if self.logprobs else None
             c.emitted += len(text)
         out["finish_reason"] = finish or None
         return out
 
-    def chat_chunks(self, c: Choice, text: str, entries: list[TokenLogprob], finish: str | None,
+    def chat_chunks(self, c: Choice, text: str, entries: Logprobs, finish: str | None,
                     first: bool, ids: list[int]) -> list[dict[str, Any]]:
         """The stream chunks of new text of a chat choice split into reasoning and/or read as tool
         calls: its reasoning, its content, then each call's delta (the first of a call: index, id,
@@ -402,8 +380,9 @@ class Call:
         deltas += [{"tool_calls": [call]} for call in calls]
         out = []
         for i, delta in enumerate(deltas):
-            choice = self.choice(c, "", entries if i == 0 else [], finish if i == len(deltas) - 1 else None,
-                                 first and i == 0, True, ids if i == 0 else [])
+            choice = self.choice(c, "", entries if i == 0 else Logprobs(),
+                                 finish if i == len(deltas) - 1 else None, first and i == 0, True,
+                                 ids if i == 0 else [])
             choice["delta"] = ({"role": "assistant"} if first and i == 0 else {}) | delta
             out.append(self.head(True) | {"choices": [choice]})
         return out
@@ -644,7 +623,8 @@ class OpenAIServer:
             for p, prompt in enumerate(prompts):
                 streams = await self.core.submit(params, prompt, f"{call.rid}-{p}", n=body.n,
                                                  cache_salt=body.cache_salt, fit_max_tokens=fit_max_tokens,
-                                                 tools=call.tools.tools if call.tools else None)
+                                                 tools=call.tools.tools if call.tools else None,
+                                                 logprobs_format="chat" if call.chat else "completion")
                 call.choices += [Choice(p * body.n + i, s, tools=call.tools.output() if call.tools else None,
                                         reasoning=call.reasoning() if call.reasoning else None)
                                  for i, s in enumerate(streams)]
@@ -696,7 +676,7 @@ class OpenAIServer:
         try:
             async for c, rows, last in _chain(first, rest):
                 text = "".join(r.text for r in rows)
-                entries = [e for r in rows for e in (r.logprobs or ())]
+                entries = Logprobs(r.logprobs_json for r in rows)
                 ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
                 first_of_choice = not c.sent
                 c.add(rows)
@@ -705,20 +685,16 @@ class OpenAIServer:
                 if first_of_choice and not call.generated and not last:
                     continue  # max_tokens 0: the prompt goes out with the finish
 
-                def event(c: Choice = c, text: str = text, entries: list[TokenLogprob] = entries,
-                          last: bool = last, first_of_choice: bool = first_of_choice, ids: list[int] = ids
-                          ) -> bytes:
-                    finish = c.stream.finish if last else None
-                    if c.tools is not None or c.reasoning is not None:
-                        return b"".join(sse(chunk) for chunk in
-                                        call.chat_chunks(c, text, entries, finish, first_of_choice, ids))
-                    choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
-                    return sse(call.head(True) | {"choices": [choice]})
-
-                # Logprob tables (top-k per token, n choices) are rendered off the loop, which then
-                # only moves bytes: no request delays another's tokens, health or metrics.
+                # Logprob tables (top-k per token, n choices) came rendered from the detokenizer: the
+                # loop only joins them, so no request delays another's tokens, health or metrics.
                 c.sent = True
-                yield await asyncio.to_thread(event) if entries else event()
+                finish = c.stream.finish if last else None
+                if c.tools is not None or c.reasoning is not None:
+                    yield b"".join(sse(chunk) for chunk in
+                                   call.chat_chunks(c, text, entries, finish, first_of_choice, ids))
+                else:
+                    choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
+                    yield sse(call.head(True) | {"choices": [choice]})
             if usage_last:
                 totals = usage(call.choices, call.per_prompt, call.generated)
                 yield sse(call.head(True) | {"choices": [], "usage": totals})

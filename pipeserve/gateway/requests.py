@@ -48,6 +48,7 @@ from pipeserve.messages import (
     Abort,
     ChatMessage,
     EngineInfo,
+    LogprobsJSON,
     Message,
     MessageError,
     ModelInfo,
@@ -124,6 +125,9 @@ class Delta:
     ids: np.ndarray
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # the first row of a request that asked
+    # The same, rendered by the detokenizer as OpenAI JSON (a request submitted with a logprobs_format).
+    logprobs_json: LogprobsJSON | None = None
+    prompt_logprobs_json: LogprobsJSON | None = None
 
 
 @dataclass
@@ -158,6 +162,8 @@ class Stream:
         for row in self.pending:
             count += 1
             size += len(row.text) * 4 + len(row.ids) * 8 + 64 * len(row.logprobs or ())
+            if row.logprobs_json is not None:
+                size += sum(map(len, row.logprobs_json.parts))
             if size >= max_bytes:
                 break
         rows, self.pending = self.pending[:count], self.pending[count:]
@@ -246,15 +252,17 @@ class Core:
 
     async def submit(self, params: SamplingParams, prompt: Prompt, rid: str, *, n: int = 1, app: str = "",
                      cache_salt: str = "", fit_max_tokens: bool = False,
-                     tools: list[dict[str, Any]] | None = None) -> list[Stream]:
+                     tools: list[dict[str, Any]] | None = None, logprobs_format: str = "") -> list[Stream]:
         """Admit a request (Refusal otherwise), open its streams and send it to be tokenized. n > 1:
         n engine requests (ids `rid-0`...) sharing one tokenization, each with its own seed stream
-        (seed + i when the request has a seed)."""
+        (seed + i when the request has a seed). logprobs_format: how its logprobs come (messages.
+        LOGPROBS_FORMATS; an OpenAI one: rendered, in its deltas' logprobs_json)."""
         try:
             message = self._admit(params, prompt, rid, n, app, cache_salt)
         except Refusal as refusal:
             raise self.refused(refusal) from None
         message.fit_max_tokens, message.tools = fit_max_tokens, tools
+        message.logprobs_format = logprobs_format
         data = encode(message)
         while True:
             worker = self._worker()
@@ -466,6 +474,8 @@ class Core:
             or len(msg.queue_time) not in (0, n)
             or (msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n)
             or (msg.row_engines is not None and len(msg.row_engines) != n)
+            or any(rows is not None and len(rows) != n
+                   for rows in (msg.logprobs_json, msg.prompt_logprobs_json))
             or (n and msg.offsets[-1] > len(ids))
         ):
             log.warning("dropped a malformed TextDeltas of %d rows", n)
@@ -489,7 +499,9 @@ class Core:
             stream.started = True
             row_ids = ids[msg.offsets[i] : msg.offsets[i + 1]]
             stream.pending.append(Delta(msg.text[i], row_ids, msg.logprobs[i] if msg.logprobs else None,
-                                        msg.prompt_logprobs[i] if msg.prompt_logprobs else None))
+                                        msg.prompt_logprobs[i] if msg.prompt_logprobs else None,
+                                        msg.logprobs_json[i] if msg.logprobs_json else None,
+                                        msg.prompt_logprobs_json[i] if msg.prompt_logprobs_json else None))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.cached_prompt_tokens = msg.cached_prompt_tokens[i]
             stream.finish = msg.finish[i]

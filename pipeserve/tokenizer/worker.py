@@ -120,7 +120,8 @@ class Tokenizer:
         ids = unpack_ids(add.prompt_ids)
         params = req.sampling
         return DetokenizeRequest(req.engine_rids(), len(ids), pack_ids(ids[-PROMPT_TAIL:]), list(params.stop),
-                                 params.skip_special_tokens, params.logprobs is not None, req.engine)
+                                 params.skip_special_tokens, params.logprobs is not None, req.engine,
+                                 req.logprobs_format)
 
     def encode_messages(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
                         ) -> list[int]:
