@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("pipeserve.engine.process", "run the engine process"),
     "detokenizer": ("pipeserve.detokenizer.worker", "run the detokenizer process"),
     "generate": ("pipeserve.gateway.client", "stream a completion from a running server"),
+    "zmq-keygen": ("pipeserve.zmq_auth", "write a new key pair for the internal ZeroMQ sockets on tcp://"),
     "roofline": ("pipeserve.capacity.roofline", "speed-of-light calculator for a model on a GPU"),
     "simulate": ("pipeserve.capacity.simulate", "replay a trace through the scheduler with a cost model"),
     "gpu-check": ("pipeserve.gpu_check.cli", "check a CUDA host: kernels, engine parity, one sync, speed"),

@@ -281,6 +281,23 @@ class Addresses:
         return {f"PIPESERVE_{name.upper()}_ADDR": getattr(self, name) for name in self.__dataclass_fields__}
 
 
+ZMQ_KEY_ENV = "PIPESERVE_ZMQ_KEY_FILE"
+
+
+@dataclass
+class InternalAuth:
+    """Who may use the internal ZeroMQ sockets that cross hosts (pipeserve/zmq_auth.py): the
+    deployment's CURVE key pair, a ZeroMQ certificate file. Every process reads it from
+    $PIPESERVE_ZMQ_KEY_FILE (the launcher sets it for its children; compose and hand-started
+    processes set it themselves); without it no process binds a tcp:// address."""
+
+    key_file: str | None = opt(help="the deployment's ZeroMQ CURVE key pair (certificate file)",
+                               factory=lambda: os.environ.get(ZMQ_KEY_ENV) or None)
+
+    def to_env(self) -> dict[str, str]:
+        return {ZMQ_KEY_ENV: self.key_file} if self.key_file else {}
+
+
 # Data parallelism: these Addresses list one endpoint per engine; engine i binds the i-th and every
 # connector connects to all of them (engine i is the i-th socket).
 PER_ENGINE = ("requests", "control")
@@ -307,6 +324,9 @@ class LaunchConfig:
                                   "them all, each request on one engine")
     ray: str | None = opt(None, "place the processes on a Ray cluster: its address (host:port) or auto; "
                           "unset: every process on this host")
+    zmq_key_file: str | None = opt(None, "the deployment's ZeroMQ CURVE key pair (a certificate file, "
+                                   "`pipeserve zmq-keygen PATH`) for the internal sockets on tcp:// "
+                                   "(--ray); unset: a new pair per start")
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

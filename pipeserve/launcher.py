@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -44,11 +45,19 @@ import zmq
 from pipeserve import config as cfg
 from pipeserve import preflight
 from pipeserve.child import TITLE, Child, Starter, set_title, start_local
-from pipeserve.config import Addresses, EngineConfig, GatewayConfig, LaunchConfig, new_instance_id
+from pipeserve.config import (
+    Addresses,
+    EngineConfig,
+    GatewayConfig,
+    InternalAuth,
+    LaunchConfig,
+    new_instance_id,
+)
 from pipeserve.cpus import CpuSplit, claim_split, cpu_split, cpus_env, engine_core_sets
 from pipeserve.messages import ProcessStatus, encode
 from pipeserve.preflight import check_ports
 from pipeserve.startup import EXIT_STARTUP, StartupError, fail
+from pipeserve.zmq_auth import InternalSockets, generate
 
 log = logging.getLogger("pipeserve.up")
 
@@ -77,16 +86,18 @@ def children_of(pid: int) -> dict[int, str]:
 
 class Supervisor:
     def __init__(
-        self, children: list[Child], addrs: Addresses, env: dict[str, str], start: Starter = start_local
+        self, children: list[Child], addrs: Addresses, env: dict[str, str], start: Starter = start_local,
+        key_file: str | None = None,
     ) -> None:
         self.children = children
         self.env = env
         self.start = start
         self._zmq = zmq.Context()
+        self._internal = InternalSockets(self._zmq, InternalAuth(key_file), "supervisor")
         self._status = self._zmq.socket(zmq.PUSH)
         self._status.setsockopt(zmq.LINGER, 0)
         self._status.setsockopt(zmq.SNDHWM, 64)
-        self._status.connect(addrs.status)
+        self._internal.connect(self._status, addrs.status)
 
     def spawn(self, child: Child) -> None:
         env = self.env | child.env | {"PIPESERVE_PROCESS_NAME": child.name.replace("-", " ")}
@@ -137,6 +148,7 @@ class Supervisor:
                     log.warning("pid %d did not stop within %.0f s: killing it", proc.pid, timeout)
                     proc.kill()
                     proc.wait()
+        self._internal.close()
         self._zmq.destroy(linger=0)
 
 
@@ -221,6 +233,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
 
 
+def local_tcp(engines: int) -> Addresses:
+    """tcp:// endpoints on 127.0.0.1 on ports free now (this host, wired as hosts are across a network)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(5 + 2 * engines)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        ports = [f"tcp://127.0.0.1:{sock.getsockname()[1]}" for sock in sockets]
+    named = dict(zip(("tokenize", "steps", "deltas", "errors", "status"), ports, strict=False))
+    return Addresses(**named, requests=",".join(ports[5:5 + engines]), control=",".join(ports[5 + engines:]))
+
+
 @dataclass
 class Running:
     supervisor: Supervisor
@@ -242,12 +265,16 @@ def running(
     engines: int = 1,
     ray: str | None = None,
     debug: bool = False,
+    tcp: bool = False,
+    zmq_key_file: str | None = None,
 ) -> Iterator[Running]:
     """Start every child and wait for SERVING; on exit stop them in order (the gateway first, within
     gateway.grace). On this host the children are wired through a private run dir (removed at the
     end); with `ray` (a cluster address) they are placed on its nodes (pipeserve/ray_launcher.py).
     engine_argv replaces the engine's subcommand (a benchmark's synthetic engine; one engine only).
-    engines: data parallel size. debug: children print a start-up failure's traceback."""
+    engines: data parallel size. debug: children print a start-up failure's traceback. tcp: wire them
+    over tcp:// on 127.0.0.1 instead (as across hosts: CURVE, see pipeserve/zmq_auth.py). Over tcp://
+    (and under Ray) the children share zmq_key_file's key pair, or one made for this start."""
     with contextlib.ExitStack() as stack:
         # On this host the engines' cores are claimed host-wide for as long as this launcher runs.
         split = stack.enter_context(claim_split(engine)) if ray is None else None
@@ -261,19 +288,30 @@ def running(
                     child.argv.append("--debug")
         instance_id = new_instance_id()
         children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
+        run_dir = tempfile.mkdtemp(prefix="pipeserve-")  # mode 0700: the ipc sockets, the generated key
+        stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
+        key_file = None
+        if ray is not None or tcp:
+            key_file = zmq_key_file or os.path.join(run_dir, "zmq.key")
+            if zmq_key_file is None:
+                generate(key_file)
+            log.info("internal ZeroMQ over tcp://: CURVE with the key pair in %s (%s)", key_file,
+                     "given" if zmq_key_file else "made for this start")
         if ray is None:
-            run_dir = tempfile.mkdtemp(prefix="pipeserve-")
-            stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
             start: Starter = start_local
-            addrs, where = Addresses.under(run_dir, engines), run_dir
+            addrs = local_tcp(engines) if tcp else Addresses.under(run_dir, engines)
+            where = "tcp://127.0.0.1" if tcp else run_dir
             env = {**os.environ, "PIPESERVE_PARENT_PID": str(os.getpid())}
+            env |= InternalAuth(key_file).to_env()
         else:
             from pipeserve import ray_launcher
 
-            addrs, start = stack.enter_context(ray_launcher.placed(ray, children, engine, engines))
+            assert key_file is not None
+            key = Path(key_file).read_text()  # written on each node by its actor, for its children
+            addrs, start = stack.enter_context(ray_launcher.placed(ray, children, engine, engines, key))
             where, env = f"ray {ray}", {}  # each node's actor adds its own environment
         env |= {**addrs.to_env(), "PIPESERVE_MODEL": str(engine.model)}
-        supervisor = Supervisor(children, addrs, env, start)
+        supervisor = Supervisor(children, addrs, env, start, key_file)
         host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
         target = f"{host}:{gateway.port}"
         try:
@@ -349,7 +387,8 @@ def main(args: argparse.Namespace) -> int:
     )
     code = 1
     with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
-                 engines=launch.data_parallel_size, ray=launch.ray, debug=args.debug) as up:
+                 engines=launch.data_parallel_size, ray=launch.ray, debug=args.debug,
+                 zmq_key_file=launch.zmq_key_file) as up:
         code = up.code or 1
         if up.serving:
             log.info("serving %s: %s (sockets: %s)", engine.served_model_name or engine.model,

@@ -27,12 +27,13 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.child import CHILD, Child, Proc, Starter
-from pipeserve.config import Addresses, EngineConfig
+from pipeserve.config import Addresses, EngineConfig, InternalAuth
 from pipeserve.preflight import StartupError
 
 log = logging.getLogger("pipeserve.ray")
@@ -48,6 +49,7 @@ class Host:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
+        self.key_file: str | None = None
 
     def node(self) -> tuple[str, str]:
         """(node id, node IP address)."""
@@ -69,9 +71,17 @@ class Host:
 
         return [str(i) for i in ray.get_gpu_ids()]
 
-    def start(self, argv: list[str], env: dict[str, str]) -> int:
+    def start(self, argv: list[str], env: dict[str, str], key: str) -> int:
         # The child checks its parent is this actor's process (child.child_main).
         full = os.environ | env | {"PIPESERVE_PARENT_PID": str(os.getpid())}
+        # The deployment's ZeroMQ key pair, in a file of this node only its user may read (once per
+        # actor: a restarted child finds it again).
+        if self.key_file is None:
+            self.key_file = os.path.join(tempfile.mkdtemp(prefix="pipeserve-key-"), "zmq.key")
+            fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key)
+        full |= InternalAuth(self.key_file).to_env()
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, *argv], env=full, start_new_session=True)
         return self.proc.pid
 
@@ -233,10 +243,11 @@ def place(children: list[Child], engine: EngineConfig, engines: int) -> Placemen
 
 @contextlib.contextmanager
 def placed(
-    address: str, children: list[Child], engine: EngineConfig, engines: int
+    address: str, children: list[Child], engine: EngineConfig, engines: int, key: str
 ) -> Iterator[tuple[Addresses, Starter]]:
     """Connect to the cluster and place every child (each child's env gains its node, and an
-    engine's its GPUs); yields the addresses and how to start a child on its node. On exit the actors
+    engine's its GPUs); yields the addresses and how to start a child on its node, with key (the
+    deployment's ZeroMQ key pair, pipeserve/zmq_auth.py) in a private file there. On exit the actors
     (their processes with them) and placement groups are released."""
     import ray
 
@@ -250,7 +261,7 @@ def placed(
 
         def start(child: Child, env: dict[str, str]) -> Proc:
             host = placement.hosts[child.name]
-            return RemoteProc(host, ray.get(host.start.remote(child.argv, env), timeout=CALL_TIMEOUT))
+            return RemoteProc(host, ray.get(host.start.remote(child.argv, env, key), timeout=CALL_TIMEOUT))
 
         try:
             yield placement.addrs, start

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,7 @@ class Detokenizer:
         self._skip = skipped_ids(tokenizer)
         self.texts = TokenTexts(tokenizer)
         self.renderer = Renderer(self.texts)
+        self.more_stats: Callable[[], dict[str, int]] = dict  # the process's own counters (zmq_auth)
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.early: OrderedDict[str, Early] = OrderedDict()
         # Queued requests of a dead engine, dropped: output for them is ignored, never held as early.
@@ -258,7 +260,7 @@ class Detokenizer:
             cached_prompt_tokens=[row.state.cached_prompt_tokens for row in rows.values()],
             completion_tokens=[row.state.text.completion_tokens for row in rows.values()],
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            stats={"detok_requests": len(self.requests)},
+            stats={"detok_requests": len(self.requests)} | self.more_stats(),
             queue_time=[row.state.queue_time for row in rows.values()],
             prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None,
             row_engines=[row.state.engine for row in rows.values()],
@@ -306,11 +308,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     detok = Detokenizer(load_for(start_worker(args, "detokenizer"))[1])
-    with worker_sockets() as ctx:
-        steps, deltas = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        control = connect_engines(ctx, args.control)
-        steps.bind(args.steps)
-        deltas.connect(args.deltas)
+    with worker_sockets("detokenizer") as internal:
+        steps, deltas = internal.ctx.socket(zmq.PULL), internal.ctx.socket(zmq.PUSH)
+        control = connect_engines(internal, args.control)
+        internal.bind(steps, args.steps)
+        internal.connect(deltas, args.deltas)
+        detok.more_stats = internal.stats
         log.info("ready: steps %s -> deltas %s, aborts -> %s", args.steps, args.deltas, args.control)
         serve(detok, steps, deltas, control)
     return 0

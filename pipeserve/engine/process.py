@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from pipeserve import config as cfg
-from pipeserve.config import Addresses, EngineConfig, engine_endpoint
+from pipeserve.config import Addresses, EngineConfig, InternalAuth, engine_endpoint
 from pipeserve.engine.sequence import StepUpdate, one_token_updates
 from pipeserve.messages import (
     MAX_MESSAGE_BYTES,
@@ -56,6 +56,7 @@ from pipeserve.messages import (
     unpack_ids,
 )
 from pipeserve.startup import fail, phase
+from pipeserve.zmq_auth import InternalSockets
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -108,6 +109,7 @@ class EngineLoop:
         index: int = 0,
     ) -> None:
         self.engine = engine
+        self.more_stats: Callable[[], dict[str, int]] = dict  # the process's own counters (zmq_auth)
         self.index = index  # data parallel: this engine's place in the requests/control lists
         self.requests, self.control, self.steps = requests, control, steps
         self.errors, self.status = errors, status
@@ -126,7 +128,7 @@ class EngineLoop:
 
     def stats(self) -> dict[str, int]:
         stats: dict[str, int] = self.engine.stats()
-        return stats | {"finished": self.finished}
+        return stats | {"finished": self.finished} | self.more_stats()
 
     def once(self) -> None:
         """One iteration: wait (only when idle), drain inputs, step, heartbeat."""
@@ -252,17 +254,19 @@ def main(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - every start-up failure is one line naming its flag
         return fail(getattr(args, "prog", "pipeserve engine"), exc, args.debug, config.device)
     ctx = zmq.Context()
+    sockets = InternalSockets(ctx, InternalAuth(), f"engine {args.engine_index}")
     requests, control = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
     for sock in (requests, control):
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
     steps, errors, status = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
     try:
-        requests.bind(engine_endpoint(addrs.requests, args.engine_index))
-        control.bind(engine_endpoint(addrs.control, args.engine_index))
-        steps.connect(addrs.steps)
-        errors.connect(addrs.errors)
-        status.connect(addrs.status)
+        sockets.bind(requests, engine_endpoint(addrs.requests, args.engine_index))
+        sockets.bind(control, engine_endpoint(addrs.control, args.engine_index))
+        sockets.connect(steps, addrs.steps)
+        sockets.connect(errors, addrs.errors)
+        sockets.connect(status, addrs.status)
         loop = EngineLoop(engine, requests, control, steps, errors, status, args.heartbeat, args.engine_index)
+        loop.more_stats = sockets.stats
         log.info(
             "ready (pid %d): engine %d, %s on %s; requests %s, control %s",
             os.getpid(),
@@ -275,5 +279,6 @@ def main(args: argparse.Namespace) -> int:
         loop.run(lambda: bool(stopping))
     finally:
         engine.close()
+        sockets.close()
         ctx.destroy(linger=500)
     return 0

@@ -69,6 +69,8 @@ class GatewayView(Protocol):
     def router(self) -> Router: ...
     @property
     def serving(self) -> bool: ...
+    @property
+    def zmq_refused(self) -> int: ...
 
 
 # vLLM's engine-level series: name -> (family, the engine counter it reads, help).
@@ -162,7 +164,16 @@ class _StateCollector:
                                      "(tensor parallel)",
                                      labels=["data_parallel_size", "tensor_parallel_size"])
         topology.add_metric([str(len(engines)), str(max(v.tensor_parallel_size for v in engines))], 1)
-        yield from (per_engine, live, load, routed, topology)
+        refused = CounterMetricFamily(
+            "pipeserve_zmq_refused", "ZeroMQ peers refused on the internal tcp:// sockets (no or a wrong "
+            "CURVE key), by the process that refused them", labels=["process"])
+        refused.add_metric(["gateway"], gw.zmq_refused)
+        if "zmq_refused" in gw.detok_stats:
+            refused.add_metric(["detokenizer"], gw.detok_stats["zmq_refused"])
+        for i, stats in enumerate(per_engine_stats):
+            if "zmq_refused" in stats:
+                refused.add_metric([f"engine-{i}"], stats["zmq_refused"])
+        yield from (per_engine, live, load, routed, topology, refused)
         yield from engine_families(per_engine_stats)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from pipeserve.config import ABORTED_HOLD, Addresses, GatewayConfig, engine_endpoints
+from pipeserve.config import ABORTED_HOLD, Addresses, GatewayConfig, InternalAuth, engine_endpoints
 from pipeserve.gateway.health import PIPELINE, PipelineHealth, engine_index
 from pipeserve.gateway.metrics import ServingMetrics
 from pipeserve.gateway.router import Router, prefix_blocks
@@ -64,6 +64,7 @@ from pipeserve.messages import (
     unpack_ids,
 )
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.zmq_auth import InternalSockets
 
 log = logging.getLogger("pipeserve.gateway")
 
@@ -190,6 +191,7 @@ class Core:
         self.on_serving: list[Callable[[bool], Awaitable[None]]] = []
         self._health_lock = asyncio.Lock()
         self._zmq = zmq.asyncio.Context()
+        self.internal = InternalSockets(self._zmq, InternalAuth(), "gateway")
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = ServingMetrics(self, time.monotonic)
 
@@ -203,7 +205,7 @@ class Core:
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # ZeroMQ refuses larger before we buffer them
             for option, value in options.items():
                 sock.setsockopt(getattr(zmq, option), value)
-            sock.bind(addr) if bind else sock.connect(addr)
+            self.internal.bind(sock, addr) if bind else self.internal.connect(sock, addr)
             return sock
 
         # ROUTER_MANDATORY: a send to a worker that left fails (and picks another) instead of vanishing;
@@ -226,6 +228,7 @@ class Core:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.internal.close()
         self._zmq.destroy(linger=0)
 
     # ---- the request lifecycle -------------------------------------------------------------
@@ -323,6 +326,11 @@ class Core:
 
     def model_info(self) -> ModelInfo | None:
         return self.info
+
+    @property
+    def zmq_refused(self) -> int:
+        """Peers refused on this gateway's tcp:// sockets (pipeserve/zmq_auth.py)."""
+        return self.internal.refused
 
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, params: SamplingParams, prompt: Prompt, rid: str, n: int, app: str,

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 import zmq
 
 from pipeserve import config as cfg
-from pipeserve.config import Addresses, EngineConfig, engine_endpoints
+from pipeserve.config import Addresses, EngineConfig, InternalAuth, engine_endpoints
+from pipeserve.zmq_auth import InternalSockets
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, sockets: dict[str, str]) -> None:
@@ -39,25 +40,27 @@ def start_worker(args: argparse.Namespace, name: str) -> EngineConfig:
     return config
 
 
-def connect_engines(ctx: zmq.Context[zmq.Socket[bytes]], endpoints: str) -> list[zmq.Socket[bytes]]:
+def connect_engines(internal: InternalSockets, endpoints: str) -> list[zmq.Socket[bytes]]:
     """One PUSH socket per engine (a requests or control address lists one endpoint per engine):
     element i reaches engine i only, so a request and its aborts go where the gateway routed it."""
     sockets = []
     for endpoint in engine_endpoints(endpoints):
-        sock = ctx.socket(zmq.PUSH)
-        sock.connect(endpoint)
+        sock = internal.ctx.socket(zmq.PUSH)
+        internal.connect(sock, endpoint)
         sockets.append(sock)
     return sockets
 
 
 @contextmanager
-def worker_sockets() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    """The worker's ZeroMQ context for the life of its serve loop; Ctrl-C is a clean exit, and queued
-    messages get half a second to leave."""
+def worker_sockets(process: str) -> Iterator[InternalSockets]:
+    """The worker's ZeroMQ context, and its internal sockets' CURVE (pipeserve/zmq_auth.py), for the
+    life of its serve loop; Ctrl-C is a clean exit, and queued messages get half a second to leave."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    internal = InternalSockets(ctx, InternalAuth(), process)
     try:
-        yield ctx
+        yield internal
     except KeyboardInterrupt:
         pass
     finally:
+        internal.close()
         ctx.destroy(linger=500)

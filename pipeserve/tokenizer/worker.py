@@ -221,13 +221,14 @@ def main(args: argparse.Namespace) -> int:
     max_model_len = min(args.max_model_len or limits.context_len, limits.context_len)
     worker = Tokenizer(tokenizer, max_model_len, limits.vocab_size)
     name = f"tokenizer@{socket.gethostname()}:{os.getpid()}"
-    with worker_sockets() as ctx:
+    with worker_sockets("tokenizer") as internal:
+        ctx = internal.ctx
         gateway, errors, detokenizer = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
         gateway.setsockopt(zmq.ROUTING_ID, name.encode())
-        requests = connect_engines(ctx, args.requests)
-        gateway.connect(args.tokenize)
-        errors.connect(args.errors)
-        detokenizer.connect(args.steps)
+        requests = connect_engines(internal, args.requests)
+        internal.connect(gateway, args.tokenize)
+        internal.connect(errors, args.errors)
+        internal.connect(detokenizer, args.steps)
         log.info("ready (pid %d): %s -> %s, context %d", os.getpid(), args.tokenize, args.requests,
                  max_model_len)
         serve(worker, gateway, requests, errors, detokenizer, name)
