@@ -327,6 +327,10 @@ class LaunchConfig:
     zmq_key_file: str | None = opt(None, "the deployment's ZeroMQ CURVE key pair (a certificate file, "
                                    "`pipeserve zmq-keygen PATH`) for the internal sockets on tcp:// "
                                    "(--ray); unset: a new pair per start")
+    zmq_over: str = opt("ipc", "how the processes on this host talk: ipc (a private directory) "
+                                  "or tcp (127.0.0.1, authenticated and encrypted as across hosts: to "
+                                  "test or measure that transport); --ray always uses tcp",
+                                  choices=("ipc", "tcp"))
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

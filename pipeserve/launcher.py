@@ -388,7 +388,7 @@ def main(args: argparse.Namespace) -> int:
     code = 1
     with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
                  engines=launch.data_parallel_size, ray=launch.ray, debug=args.debug,
-                 zmq_key_file=launch.zmq_key_file) as up:
+                 zmq_key_file=launch.zmq_key_file, tcp=launch.zmq_over == "tcp") as up:
         code = up.code or 1
         if up.serving:
             log.info("serving %s: %s (sockets: %s)", engine.served_model_name or engine.model,
