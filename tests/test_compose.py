@@ -42,7 +42,9 @@ pytestmark = [
 
 
 def compose_config(model: Path, *files: str) -> dict:
-    env = {**os.environ, "MODEL_DIR": str(model)}
+    key = model.parent / "zmq.key"
+    key.write_text("unused by `config`")
+    env = {**os.environ, "MODEL_DIR": str(model), "ZMQ_KEY_FILE": str(key)}
     out = subprocess.run(
         ["docker-compose", *[arg for name in files for arg in ("-f", str(ROOT / name))], "config"],
         env=env,
@@ -104,6 +106,14 @@ def test_zeromq_wiring_pairs_binders_and_connectors(compose):
             assert ports.setdefault(kind, port) == port, f"{kind} on two ports"
     assert all(count >= 2 for count in seen.values()), seen  # a binder and at least one connector
     assert len(set(ports.values())) == len(ports)
+
+
+def test_every_process_holds_the_zeromq_key(compose):
+    """tcp:// binders refuse to start without it, and peers without it are refused (zmq_auth.py)."""
+    assert compose["secrets"]["zmq_key"]["file"].endswith("zmq.key")
+    for name, service in compose["services"].items():
+        assert service["environment"]["PIPESERVE_ZMQ_KEY_FILE"] == "/run/secrets/zmq_key", name
+        assert [s["source"] if isinstance(s, dict) else s for s in service["secrets"]] == ["zmq_key"], name
 
 
 def test_engine_gets_a_gpu_and_the_model_is_read_only(compose):
@@ -173,7 +183,12 @@ def test_compose_cpu_deployment_really_runs(tmp_path, stories_dir) -> None:
                        '"--log-level", "debug"]\n')
     compose = ["docker-compose", "-p", project, "-f", str(ROOT / "compose.yaml"),
                "-f", str(ROOT / "compose.cpu.yaml"), "-f", str(verbose)]
-    env = {**os.environ, "MODEL_DIR": stories_dir, "PIPESERVE_PORT": str(port)}
+    from pipeserve.zmq_auth import generate
+
+    key = tmp_path / "zmq.key"
+    generate(str(key))
+    key.chmod(0o644)  # the image's user (uid 1000) reads it; a real deployment chowns it instead
+    env = {**os.environ, "MODEL_DIR": stories_dir, "PIPESERVE_PORT": str(port), "ZMQ_KEY_FILE": str(key)}
 
     def dc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         out = subprocess.run([*compose, *args], env=env, cwd=ROOT, capture_output=True, text=True,
