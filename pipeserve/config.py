@@ -282,6 +282,7 @@ class Addresses:
 
 
 ZMQ_KEY_ENV = "PIPESERVE_ZMQ_KEY_FILE"
+ZMQ_INSECURE_ENV = "PIPESERVE_ZMQ_INSECURE"
 
 
 @dataclass
@@ -289,13 +290,17 @@ class InternalAuth:
     """Who may use the internal ZeroMQ sockets that cross hosts (pipeserve/zmq_auth.py): the
     deployment's CURVE key pair, a ZeroMQ certificate file. Every process reads it from
     $PIPESERVE_ZMQ_KEY_FILE (the launcher sets it for its children; compose and hand-started
-    processes set it themselves); without it no process binds a tcp:// address."""
+    processes set it themselves); without it no process binds a tcp:// address, unless insecure
+    ($PIPESERVE_ZMQ_INSECURE=1: open tcp:// sockets, only to measure what CURVE costs)."""
 
     key_file: str | None = opt(help="the deployment's ZeroMQ CURVE key pair (certificate file)",
                                factory=lambda: os.environ.get(ZMQ_KEY_ENV) or None)
+    insecure: bool = opt(help="tcp:// without a key: anyone who reaches a port may use it",
+                         factory=lambda: os.environ.get(ZMQ_INSECURE_ENV) == "1")
 
     def to_env(self) -> dict[str, str]:
-        return {ZMQ_KEY_ENV: self.key_file} if self.key_file else {}
+        return ({ZMQ_KEY_ENV: self.key_file} if self.key_file else {}) | (
+            {ZMQ_INSECURE_ENV: "1"} if self.insecure else {})
 
 
 # Data parallelism: these Addresses list one endpoint per engine; engine i binds the i-th and every
@@ -328,9 +333,9 @@ class LaunchConfig:
                                    "`pipeserve zmq-keygen PATH`) for the internal sockets on tcp:// "
                                    "(--ray); unset: a new pair per start")
     zmq_over: str = opt("ipc", "how the processes on this host talk: ipc (a private directory) "
-                                  "or tcp (127.0.0.1, authenticated and encrypted as across hosts: to "
-                                  "test or measure that transport); --ray always uses tcp",
-                                  choices=("ipc", "tcp"))
+                        "or tcp (127.0.0.1, authenticated and encrypted as across hosts: to test or "
+                        "measure that transport; tcp-insecure: without CURVE, only to measure what it "
+                        "costs); --ray always uses tcp", choices=("ipc", "tcp", "tcp-insecure"))
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

@@ -265,16 +265,17 @@ def running(
     engines: int = 1,
     ray: str | None = None,
     debug: bool = False,
-    tcp: bool = False,
+    zmq_over: str = "ipc",
     zmq_key_file: str | None = None,
 ) -> Iterator[Running]:
     """Start every child and wait for SERVING; on exit stop them in order (the gateway first, within
     gateway.grace). On this host the children are wired through a private run dir (removed at the
     end); with `ray` (a cluster address) they are placed on its nodes (pipeserve/ray_launcher.py).
     engine_argv replaces the engine's subcommand (a benchmark's synthetic engine; one engine only).
-    engines: data parallel size. debug: children print a start-up failure's traceback. tcp: wire them
-    over tcp:// on 127.0.0.1 instead (as across hosts: CURVE, see pipeserve/zmq_auth.py). Over tcp://
-    (and under Ray) the children share zmq_key_file's key pair, or one made for this start."""
+    engines: data parallel size. debug: children print a start-up failure's traceback. zmq_over "tcp":
+    wire them over tcp:// on 127.0.0.1 instead (as across hosts: CURVE, see pipeserve/zmq_auth.py;
+    "tcp-insecure" without it, to measure its cost). Over tcp:// (and under Ray) the children share
+    zmq_key_file's key pair, or one made for this start."""
     with contextlib.ExitStack() as stack:
         # On this host the engines' cores are claimed host-wide for as long as this launcher runs.
         split = stack.enter_context(claim_split(engine)) if ray is None else None
@@ -290,8 +291,8 @@ def running(
         children[-1].env["PIPESERVE_INSTANCE_ID"] = instance_id
         run_dir = tempfile.mkdtemp(prefix="pipeserve-")  # mode 0700: the ipc sockets, the generated key
         stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
-        key_file = None
-        if ray is not None or tcp:
+        key_file, tcp = None, zmq_over.startswith("tcp")
+        if ray is not None or zmq_over == "tcp":
             key_file = zmq_key_file or os.path.join(run_dir, "zmq.key")
             if zmq_key_file is None:
                 generate(key_file)
@@ -302,7 +303,7 @@ def running(
             addrs = local_tcp(engines) if tcp else Addresses.under(run_dir, engines)
             where = "tcp://127.0.0.1" if tcp else run_dir
             env = {**os.environ, "PIPESERVE_PARENT_PID": str(os.getpid())}
-            env |= InternalAuth(key_file).to_env()
+            env |= InternalAuth(key_file, insecure=zmq_over == "tcp-insecure").to_env()
         else:
             from pipeserve import ray_launcher
 
@@ -388,7 +389,7 @@ def main(args: argparse.Namespace) -> int:
     code = 1
     with running(engine, gateway, args.tokenizer_workers, args.startup_timeout, stopping, security,
                  engines=launch.data_parallel_size, ray=launch.ray, debug=args.debug,
-                 zmq_key_file=launch.zmq_key_file, tcp=launch.zmq_over == "tcp") as up:
+                 zmq_key_file=launch.zmq_key_file, zmq_over=launch.zmq_over) as up:
         code = up.code or 1
         if up.serving:
             log.info("serving %s: %s (sockets: %s)", engine.served_model_name or engine.model,

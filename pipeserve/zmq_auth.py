@@ -27,7 +27,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from pipeserve.config import InternalAuth
+from pipeserve.config import ZMQ_INSECURE_ENV, InternalAuth
 
 log = logging.getLogger("pipeserve.zmq_auth")
 
@@ -91,6 +91,7 @@ class InternalSockets:
     def __init__(self, ctx: zmq.Context[Any], auth: InternalAuth, process: str) -> None:
         self.ctx, self.process = ctx, process
         self.keys = KeyPair.load(auth.key_file) if auth.key_file else None
+        self.insecure = auth.insecure and self.keys is None
         self.refused = 0  # handshakes refused on this process's tcp:// binds
         self._sync: zmq.Context[Any] = zmq.Context.shadow(ctx.underlying)  # the ZAP thread's and monitors'
         self._auth: ThreadAuthenticator | None = None
@@ -100,7 +101,10 @@ class InternalSockets:
         self._logged = False
 
     def bind(self, sock: zmq.Socket[Any], endpoint: str) -> None:
-        if is_tcp(endpoint):
+        if is_tcp(endpoint) and self.insecure:
+            log.warning("%s: %s is open to anyone who reaches it (%s=1: no CURVE)", self.process,
+                        endpoint, ZMQ_INSECURE_ENV)
+        elif is_tcp(endpoint):
             if self.keys is None:
                 raise ValueError(f"{self.process}: refusing to bind {endpoint} without a ZeroMQ key: "
                                  "internal sockets on tcp:// need the deployment's key pair "

@@ -50,11 +50,12 @@ from pipeserve.bench.report import (
 )
 from pipeserve.bench.serve import Outcome, Planned, send
 from pipeserve.bench.shapes import LLAMA_20M_BYTES, random_checkpoint
-from pipeserve.config import Addresses, EngineConfig, GatewayConfig
+from pipeserve.config import Addresses, EngineConfig, GatewayConfig, InternalAuth
 from pipeserve.cpus import CpuSplit, cpu_split
 from pipeserve.engine.sequence import Sequence, StepUpdate
 from pipeserve.local_cluster import free_port
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.zmq_auth import InternalSockets
 
 TEXT = "the quick brown fox jumps over the lazy dog; "  # ASCII: one byte token per character
 
@@ -171,18 +172,20 @@ def serve_synthetic(model_dir: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
     addrs, ctx = Addresses(), zmq.Context()
+    internal = InternalSockets(ctx, InternalAuth(), "synthetic engine")
     requests, control, steps, errors, status = (
         ctx.socket(t) for t in (zmq.PULL, zmq.PULL, zmq.PUSH, zmq.PUSH, zmq.PUSH)
     )
     try:
-        requests.bind(addrs.requests)
-        control.bind(addrs.control)
-        steps.connect(addrs.steps)
-        errors.connect(addrs.errors)
-        status.connect(addrs.status)
+        internal.bind(requests, addrs.requests)
+        internal.bind(control, addrs.control)
+        for sock, endpoint in ((steps, addrs.steps), (errors, addrs.errors), (status, addrs.status)):
+            internal.connect(sock, endpoint)
         loop = EngineLoop(SyntheticEngine(info), requests, control, steps, errors, status)
+        loop.more_stats = internal.stats
         loop.run(lambda: bool(stopping))
     finally:
+        internal.close()
         ctx.destroy(linger=500)
     return 0
 
@@ -190,14 +193,14 @@ def serve_synthetic(model_dir: str) -> int:
 # ---- the pipeline's processes -------------------------------------------------------------------
 @contextlib.contextmanager
 def pipeline(engine: EngineConfig, workers: int, synthetic: bool, timeout: float = 300.0,
-             http_port: int | None = None) -> Iterator[str]:
+             http_port: int | None = None, zmq_over: str = "ipc") -> Iterator[str]:
     """Start the launcher's processes (the engine or the synthetic one); yield the gRPC target.
-    http_port: the gateway serves the OpenAI HTTP API there too."""
+    http_port: the gateway serves the OpenAI HTTP API there too. zmq_over: as `up --zmq-over`."""
     from pipeserve.launcher import running
 
     gateway = GatewayConfig(port=free_port(), grace=1.0, http_port=http_port)
     engine_argv = ["bench", "pipeline", "--serve-synthetic", str(engine.model)] if synthetic else None
-    with running(engine, gateway, workers, timeout, [], engine_argv=engine_argv) as up:
+    with running(engine, gateway, workers, timeout, [], engine_argv=engine_argv, zmq_over=zmq_over) as up:
         if not up.serving:
             raise RuntimeError("the pipeline did not become SERVING")
         yield up.target
@@ -378,7 +381,7 @@ def part2(args: argparse.Namespace, model_dir: str, load: dict[str, Any]) -> dic
     prompt = load_tokenizer(model_dir).encode(TEXT, add_special_tokens=False)
     config = EngineConfig(model=model_dir, device="cpu")
     rows = []
-    with pipeline(config, args.tokenizer_workers, synthetic=True) as target:
+    with pipeline(config, args.tokenizer_workers, synthetic=True, zmq_over=args.zmq_over) as target:
         asyncio.run(streams(target, [prompt] * 4, 16))  # warm-up
         for n in args.capacity_streams:
             load[f"capacity_{n}"] = os.getloadavg()
@@ -548,6 +551,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--skip-part1", action="store_true", help="only the capacity run")
+    parser.add_argument("--zmq-over", default="ipc", choices=("ipc", "tcp", "tcp-insecure"),
+                        help="part 2: the processes' transport, as `up --zmq-over` (tcp: with CURVE, "
+                             "tcp-insecure: without; alternate them to measure what CURVE costs)")
     parser.add_argument("--skip-part2", action="store_true", help="only pipeline vs in-process")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
