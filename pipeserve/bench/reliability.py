@@ -4,8 +4,11 @@ Starts `pipeserve up` (stories260K or any --model; the demo model when none), th
 against it over gRPC and prints cases tried and passed, streams aborted
 and state left, overload refusals and their latency, RSS growth per process (a short soak, see
 pipeserve/bench/soak.py), faults injected and streams hung (last: it kills processes). Overload runs
-on a second pipeline started with a small --max-inflight. tests/reliability/ runs the same scenarios
-with smaller sizes and asserts on them.
+on a second pipeline started with a small --max-inflight. The HTTP cases (pipeserve/bench/
+hostile_http.py: bad requests, clients that leave, slow headers, heavy logprob streams beside a
+liveness probe, the log checked for tracebacks) run on the first pipeline's OpenAI API and are
+reported beside the gRPC ones. tests/reliability/ runs the same scenarios with smaller sizes and
+asserts on them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from pipeserve.bench import hostile_http
 from pipeserve.bench.report import machine_info, print_table, write_json
 from pipeserve.bench.shapes import stories260k
 from pipeserve.bench.soak import PROMPTS, plot_soak, soak
@@ -427,9 +431,23 @@ def report_rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
     bad, storm, over, soak = (figures[k] for k in ("bad_input", "abort_storm", "overload", "soak"))
     faults: list[FaultResult] = figures["faults"]
     outcomes = storm.outcomes
+    http = figures["http"]
+    slow, heavy = http["slow_headers"], http["heavy"]
+    probe = heavy["health"]
     rows = [
-        ("bad input", "cases tried / passed", f"{bad['tried']} / {bad['passed']}"),
-        ("bad input", "state left", _left(bad["state_left"])),
+        ("bad input (gRPC)", "cases tried / passed", f"{bad['tried']} / {bad['passed']}"),
+        ("bad input (gRPC)", "state left", _left(bad["state_left"])),
+        ("bad input (HTTP)", "cases tried / passed", f"{http['tried']} / {http['passed']}"),
+        ("disconnects (HTTP)", "clients that left / state left",
+         f"{http['disconnects']} / {_left(http['disconnect_state_left'])}"),
+        ("slow headers (HTTP)", "connections / closed by the server",
+         f"{slow['connections']} / {slow['closed']} (the last after {slow['closed_after_s_max']:.1f} s)"),
+        ("heavy logprobs (HTTP)", "/health p50 / p99 / max beside them",
+         f"{probe['p50_ms']:.1f} / {probe['p99_ms']:.1f} / {probe['max_ms']:.1f} ms ({probe['probes']} "
+         f"probes, {heavy['health_not_ok']} not 200; {heavy['streams']} streams of n {heavy['n']} x "
+         f"{heavy['tokens']} tokens, logprobs 20)"),
+        ("HTTP, all of it", "tracebacks / ERROR lines in the log / state left",
+         f"{http['log_tracebacks']} / {http['log_errors']} / {_left(http['state_left'])}"),
         (
             "abort storm",
             "streams / cancelled / completed",
@@ -520,6 +538,7 @@ def main(args: argparse.Namespace) -> int:
                 "failed": [asdict(r) for r in results if not r.passed],
                 "state_left": pipe.wait_clean(),
             }
+            figures["http"] = hostile_http.run(pipe)
             storm = asyncio.run(abort_storm(pipe.target, args.streams))
             storm.state_left = pipe.wait_clean()
             figures["abort_storm"] = storm

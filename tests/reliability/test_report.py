@@ -39,6 +39,12 @@ def figures() -> dict[str, Any]:
     soak.growth = [growth("engine", soak.times, soak.rss_mb["engine"], 1.0, requests_per_s=10.0)]
     return {
         "bad_input": {"tried": 41, "passed": 40, "failed": [], "state_left": {"pages_used": 0.0}},
+        "http": {"tried": 19, "passed": 19, "failed": [], "disconnects": 8,
+                 "disconnect_state_left": {"gateway_inflight": 0.0}, "state_left": {"detok_requests": 1.0},
+                 "slow_headers": {"connections": 8, "closed": 8, "closed_after_s_max": 10.04},
+                 "heavy": {"streams": 2, "n": 24, "tokens": 440, "events": [9000, 9100], "health_not_ok": 0,
+                           "health": {"probes": 300, "p50_ms": 8.0, "p99_ms": 31.26, "max_ms": 90.0}},
+                 "log_tracebacks": 0, "log_errors": 0},
         "abort_storm": StormResult(1000, {"decode": 250}, {"CANCELLED": 700, "completed": 300}, 9.0,
                                    {"pages_used": 0.0, "tombstones": 2.0}),  # fmt: skip
         "overload": OverloadResult(4, 7.0, 70.0, 210, 18, 190, 4.5, 31.0, 4.4, 5.6, {"CANCELLED": 2}),
@@ -54,8 +60,17 @@ def figures() -> dict[str, Any]:
 
 def test_report_rows_are_derived_from_the_results() -> None:
     rows = {(scenario, figure): value for scenario, figure, value in report_rows(figures())}
-    assert rows[("bad input", "cases tried / passed")] == "41 / 40"
-    assert rows[("bad input", "state left")] == "none"  # only zeros
+    assert rows[("bad input (gRPC)", "cases tried / passed")] == "41 / 40"
+    assert rows[("bad input (gRPC)", "state left")] == "none"  # only zeros
+    # The HTTP cases beside the gRPC ones.
+    assert rows[("bad input (HTTP)", "cases tried / passed")] == "19 / 19"
+    assert rows[("disconnects (HTTP)", "clients that left / state left")] == "8 / none"
+    assert rows[("slow headers (HTTP)", "connections / closed by the server")] == (
+        "8 / 8 (the last after 10.0 s)")
+    assert rows[("heavy logprobs (HTTP)", "/health p50 / p99 / max beside them")] == (
+        "8.0 / 31.3 / 90.0 ms (300 probes, 0 not 200; 2 streams of n 24 x 440 tokens, logprobs 20)")
+    assert rows[("HTTP, all of it", "tracebacks / ERROR lines in the log / state left")] == (
+        "0 / 0 / detok_requests 1")
     assert rows[("abort storm", "streams / cancelled / completed")] == "1,000 / 700 / 300"
     assert rows[("abort storm", "state left")] == "tombstones 2"  # the non-zero counts only
     assert rows[("overload", "offered")] == (
