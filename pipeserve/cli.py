@@ -48,6 +48,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "the OpenAI HTTP API vs gRPC: added TTFT and capacity (synthetic engine)",
     ),
     "pipeline": ("pipeserve.bench.pipeline", "pipeline vs in-process, and gateway capacity"),
+    "gateway-loop": ("pipeserve.bench.gateway_loop", "/health, /metrics and a plain stream beside heavy "
+                     "logprob streams"),
     "quant": ("pipeserve.bench.quant", "quantization accuracy, memory and speed"),
     "reliability": ("pipeserve.bench.reliability", "fault, overload and soak figures"),
     "soak": ("pipeserve.bench.soak", "steady load for minutes: RSS of every process, KV pages"),
