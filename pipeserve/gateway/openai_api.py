@@ -276,6 +276,9 @@ class Choice:
                 self.prompt_logprobs = Logprobs([row.prompt_logprobs_json])
 
 
+Output = tuple[Choice, list[Delta], bool]  # a choice, its new rows, whether they end it
+
+
 def usage(choices: list[Choice], per_prompt: int, generated: bool = True) -> dict[str, Any]:
     """OpenAI usage over every choice; the n choices of a prompt count its tokens once. generated
     False: the output was not returned (max_tokens 0 with echo)."""
@@ -667,34 +670,17 @@ class OpenAIServer:
         await asyncio.gather(*(one(c) for c in call.choices))
         return await asyncio.to_thread(call.final) if call.logprobs else call.final()
 
-    async def _events(self, call: Call, first: tuple[Choice, list[Delta], bool],
-                      rest: AsyncGenerator[tuple[Choice, list[Delta], bool], None], usage_last: bool
-                      ) -> AsyncIterator[bytes]:
+    async def _events(self, call: Call, first: list[Output], rest: AsyncGenerator[list[Output], None],
+                      usage_last: bool) -> AsyncIterator[bytes]:
         """The SSE stream of a call: chunks as each choice's output arrives (first: what already
-        came), then [DONE]. Leaving early (a disconnect cancels this generator) closes every stream:
-        the engine aborts them."""
+        came), then [DONE]; the events of every choice's output that arrived together go out in one
+        write. Leaving early (a disconnect cancels this generator) closes every stream: the engine
+        aborts them."""
         try:
-            async for c, rows, last in _chain(first, rest):
-                text = "".join(r.text for r in rows)
-                entries = Logprobs(r.logprobs_json for r in rows)
-                ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
-                first_of_choice = not c.sent
-                c.add(rows)
-                if not text and not entries and not ids and not last and not first_of_choice:
-                    continue  # nothing a client reads (e.g. text held back by the detokenizer)
-                if first_of_choice and not call.generated and not last:
-                    continue  # max_tokens 0: the prompt goes out with the finish
-
-                # Logprob tables (top-k per token, n choices) came rendered from the detokenizer: the
-                # loop only joins them, so no request delays another's tokens, health or metrics.
-                c.sent = True
-                finish = c.stream.finish if last else None
-                if c.tools is not None or c.reasoning is not None:
-                    yield b"".join(sse(chunk) for chunk in
-                                   call.chat_chunks(c, text, entries, finish, first_of_choice, ids))
-                else:
-                    choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
-                    yield sse(call.head(True) | {"choices": [choice]})
+            async for batch in _chain(first, rest):
+                events = [event for c, rows, last in batch if (event := self._event(call, c, rows, last))]
+                if events:
+                    yield b"".join(events)
             if usage_last:
                 totals = usage(call.choices, call.per_prompt, call.generated)
                 yield sse(call.head(True) | {"choices": [], "usage": totals})
@@ -705,12 +691,36 @@ class OpenAIServer:
             await rest.aclose()  # now, not when collected: it cancels the choices' pumps
         yield b"data: [DONE]\n\n"
 
-    async def _merged(self, call: Call) -> AsyncGenerator[tuple[Choice, list[Delta], bool], None]:
-        """Every choice's output in arrival order (one choice: read directly, no tasks)."""
+    @staticmethod
+    def _event(call: Call, c: Choice, rows: list[Delta], last: bool) -> bytes:
+        """The SSE event(s) of a choice's new rows; empty when there is nothing to send yet."""
+        text = "".join(r.text for r in rows)
+        entries = Logprobs(r.logprobs_json for r in rows)
+        ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
+        first_of_choice = not c.sent
+        c.add(rows)
+        if not text and not entries and not ids and not last and not first_of_choice:
+            return b""  # nothing a client reads (e.g. text held back by the detokenizer)
+        if first_of_choice and not call.generated and not last:
+            return b""  # max_tokens 0: the prompt goes out with the finish
+
+        # Logprob tables (top-k per token, n choices) came rendered from the detokenizer: the
+        # loop only joins them, so no request delays another's tokens, health or metrics.
+        c.sent = True
+        finish = c.stream.finish if last else None
+        if c.tools is not None or c.reasoning is not None:
+            return b"".join(sse(chunk) for chunk in
+                            call.chat_chunks(c, text, entries, finish, first_of_choice, ids))
+        choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
+        return sse(call.head(True) | {"choices": [choice]})
+
+    async def _merged(self, call: Call) -> AsyncGenerator[list[Output], None]:
+        """Every choice's output in arrival order, in batches of what arrived together (one choice:
+        read directly, no tasks)."""
         if len(call.choices) == 1:
             (c,) = call.choices
             async for rows, last in self.core.output(c.stream):
-                yield c, rows, last
+                yield [(c, rows, last)]
             return
         queue: asyncio.Queue[tuple[Choice, list[Delta], bool] | Refusal | None] = asyncio.Queue()
 
@@ -726,13 +736,22 @@ class OpenAIServer:
         try:
             remaining = len(tasks)
             while remaining:
+                batch: list[Output] = []
                 item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Refusal):
-                    raise item
-                else:
-                    yield item
+                while True:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, Refusal):
+                        if batch:
+                            yield batch  # what came before the failure goes out first
+                        raise item
+                    else:
+                        batch.append(item)
+                    if queue.empty() or not remaining:
+                        break
+                    item = queue.get_nowait()
+                if batch:
+                    yield batch
         finally:
             for task in tasks:
                 task.cancel()
@@ -789,10 +808,7 @@ class OpenAIServer:
         return self._tokenizer
 
 
-Output = tuple[Choice, list[Delta], bool]  # a choice, its new rows, whether they end it
-
-
-async def _chain(first: Output, rest: AsyncIterator[Output]) -> AsyncIterator[Output]:
+async def _chain(first: list[Output], rest: AsyncIterator[list[Output]]) -> AsyncIterator[list[Output]]:
     yield first
     async for item in rest:
         yield item
