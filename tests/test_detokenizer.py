@@ -26,6 +26,7 @@ from pipeserve.detokenizer.incremental import (
     make_decoder,
     skipped_ids,
 )
+from pipeserve.detokenizer.openai_logprobs import Renderer
 from pipeserve.detokenizer.worker import Detokenizer, Row
 from pipeserve.messages import (
     PROMPT_TAIL,
@@ -33,6 +34,7 @@ from pipeserve.messages import (
     DetokenizeRequest,
     MessageError,
     NewRequestInfo,
+    PromptLogprobs,
     StepLogprobs,
     StepOutput,
     TextDeltas,
@@ -468,6 +470,37 @@ def test_logprobs_carry_token_text(stories) -> None:
                        step(1, [("a", there, ""), ("b", lily, "")], [new("a"), new("b")], [row, None]))
     assert msg.logprobs == [[TokenLogprob(there, " there", -0.5, [TopLogprob(there, " there", -0.5),
                                                                   TopLogprob(lily, " Lily", -1.5)])], None]
+
+
+def test_openai_formats_render_the_same_entries(stories) -> None:
+    """A request submitted with an OpenAI logprobs format gets its logprobs (and prompt logprobs)
+    rendered: the same entries the gRPC path carries, as that format's JSON pieces."""
+    there, lily = stories.convert_tokens_to_ids(["▁there", "▁Lily"])
+    row = StepLogprobs(-0.5, pack_ids([there, lily]), pack_floats([-0.5, -1.5]))
+    prompt_ids = stories.encode("Hi")
+    lps = [float("nan")] + [-2.0] * (len(prompt_ids) - 1)
+    prompt = PromptLogprobs(pack_ids(prompt_ids), pack_floats(lps), pack_ids([lily] * len(prompt_ids)),
+                            pack_floats([-3.0] * len(prompt_ids)))
+    for fmt in ("completion", "chat", "bogus"):
+        det = Detokenizer(stories)
+        msg, _ = run_steps(det, told("a", stories, "Hi", logprobs=True, logprobs_format=fmt),
+                           step(1, [("a", there, "")], [new("a", prompt_logprobs=prompt)], [row]))
+        plain = Detokenizer(stories)
+        want, _ = run_steps(plain, told("a", stories, "Hi", logprobs=True),
+                            step(1, [("a", there, "")], [new("a", prompt_logprobs=prompt)], [row]))
+        if fmt == "bogus":  # an unknown format: entries, as gRPC gets them
+            assert msg.logprobs == want.logprobs and msg.logprobs_json is None
+            continue
+        assert msg.logprobs is None and msg.prompt_logprobs is None
+        renderer = Renderer(det.texts)
+        for got, entries in ((msg.logprobs_json[0], want.logprobs[0]),
+                             (msg.prompt_logprobs_json[0], want.prompt_logprobs[0])):
+            pieces = renderer.pieces(fmt)
+            for e in entries:
+                renderer.add(pieces, fmt, e.token_id, e.logprob, [t.token_id for t in e.top],
+                             [t.logprob for t in e.top])
+            assert got == pieces.message()
+        assert '" there"' in msg.logprobs_json[0].parts[0]
 
 
 def test_malformed_steps_and_restart(stories) -> None:

@@ -25,6 +25,7 @@ from pipeserve.detokenizer.incremental import IncrementalDetokenizer, RequestTex
 from pipeserve.detokenizer.logprobs import TokenTexts, format_logprobs, format_prompt_logprobs, prompt_rows
 from pipeserve.detokenizer.openai_logprobs import Pieces, Renderer
 from pipeserve.messages import (
+    LOGPROBS_FORMATS,
     Abort,
     DetokenizeRequest,
     LogprobsJSON,
@@ -115,6 +116,10 @@ class Detokenizer:
         except MessageError as exc:
             log.warning("dropping a malformed DetokenizeRequest: %s", exc)
             return []
+        if msg.logprobs_format not in LOGPROBS_FORMATS:
+            log.warning("unknown logprobs format %r of %s: sending its logprobs as entries",
+                        msg.logprobs_format, msg.rids[:1])
+            msg.logprobs_format = ""
         stopped = []
         for rid in msg.rids:
             if rid in self.requests:
