@@ -10,12 +10,11 @@ client text can forge the marker.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from pipeserve.messages import LogprobsJSON, unpack_ids
 
@@ -60,7 +59,7 @@ class Logprobs:
 
     def __init__(self, pieces: Iterable[LogprobsJSON | None] = ()) -> None:
         self.arrays: list[list[str]] = []
-        self.lengths: list[np.ndarray] = []
+        self.lengths: list[int] = []  # each entry's token text length
         self.count = 0
         for piece in pieces:
             self.add(piece)
@@ -71,14 +70,14 @@ class Logprobs:
     def add(self, piece: LogprobsJSON | None) -> None:
         if piece is None:
             return
-        lengths = unpack_ids(piece.lengths)
-        if not len(lengths):
+        lengths = unpack_ids(piece.lengths).tolist()
+        if not lengths:
             return
         if not self.arrays:
             self.arrays = [[] for _ in piece.parts]
         for elements, part in zip(self.arrays, piece.parts, strict=True):
             elements.append(part)
-        self.lengths.append(lengths)
+        self.lengths += lengths
         self.count += len(lengths)
 
     def __add__(self, other: Logprobs) -> Logprobs:
@@ -97,10 +96,9 @@ class Logprobs:
 
     def completion(self, offset: int) -> Raw:
         """OpenAI's completion logprobs; text_offset counts from offset (the text sent before)."""
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
-        starts = np.cumsum(lengths, dtype=np.int64) - lengths + offset
+        starts = itertools.accumulate(self.lengths[:-1], initial=offset) if self.lengths else ()
         return Raw(f'{{"tokens":{self._array(0)},"token_logprobs":{self._array(1)},'
-                   f'"top_logprobs":{self._array(2)},"text_offset":[{",".join(map(str, starts.tolist()))}]}}')
+                   f'"top_logprobs":{self._array(2)},"text_offset":[{",".join(map(str, starts))}]}}')
 
     def chat(self) -> Raw:
         """OpenAI's chat logprobs."""
