@@ -9,7 +9,8 @@ CURVE, another key pair, a wrong server key) fails the handshake: it can neither
 and each refusal is counted (`refused`, reported to the gateway's metrics). ipc:// sockets stay as
 they are: the launcher's private run directory (mode 0700) already keeps other users out.
 
-A tcp:// bind without a key is refused at start: nothing internal listens on the network open.
+A tcp:// bind without a key is refused at start (StartupError: one line naming the fix): nothing
+internal listens on the network open.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from pipeserve.config import ZMQ_INSECURE_ENV, InternalAuth
+from pipeserve.startup import StartupError
 
 log = logging.getLogger("pipeserve.zmq_auth")
 
@@ -49,9 +51,9 @@ class KeyPair:
         try:
             public, secret = zmq.auth.load_certificate(path)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read the ZeroMQ key file {path}: {exc}") from None
+            raise StartupError(f"cannot read the ZeroMQ key file {path}: {exc}") from None
         if not secret:
-            raise ValueError(f"the ZeroMQ key file {path} holds no secret key (give the secret certificate)")
+            raise StartupError(f"the ZeroMQ key file {path} holds no secret key (give the secret one)")
         return cls(public, secret)
 
 
@@ -106,7 +108,7 @@ class InternalSockets:
                         endpoint, ZMQ_INSECURE_ENV)
         elif is_tcp(endpoint):
             if self.keys is None:
-                raise ValueError(f"{self.process}: refusing to bind {endpoint} without a ZeroMQ key: "
+                raise StartupError(f"{self.process}: refusing to bind {endpoint} without a ZeroMQ key: "
                                  "internal sockets on tcp:// need the deployment's key pair "
                                  "(--zmq-key-file or PIPESERVE_ZMQ_KEY_FILE; `pipeserve zmq-keygen PATH` "
                                  "makes one)")

@@ -15,6 +15,7 @@ import zmq
 
 from pipeserve.config import InternalAuth
 from pipeserve.local_cluster import free_port
+from pipeserve.startup import StartupError
 from pipeserve.zmq_auth import InternalSockets, KeyPair, generate
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,7 +100,7 @@ def test_a_rogue_gets_nothing_in_and_nothing_out(ctx, key: str, how: str) -> Non
 
 def test_tcp_bind_without_a_key_is_refused_and_ipc_is_untouched(ctx, tmp_path: Path) -> None:
     internal = InternalSockets(ctx, InternalAuth(None), "test")
-    with pytest.raises(ValueError, match="without a ZeroMQ key"):
+    with pytest.raises(StartupError, match="without a ZeroMQ key"):
         internal.bind(socket(ctx, zmq.PULL), f"tcp://127.0.0.1:{free_port()}")
     pull, push = socket(ctx, zmq.PULL), socket(ctx, zmq.PUSH)
     internal.bind(pull, f"ipc://{tmp_path}/x")
@@ -114,5 +115,5 @@ def test_key_file_is_private_and_round_trips(key: str, tmp_path: Path) -> None:
     pair = KeyPair.load(key)
     assert len(pair.public) == len(pair.secret) == 40 and zmq.curve_public(pair.secret) == pair.public
     (tmp_path / "public-only").write_text(f'curve\n    public-key = "{pair.public.decode()}"\n')
-    with pytest.raises(ValueError, match="no secret key"):
+    with pytest.raises(StartupError, match="no secret key"):
         KeyPair.load(str(tmp_path / "public-only"))
