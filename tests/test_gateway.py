@@ -165,7 +165,7 @@ class FakePipeline:
                 return None
             self.queued.append(decode(self.tokenize.recv()))
 
-    def next_request(self, timeout: float = 5) -> TokenizeRequest:
+    def next_request(self, timeout: float = 30) -> TokenizeRequest:
         msg = self._next_from_worker(TokenizeRequest, timeout)
         assert msg is not None, "no TokenizeRequest arrived"
         self.formats.update(dict.fromkeys(msg.engine_rids(), msg.logprobs_format))
