@@ -375,8 +375,16 @@ def _fields_of(cls: type) -> tuple[str, ...]:
 def _as_map(obj: Any) -> dict[str, Any]:
     """msgpack's hook for what it cannot pack itself: a nested dataclass becomes a map of its fields."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {name: getattr(obj, name) for name in _fields_of(type(obj))}
+        return {name: _str_keys(getattr(obj, name)) for name in _fields_of(type(obj))}
     raise TypeError(f"cannot put a {type(obj).__name__} on the wire")
+
+
+def _str_keys(value: Any) -> Any:
+    """A map with int keys (SamplingParams.logit_bias) travels with decimal string keys: the decoder
+    takes string keys only (msgpack's strict_map_key); _convert turns them back per annotation."""
+    if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
+        return {str(k): v for k, v in value.items()}
+    return value
 
 
 def encode(msg: Message) -> bytes:
@@ -444,7 +452,12 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     elif origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise MessageError(f"{where}: expected a map with string keys, got {type(value).__name__}")
-        _, item = typing.get_args(hint) or (str, Any)
+        key, item = typing.get_args(hint) or (str, Any)
+        if key is int:
+            try:
+                value = {int(k): v for k, v in value.items()}
+            except ValueError:
+                raise MessageError(f"{where}: expected integer keys") from None
         if item is Any:
             return value
         return {k: _convert(v, item, f"{where}.{k}") for k, v in value.items()}

@@ -15,6 +15,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 1024
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI allows 300)
+LOGIT_BIAS_LIMIT = 100.0  # biases lie in [-100, 100], as OpenAI's
 # Structured-output constraints, at most one per request (pipeserve/grammar.py builds them).
 CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # The engine's stats key PREEMPTIONS_BY_PRIORITY + str(priority): requests of that priority preempted.
@@ -45,6 +47,9 @@ class SamplingParams:
                             "(exact either way); false opts out")
     priority: int = opt(0, "scheduling priority under --scheduling-policy priority: lower runs sooner; "
                         "ignored under fcfs")
+    logit_bias: dict[int, float] | None = opt(
+        None, "added to these token ids' logits before sampling (OpenAI's logit_bias: token id -> bias "
+        "in [-100, 100]; -100 bans a token, 100 all but forces it)")
     # Structured outputs: the output must match this constraint (at most one is set).
     json_schema: dict[str, Any] | str | None = opt(
         None, "the output must be JSON valid under this JSON schema (a dict or JSON text)")
@@ -53,8 +58,9 @@ class SamplingParams:
     choice: list[str] | None = opt(None, "the output must be exactly one of these strings")
     grammar: str | None = opt(None, "the output must match this EBNF grammar (GBNF style, root rule `root`)")
 
-    def validate(self, max_logprobs: int = 20) -> None:
-        """Raise ValueError naming the offending field."""
+    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the offending field. vocab_size: the model's, when known (the ids
+        logit_bias names must lie inside it)."""
 
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
@@ -109,7 +115,25 @@ class SamplingParams:
             )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        self._validate_logit_bias(vocab_size)
         self._validate_constraint()
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS} allowed")
+        top = vocab_size if vocab_size is not None else 2**31
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < top:
+                raise ValueError(f"logit_bias: token id {token!r} is outside the vocabulary [0, {top})")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+                raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
+                                 f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
 
     def _validate_constraint(self) -> None:
         """The constraint's shape. Whether it compiles (schema, regex or grammar syntax) is checked

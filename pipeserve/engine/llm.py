@@ -47,7 +47,7 @@ class LLM:
     def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a request (the engine only asserts)."""
         engine = self.engine
-        params.validate(engine.config.max_logprobs)
+        params.validate(engine.config.max_logprobs, engine.model_config.vocab_size)
         if params.constrained:
             from pipeserve.grammar import check_constraint  # imports xgrammar: only when needed
 

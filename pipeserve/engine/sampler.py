@@ -4,7 +4,8 @@ Per-slot parameters live in persistent device buffers written once per request (
 `sample` reads them by slot and never syncs with the host: every branch it takes is decided by
 numpy mirrors of the same parameters, and host arrays reach the device by non-blocking copies.
 Order per step: structured-output token mask (constrained
-rows only) -> repetition / presence / frequency penalties -> min_tokens mask -> greedy argmax, or
+rows only) -> logit_bias (biased rows only; one scatter-add over the step's rows) -> repetition /
+presence / frequency penalties -> min_tokens mask -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> exponential race. Logprobs are of the raw model logits.
 
 Randomness is a counter-based hash of (seed, tokens generated so far, vocab index), so a seeded
@@ -110,6 +111,10 @@ class Sampler:
         self.generated = torch.zeros(n, dtype=i64, device=dev)
         # Stop ids padded by repeating the row's first id, so a scatter writes one value per column.
         self.stop_ids = torch.zeros(n, 4, dtype=i64, device=dev)
+        # logit_bias, sparse: each row's token ids and biases, padded with (id 0, bias 0) so one
+        # scatter-add applies every row (an unbiased row adds zeros: exact); widened as requests need.
+        self.bias_ids = torch.zeros(n, 8, dtype=i64, device=dev)
+        self.bias_values = torch.zeros(n, 8, dtype=f32, device=dev)
         # [n, V] penalty state, allocated on the first request that uses a penalty.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -120,6 +125,7 @@ class Sampler:
         self._top_p = np.ones(n, dtype=np.float32)
         self._min_p = np.zeros(n, dtype=np.float32)
         self._penalized = np.zeros(n, dtype=bool)
+        self._biased = np.zeros(n, dtype=bool)
         self._logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs
         self._min_tokens = np.zeros(n, dtype=np.int64)
         self._generated = np.zeros(n, dtype=np.int64)
@@ -168,12 +174,17 @@ class Sampler:
             self._write_stop_ids(slot, stops)
         if penalized:
             self._write_penalty_state(slot, prompt_ids, output_ids)
+        biased = bool(params.logit_bias)
+        if biased:
+            assert params.logit_bias is not None
+            self._write_logit_bias(slot, params.logit_bias)
 
         self._greedy[slot] = greedy
         self._top_k[slot] = top_k
         self._top_p[slot] = top_p
         self._min_p[slot] = min_p
         self._penalized[slot] = penalized
+        self._biased[slot] = biased
         self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._min_tokens[slot] = min_tokens
         self._generated[slot] = len(output_ids)
@@ -185,6 +196,7 @@ class Sampler:
         self._top_p[slot] = 1.0
         self._min_p[slot] = 0.0
         self._penalized[slot] = False
+        self._biased[slot] = False
         self._logprobs[slot] = -1
         self._min_tokens[slot] = 0
         self._generated[slot] = 0
@@ -197,6 +209,26 @@ class Sampler:
             self.stop_ids, width = grown, grown.shape[1]
         row = stops + [stops[0]] * (width - len(stops))
         self.stop_ids[slot] = upload(np.asarray(row, dtype=np.int64), self.device)
+
+    def _write_logit_bias(self, slot: int, bias: dict[int, float]) -> None:
+        width = self.bias_ids.shape[1]
+        if len(bias) > width:  # widen every row; the new columns pad with (0, 0)
+            new = max(len(bias), 2 * width)
+            ids = torch.zeros(len(self._greedy), new, dtype=torch.int64, device=self.device)
+            values = torch.zeros(len(self._greedy), new, dtype=torch.float32, device=self.device)
+            ids[:, :width], values[:, :width] = self.bias_ids, self.bias_values
+            self.bias_ids, self.bias_values, width = ids, values, new
+        pad = width - len(bias)
+        self.bias_ids[slot] = upload(np.asarray([*bias, *[0] * pad], dtype=np.int64), self.device)
+        self.bias_values[slot] = upload(np.asarray([*bias.values(), *[0.0] * pad], dtype=np.float32),
+                                        self.device)
+
+    def _apply_logit_bias(self, x: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor) -> torch.Tensor:
+        """x plus the rows' logit_bias, when any row has one (an out-of-place scatter-add)."""
+        if not self._biased[slots].any():
+            return x
+        ids, values = self.bias_ids.index_select(0, slots_t), self.bias_values.index_select(0, slots_t)
+        return x.scatter_add(1, ids, values)
 
     def _write_penalty_state(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         if self.output_counts is None or self.prompt_mask is None:
@@ -233,6 +265,7 @@ class Sampler:
             if x.data_ptr() == logits.data_ptr():
                 x = x.clone()
             mask.apply(x)
+        x = self._apply_logit_bias(x, slots, slots_t)
         penalized = self.output_counts is not None and bool(self._penalized[slots].any())
         if penalized:
             x = self._apply_penalties(x, slots_t)
@@ -273,9 +306,10 @@ class Sampler:
         self, logits: torch.Tensor, slots: np.ndarray, slots_t: torch.Tensor, steps: torch.Tensor
     ) -> torch.Tensor:
         """The log-weights [B, V] `sample` races over for non-greedy rows (min_tokens mask at output
-        index `steps`, temperature, top-k, top-p, min-p; -inf outside the kept set): the distribution
-        speculative rejection sampling compares. Slots must not be penalized or constrained."""
-        x = logits.float()
+        index `steps`, logit_bias, temperature, top-k, top-p, min-p; -inf outside the kept set): the
+        distribution speculative rejection sampling compares. Slots must not be penalized or
+        constrained."""
+        x = self._apply_logit_bias(logits.float(), slots, slots_t)
         if (self._min_tokens[slots] > 0).any():  # rows at or past min_tokens pass unchanged
             x = self._mask_stop_ids(x, slots_t, steps < self.min_tokens[slots_t])
         return self.filtered_logits(x, slots, slots_t)

@@ -281,6 +281,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_ = f"{f.metadata['help']} (default: {'unset' if default is None else default})"
         if f.name == "choice":
             sampling.add_argument(flag, action="append", default=None, help=f"{help_}; repeat for each")
+        elif f.name == "logit_bias":
+            sampling.add_argument(flag, type=_bias_entry, action="append", default=None, metavar="ID=BIAS",
+                                  help=f"{help_}; repeat for each token")
         elif hint is bool:
             sampling.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(hint) is list:
@@ -289,6 +292,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = next(t for t in (*typing.get_args(hint), hint) if t in (int, float, str))
             sampling.add_argument(flag, type=kind, default=None, metavar=kind.__name__.upper(), help=help_)
+
+
+def _bias_entry(text: str) -> tuple[int, float]:
+    """--logit-bias ID=BIAS."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id, a number), got {text!r}") from None
 
 
 def completion_json(completion: Completion, ttft: float | None, total: float) -> dict[str, Any]:
@@ -336,6 +350,8 @@ def http_hint(target: str, timeout: float = 2.0) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     sampling = {f.name: getattr(args, f.name) for f in fields(SamplingParams)}
+    if sampling["logit_bias"] is not None:
+        sampling["logit_bias"] = dict(sampling["logit_bias"])
     prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     completion = Completion()
     start = time.perf_counter()

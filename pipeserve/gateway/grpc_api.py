@@ -65,6 +65,8 @@ def sampling_fields(request: pb.GenerateRequest) -> dict[str, Any]:
     given |= {"stop": list(request.stop), "stop_token_ids": list(request.stop_token_ids),
               "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens,
               "priority": request.priority}
+    if request.logit_bias:
+        given["logit_bias"] = dict(request.logit_bias)
     return given
 
 

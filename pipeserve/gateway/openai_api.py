@@ -144,6 +144,7 @@ class Sampling(RequestBody):
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs sooner (priority scheduling only)
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as text
 
     def params(self) -> dict[str, Any]:
         """The SamplingParams fields the body sets (None: the server default)."""
@@ -153,6 +154,11 @@ class Sampling(RequestBody):
             for name in ("seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                          "frequency_penalty", "repetition_penalty", "skip_special_tokens")
         }
+        if self.logit_bias:
+            try:
+                out["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise HTTPError(400, "logit_bias keys must be token ids", "logit_bias") from None
         out |= {"stop": stop or [], "stop_token_ids": self.stop_token_ids or [],
                 "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "priority": self.priority}
         if self.response_format is not None and self.response_format.type == "json_object":

@@ -40,7 +40,6 @@ def _nonzero(value: Any) -> bool:
 
 # Fields both endpoints refuse, with when (and why, where it is not obvious).
 _SHARED: dict[str, Rule] = {
-    "logit_bias": _truthy,
     "best_of": _not_one,
     "use_beam_search": _truthy,
     "length_penalty": _given,

@@ -248,7 +248,8 @@ class Core:
             values["max_tokens"] = self.info.context_length
         try:
             params = SamplingParams(**values)
-            params.validate(max_logprobs=self.info.max_logprobs if self.info else 20)
+            params.validate(max_logprobs=self.info.max_logprobs if self.info else 20,
+                            vocab_size=self.info.vocab_size if self.info else None)
         except (ValueError, TypeError) as exc:
             raise self.refused(invalid(str(exc))) from None
         return params

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpipeserve/v1/generation.proto\x12\x0cpipeserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pipeserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd2\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.pipeserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.pipeserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\r\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0c\x88\x01\x01\x12\x0b\n\x03\x61pp\x18\x14 \x01(\t\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x01\x12\'\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x15.pipeserve.v1.ChoicesH\x01\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x01\x12\x12\n\ncache_salt\x18\x1a \x01(\t\x12\x18\n\x0bspeculative\x18\x1b \x01(\x08H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1c \x01(\rH\x0e\x88\x01\x01\x12\x10\n\x08priority\x18\x1d \x01(\x05\x42\x07\n\x05inputB\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculativeB\x12\n\x10_prompt_logprobs\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pipeserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pipeserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pipeserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.pipeserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x89\x03\n\x11ModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x07 \x01(\r\x12P\n\x11sampling_defaults\x18\x08 \x03(\x0b\x32\x35.pipeserve.v1.ModelInfoResponse.SamplingDefaultsEntry\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x14 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\r\x12)\n\x07\x65ngines\x18\x16 \x03(\x0b\x32\x18.pipeserve.v1.EngineLoad\x1a\x37\n\x15SamplingDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"^\n\nEngineLoad\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x0e\n\x06routed\x18\x05 \x01(\x04\x32\xe9\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.pipeserve.v1.GenerateRequest\x1a\x1e.pipeserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pipeserve.v1.AbortRequest\x1a\x1b.pipeserve.v1.AbortResponse\x12L\n\tModelInfo\x12\x1e.pipeserve.v1.ModelInfoRequest\x1a\x1f.pipeserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpipeserve/v1/generation.proto\x12\x0cpipeserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pipeserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc6\x08\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.pipeserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.pipeserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\r\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0c\x88\x01\x01\x12\x0b\n\x03\x61pp\x18\x14 \x01(\t\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x01\x12\'\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x15.pipeserve.v1.ChoicesH\x01\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x01\x12\x12\n\ncache_salt\x18\x1a \x01(\t\x12\x18\n\x0bspeculative\x18\x1b \x01(\x08H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1c \x01(\rH\x0e\x88\x01\x01\x12\x10\n\x08priority\x18\x1d \x01(\x05\x12@\n\nlogit_bias\x18( \x03(\x0b\x32,.pipeserve.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculativeB\x12\n\x10_prompt_logprobs\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pipeserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pipeserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pipeserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.pipeserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x89\x03\n\x11ModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x07 \x01(\r\x12P\n\x11sampling_defaults\x18\x08 \x03(\x0b\x32\x35.pipeserve.v1.ModelInfoResponse.SamplingDefaultsEntry\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x14 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\r\x12)\n\x07\x65ngines\x18\x16 \x03(\x0b\x32\x18.pipeserve.v1.EngineLoad\x1a\x37\n\x15SamplingDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"^\n\nEngineLoad\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x0e\n\x06routed\x18\x05 \x01(\x04\x32\xe9\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.pipeserve.v1.GenerateRequest\x1a\x1e.pipeserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pipeserve.v1.AbortRequest\x1a\x1b.pipeserve.v1.AbortResponse\x12L\n\tModelInfo\x12\x1e.pipeserve.v1.ModelInfoRequest\x1a\x1f.pipeserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pipeserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFORESPONSE_SAMPLINGDEFAULTSENTRY']._loaded_options = None
   _globals['_MODELINFORESPONSE_SAMPLINGDEFAULTSENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=47
@@ -42,27 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=179
   _globals['_CHOICES']._serialized_end=205
   _globals['_GENERATEREQUEST']._serialized_start=208
-  _globals['_GENERATEREQUEST']._serialized_end=1186
-  _globals['_TOPLOGPROB']._serialized_start=1188
-  _globals['_TOPLOGPROB']._serialized_end=1250
-  _globals['_TOKENLOGPROB']._serialized_start=1252
-  _globals['_TOKENLOGPROB']._serialized_end=1355
-  _globals['_USAGE']._serialized_start=1357
-  _globals['_USAGE']._serialized_end=1444
-  _globals['_GENERATERESPONSE']._serialized_start=1447
-  _globals['_GENERATERESPONSE']._serialized_end=1676
-  _globals['_ABORTREQUEST']._serialized_start=1678
-  _globals['_ABORTREQUEST']._serialized_end=1712
-  _globals['_ABORTRESPONSE']._serialized_start=1714
-  _globals['_ABORTRESPONSE']._serialized_end=1744
-  _globals['_MODELINFOREQUEST']._serialized_start=1746
-  _globals['_MODELINFOREQUEST']._serialized_end=1764
-  _globals['_MODELINFORESPONSE']._serialized_start=1767
-  _globals['_MODELINFORESPONSE']._serialized_end=2160
-  _globals['_MODELINFORESPONSE_SAMPLINGDEFAULTSENTRY']._serialized_start=2105
-  _globals['_MODELINFORESPONSE_SAMPLINGDEFAULTSENTRY']._serialized_end=2160
-  _globals['_ENGINELOAD']._serialized_start=2162
-  _globals['_ENGINELOAD']._serialized_end=2256
-  _globals['_GENERATION']._serialized_start=2259
-  _globals['_GENERATION']._serialized_end=2492
+  _globals['_GENERATEREQUEST']._serialized_end=1302
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1022
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1070
+  _globals['_TOPLOGPROB']._serialized_start=1304
+  _globals['_TOPLOGPROB']._serialized_end=1366
+  _globals['_TOKENLOGPROB']._serialized_start=1368
+  _globals['_TOKENLOGPROB']._serialized_end=1471
+  _globals['_USAGE']._serialized_start=1473
+  _globals['_USAGE']._serialized_end=1560
+  _globals['_GENERATERESPONSE']._serialized_start=1563
+  _globals['_GENERATERESPONSE']._serialized_end=1792
+  _globals['_ABORTREQUEST']._serialized_start=1794
+  _globals['_ABORTREQUEST']._serialized_end=1828
+  _globals['_ABORTRESPONSE']._serialized_start=1830
+  _globals['_ABORTRESPONSE']._serialized_end=1860
+  _globals['_MODELINFOREQUEST']._serialized_start=1862
+  _globals['_MODELINFOREQUEST']._serialized_end=1880
+  _globals['_MODELINFORESPONSE']._serialized_start=1883
+  _globals['_MODELINFORESPONSE']._serialized_end=2276
+  _globals['_MODELINFORESPONSE_SAMPLINGDEFAULTSENTRY']._serialized_start=2221
+  _globals['_MODELINFORESPONSE_SAMPLINGDEFAULTSENTRY']._serialized_end=2276
+  _globals['_ENGINELOAD']._serialized_start=2278
+  _globals['_ENGINELOAD']._serialized_end=2372
+  _globals['_GENERATION']._serialized_start=2375
+  _globals['_GENERATION']._serialized_end=2608
 # @@protoc_insertion_point(module_scope)
