@@ -120,6 +120,7 @@ class TokenizeRequest(Message):
     engine: int = 0  # data parallel: the engine the gateway routed it to (the tokenizer sends all n there)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template's `tools`
     logprobs_format: str = ""  # one of LOGPROBS_FORMATS: how its logprobs reach the gateway
+    embed: bool = False  # an embedding request: prefill only, answered with the pooled hidden state
 
     def engine_rids(self) -> list[str]:
         """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""
@@ -137,6 +138,7 @@ class EngineRequest(Message):
     app: str = ""
     arrival: float = 0.0
     cache_salt: str = ""
+    embed: bool = False  # prefill only, no sampling: its one update carries NewRequestInfo.embedding
 
 
 @dataclass
@@ -201,6 +203,7 @@ class NewRequestInfo:
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (usage)
     queue_time: float = 0.0  # seconds from its arrival to its first scheduling (metrics)
     prompt_logprobs: PromptLogprobs | None = None  # when the request asked
+    embedding: bytes | None = None  # an embedding request's pooled hidden state, packed float32
 
 
 @dataclass
@@ -291,6 +294,8 @@ cached_prompt_tokens[i] its prompt tokens found in the prefix cache (usage).
     # here, rendered, instead of in logprobs / prompt_logprobs.
     logprobs_json: list[LogprobsJSON | None] | None = None
     prompt_logprobs_json: list[LogprobsJSON | None] | None = None
+    # Per row, when a row is an embedding request's (its only row): the pooled vector, packed float32.
+    embeddings: list[bytes | None] | None = None
 
 
 # ---- errors socket: request failures -----------------------------------------------------------

@@ -64,6 +64,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob] | None = None  # sent with the request's first row
     logprobs_format: str = ""  # "": TokenLogprob entries; else rendered as that OpenAI format's JSON
     prompt_logprobs_json: LogprobsJSON | None = None  # sent with the request's first row
+    embedding: bytes | None = None  # an embedding request's vector, passed on with its (only) row
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Row:
     prompt_logprobs: list[TokenLogprob] | None = None
     logprobs_json: Pieces | None = None
     prompt_logprobs_json: LogprobsJSON | None = None
+    embedding: bytes | None = None
 
 
 class Detokenizer:
@@ -193,6 +195,7 @@ class Detokenizer:
             return  # announced again (e.g. after preemption): keep what came first
         state.started = True
         state.cached_prompt_tokens, state.queue_time = info.cached_prompt_tokens, info.queue_time
+        state.embedding = info.embedding
         if info.prompt_logprobs is not None:
             try:
                 fmt = state.logprobs_format
@@ -211,8 +214,8 @@ class Detokenizer:
         row = rows.get(rid)
         if row is None or row.state is not state:
             row = rows[rid] = Row(state, prompt_logprobs=state.prompt_logprobs,
-                                  prompt_logprobs_json=state.prompt_logprobs_json)
-            state.prompt_logprobs, state.prompt_logprobs_json = None, None
+                                  prompt_logprobs_json=state.prompt_logprobs_json, embedding=state.embedding)
+            state.prompt_logprobs, state.prompt_logprobs_json, state.embedding = None, None, None
         ids = [token] if token >= 0 else []
         if ids:
             row.tokens.append(token)
@@ -258,6 +261,7 @@ class Detokenizer:
         rendered = [row.logprobs_json.message() if row.logprobs_json is not None else None
                     for row in rows.values()]
         prompt_rendered = [row.prompt_logprobs_json for row in rows.values()]
+        embeddings = [row.embedding for row in rows.values()]
         return TextDeltas(
             rids=list(rows), text=["".join(row.text) for row in rows.values()], tokens=pack_ids(tokens),
             offsets=offsets, finish=[row.finish for row in rows.values()],
@@ -270,7 +274,8 @@ class Detokenizer:
             prompt_logprobs=prompt if any(lp is not None for lp in prompt) else None,
             row_engines=[row.state.engine for row in rows.values()],
             logprobs_json=rendered if any(lp is not None for lp in rendered) else None,
-            prompt_logprobs_json=prompt_rendered if any(lp is not None for lp in prompt_rendered) else None)
+            prompt_logprobs_json=prompt_rendered if any(lp is not None for lp in prompt_rendered) else None,
+            embeddings=embeddings if any(e is not None for e in embeddings) else None)
 
 
 def serve(

@@ -176,10 +176,13 @@ class Engine:
         app: str = "",
         arrival: float | None = None,
         cache_salt: str = "",
+        embed: bool = False,
     ) -> None:
         """Queue a request. Its id, ids and params were validated by the caller's edge. arrival:
         time.monotonic() of its arrival (default now). cache_salt: prefix-cache pages are shared only
-        among requests with the same salt. Unseeded params get a seed drawn here."""
+        among requests with the same salt. Unseeded params get a seed drawn here. embed: an
+        embedding request (prefill only; its update carries the pooled, normalised last hidden state;
+        params must ask for nothing but the defaults, max_tokens 1)."""
         assert rid not in self.requests, f"request_id {rid!r} is already in flight"
         assert 0 < len(prompt_ids) <= self.max_prompt_len, f"prompt of {len(prompt_ids)} tokens"
         vocab = self.model_config.vocab_size
@@ -197,7 +200,10 @@ class Engine:
             app,
             cache_salt,
             stop_ids=frozenset(stop),
+            embed=embed,
         )
+        assert not embed or (params.max_tokens == 1 and not params.constrained
+                             and params.prompt_logprobs is None), "an embedding request samples nothing"
         if params.seed is None:  # unseeded requests still sample reproducibly per engine seed
             params.seed = int(self._rng.integers(0, 2**62))
         self.requests[rid] = seq
@@ -337,7 +343,7 @@ class Engine:
         prompt = None
         if new and seq.params.prompt_logprobs is not None:  # filled during prefill (prompt_logprobs.py)
             prompt = seq.prompt_logprobs or PromptLogprobs.empty(seq.prompt_len, seq.params.prompt_logprobs)
-        return StepUpdate(seq, token_ids, seq.finish_reason, None, new, prompt)
+        return StepUpdate(seq, token_ids, seq.finish_reason, None, new, prompt, seq.embedding)
 
     def close(self) -> None:
         """Persist what the admission policy learned since its last periodic save (on shutdown)."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from pipeserve.config import EngineConfig
@@ -60,6 +61,29 @@ class LLM:
         problem = engine.capacity_problem(len(prompt_ids))
         if problem is not None:
             raise ValueError(problem)
+
+    def embed(self, prompts: str | Seq[str] | Seq[Seq[int]], cache_salt: str = "") -> list[np.ndarray]:
+        """Each prompt's embedding (text, or token ids; in prompt order): the final-norm hidden state
+        of its last token, L2-normalised (pipeserve/engine/pooling.py), float32 [hidden]. The
+        prompts run as prefill-only requests batched through the engine's steps."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch: list[Any] = [prompts] if single else list(prompts)
+        requests = []
+        for prompt in batch:
+            ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            self.check(ids, params)
+            requests.append(ids)
+        rids = [f"offline-{next(self._ids)}" for _ in requests]
+        for rid, ids in zip(rids, requests, strict=True):
+            self.engine.add(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=cache_salt,
+                            embed=True)
+        vectors: dict[str, np.ndarray] = {}
+        while self.engine.has_work():
+            for update in self.engine.step():
+                if update.embedding is not None:
+                    vectors[update.rid] = update.embedding
+        return [vectors[rid] for rid in rids]
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

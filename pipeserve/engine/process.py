@@ -77,7 +77,8 @@ def step_output(step: int, updates: list[StepUpdate], engine: int = 0) -> StepOu
                 lp = u.prompt_logprobs
                 prompt = PromptLogprobs(pack_ids(seq.token_ids[: seq.prompt_len]), pack_floats(lp.logprobs),
                                         pack_ids(lp.top_ids.ravel()), pack_floats(lp.top_logprobs.ravel()))
-            new.append(NewRequestInfo(seq.rid, seq.num_cached_tokens, queued, prompt))
+            embedding = None if u.embedding is None else pack_floats(u.embedding)
+            new.append(NewRequestInfo(seq.rid, seq.num_cached_tokens, queued, prompt, embedding))
     logprobs: list[StepLogprobs | None] | None = None
     if any(u.logprobs for u in updates):
         logprobs = [
@@ -206,7 +207,7 @@ class EngineLoop:
         # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
         arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
         try:
-            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt)
+            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt, msg.embed)
         except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine
             log.exception("adding %s failed", msg.rid)
             self._fail(msg.rid, "INTERNAL", f"engine: {exc}")

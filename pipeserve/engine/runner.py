@@ -32,6 +32,7 @@ from pipeserve.engine.executor.base import EAGER
 from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.model.llama import LlamaForCausalLM
+from pipeserve.engine.pooling import EmbedRows, embed_rows
 from pipeserve.engine.prompt_logprobs import PromptRows, PromptScores, prompt_rows, read_out
 from pipeserve.engine.sampler import SampleOutput, Sampler
 from pipeserve.engine.scheduler import ScheduledBatch
@@ -171,18 +172,23 @@ class ForwardRunner:
         executor = self.executor if self.executor.covers(flat) else self.eager
         return executor.run(flat)
 
-    def scored_logits(self, flat: FlatBatch,
-                      extra: PromptRows) -> tuple[torch.Tensor | None, PromptScores]:
-        """The sample rows' logits and the prompt rows `extra`, read out too and scored on the way
-        (such steps run eager); the scores stay on the device for the step's one readback."""
+    def read_rows(self, flat: FlatBatch, extra: PromptRows | None, embeds: EmbedRows | None
+                  ) -> tuple[torch.Tensor | None, PromptScores | None, tuple[torch.Tensor, ...]]:
+        """Such steps run eager. The sample rows' logits; the prompt rows `extra`, read out too and
+        scored on the way; the embedding requests' pooled vectors (`embeds`, among the sample rows).
+        Scores and vectors stay on the device for the step's one readback."""
         self.buffers.begin()
-        read = replace(flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
-                       sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
-                       sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
-        logits = self.eager.run(read)
-        assert logits is not None  # extra has rows
+        read = flat if extra is None else replace(
+            flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
+            sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
+            sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
+        hidden, logits = self.eager.forward(read)
+        assert logits is not None  # extra or embeds has rows
+        pooled = () if embeds is None else (embeds.pool(hidden, flat.sample_rows, read.every_row_read),)
+        if extra is None:
+            return logits, None, pooled
         logits, scores = read_out(logits, flat.sample_rows, extra, read.every_row_read)
-        return (logits if flat.sample_rows.size else None), scores
+        return (logits if flat.sample_rows.size else None), scores, pooled
 
     def forward(self, batch: ScheduledBatch,
                 device_ids: DeviceIds | None = None) -> tuple[FlatBatch, torch.Tensor | None]:
@@ -212,11 +218,14 @@ class ModelRunner(ForwardRunner):
         # The chunks are the verification rows, then the prefills: skip the former's offsets.
         extra = (prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
                  if batch.prefill else None)
-        scores = None
-        if extra is None:
+        embeds = (embed_rows(batch.prefill, batch.prefill_lens, flat.num_decode + flat.num_verify_rows)
+                  if batch.prefill else None)
+        scores: PromptScores | None = None
+        pooled: tuple[torch.Tensor, ...] = ()
+        if extra is None and embeds is None:
             logits = self.logits(flat)
         else:
-            logits, scores = self.scored_logits(flat, extra)
+            logits, scores, pooled = self.read_rows(flat, extra, embeds)
         if logits is None:
             if scores is not None:  # prompt chunks only: the scores are the step's one readback
                 scores.store(self.buffers.read(*scores.tensors))
@@ -228,8 +237,9 @@ class ModelRunner(ForwardRunner):
         if flat.sample_offsets is None:
             out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask)
             logprobs = self._logprobs(out)
-            # The step's one readback: tokens, their logprobs and the prompt rows' scores.
-            tokens, *host = self.buffers.read(out.tokens, *logprobs, *scored)
+            # The step's one readback: tokens, their logprobs, the prompt rows' scores, the vectors.
+            tokens, *host = self.buffers.read(out.tokens, *logprobs, *scored, *pooled)
+            host, host_pooled = host[: len(host) - len(pooled)], host[len(host) - len(pooled):]
             host_logprobs, host_scores = host[: len(logprobs)], host[len(logprobs):]
             row_tokens = tokens.tolist()
             result = StepResult(row_tokens)
@@ -240,7 +250,8 @@ class ModelRunner(ForwardRunner):
             proposed = None if flat.device_ids is None else flat.device_ids.values
             verified, host = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits,
                                                   out.tokens, offsets, drafts, self.buffers.read,
-                                                  logprobs + scored, proposed)
+                                                  logprobs + scored + pooled, proposed)
+            host, host_pooled = host[: len(host) - len(pooled)], host[len(host) - len(pooled):]
             row_tokens = verified.row_tokens
             result = StepResult(verified.tokens, accepted=verified.accepted)
             self.sampler.advance(verified.slots, upload(verified.slots, self.device),
@@ -250,6 +261,8 @@ class ModelRunner(ForwardRunner):
             host_scores = host[len(logprobs):]
         if scores is not None:
             scores.store(host_scores)
+        if embeds is not None:
+            embeds.store(host_pooled[0])
         self.structured.advance(row_tokens)
         if host_logprobs:
             result.logprobs, result.top_ids, result.top_logprobs = host_logprobs

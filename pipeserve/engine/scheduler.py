@@ -221,6 +221,10 @@ class Scheduler:
         finished = []
         verifying = set(batch.verify)
         for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
+            if seq.embed:  # its prompt is computed and its vector read out: done, nothing sampled
+                self.finish(seq, "stop")
+                finished.append(seq)
+                continue
             kept = accepted[i] if accepted else []
             if seq in verifying:
                 # Its newest token and the kept proposals have their K/V; the rest are overwritten

@@ -45,6 +45,10 @@ class Sequence:
     hash_root: bytes = b""  # prefix caching: the chain its page hashes start from (kv.prefix)
     page_hashes: list[bytes] = field(default_factory=list)  # of its full computed pages, in order
     prompt_logprobs: PromptLogprobs | None = None  # filled during prefill when params ask for them
+    # An embedding request: prefill only; the step that computes its last prompt token reads out the
+    # pooled hidden state instead of sampling, and it finishes there ("stop", no token).
+    embed: bool = False
+    embedding: np.ndarray[Any, np.dtype[np.float32]] | None = None  # [hidden], L2-normalised
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +88,7 @@ class StepUpdate:
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
     new: bool = False  # the request's first update
     prompt_logprobs: PromptLogprobs | None = None  # on the first update, when the request asked
+    embedding: np.ndarray[Any, np.dtype[np.float32]] | None = None  # an embedding request's, when done
 
     @property
     def rid(self) -> str:

@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -101,6 +102,18 @@ class Completion:
             self.cached_prompt_tokens = response.usage.cached_prompt_tokens
 
 
+def embed_request(inputs: Sequence[str | Sequence[int]], request_id: str = "",
+                  cache_salt: str = "") -> pb.EmbedRequest:
+    """An EmbedRequest: each input text or token ids."""
+    request = pb.EmbedRequest(request_id=request_id, cache_salt=cache_salt)
+    for item in inputs:
+        if isinstance(item, str):
+            request.inputs.add(text=item)
+        else:
+            request.inputs.add().token_ids.ids.extend(int(t) for t in item)
+    return request
+
+
 def _health_name(status: int) -> str:
     name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     return name
@@ -154,6 +167,13 @@ class Client:
         for response in self.stream(prompt, timeout=timeout, **kwargs):
             completion.add(response)
         return completion
+
+    def embed(self, inputs: Sequence[str | Sequence[int]], *, timeout: float | None = None,
+              **kwargs: Any) -> pb.EmbedResponse:
+        """One embedding per input (text or token ids); kwargs: request_id, cache_salt."""
+        response: pb.EmbedResponse = self.stub.Embed(embed_request(inputs, **kwargs), timeout=timeout,
+                                                     metadata=self.metadata)
+        return response
 
     def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
         request = pb.AbortRequest(request_id=request_id)
@@ -211,6 +231,13 @@ class AsyncClient:
         async for response in self.stream(prompt, timeout=timeout, **kwargs):
             completion.add(response)
         return completion
+
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, timeout: float | None = None,
+                    **kwargs: Any) -> pb.EmbedResponse:
+        """One embedding per input (text or token ids); kwargs: request_id, cache_salt."""
+        response: pb.EmbedResponse = await self.stub.Embed(embed_request(inputs, **kwargs), timeout=timeout,
+                                                           metadata=self.metadata)
+        return response
 
     async def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
         request = pb.AbortRequest(request_id=request_id)

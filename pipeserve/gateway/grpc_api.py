@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pipeserve.config import GatewayConfig
+from pipeserve.gateway.embeddings import embed
 from pipeserve.gateway.pb import generation_pb2 as pb
 from pipeserve.gateway.pb import generation_pb2_grpc as pb_grpc
 from pipeserve.gateway.requests import Core, Delta, ErrorCode, Prompt, Refusal, Stream, invalid
@@ -154,6 +155,9 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
             "ModelInfo": grpc.unary_unary_rpc_method_handler(
                 self.ModelInfo, pb.ModelInfoRequest.FromString, pb.ModelInfoResponse.SerializeToString
             ),
+            "Embed": grpc.unary_unary_rpc_method_handler(
+                self.Embed, pb.EmbedRequest.FromString, pb.EmbedResponse.SerializeToString
+            ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         server.add_registered_method_handlers(SERVICE, handlers)
@@ -234,6 +238,30 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
         (stream,) = await self.core.submit(params, prompt, request.request_id or uuid.uuid4().hex,
                                            app=request.app, cache_salt=request.cache_salt)
         return stream
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        size = request.ByteSize()
+        if size > self.config.max_request_bytes:
+            self.core.refused(invalid(""))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"inputs are too large: the request is "
+                                f"{size} bytes, at most {self.config.max_request_bytes} allowed")
+        inputs: list[Prompt] = []
+        for i, item in enumerate(request.inputs):
+            which = item.WhichOneof("input")
+            if which is None:
+                self.core.refused(invalid(""))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"inputs[{i}]: set text or token_ids")
+            inputs.append(item.text if which == "text" else np.asarray(item.token_ids.ids, dtype=np.int64))
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            results = await embed(self.core, inputs, rid, request.cache_salt)
+        except Refusal as refusal:
+            await context.abort(status(refusal.code), refusal.message)
+        out = pb.EmbedResponse(request_id=rid)
+        for result in results:
+            out.embeddings.add(values=result.vector.tolist(), prompt_tokens=result.prompt_tokens)
+        out.usage.prompt_tokens = sum(r.prompt_tokens for r in results)
+        return out
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.core.abort(request.request_id))

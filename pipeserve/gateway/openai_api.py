@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.gateway.embeddings_api import EmbeddingRequest, Embeddings
 from pipeserve.gateway.http_common import (
     CLIENT_CLOSED,
     PARAM,
@@ -411,6 +412,7 @@ class OpenAIServer:
         self.tokenizer_config = tokenizer  # what /tokenize and /detokenize load, on first use
         self._tokenizer: Any = None
         self.responses = Responses(core, config, self._model)
+        self.embeddings = Embeddings(core, self._model)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
@@ -476,6 +478,8 @@ class OpenAIServer:
                       ["POST"])
         app.add_route("/v1/chat/completions", self._parsed(ChatRequest, self.chat, "messages"), ["POST"])
         app.add_route("/v1/responses", self._parsed(ResponsesRequest, self.responses.create, "input"),
+                      ["POST"])
+        app.add_route("/v1/embeddings", self._parsed(EmbeddingRequest, self.embeddings.create, "input"),
                       ["POST"])
         keyed = [Depends(self._check_key), Depends(_json_body)]
         app.get("/v1/models", dependencies=keyed)(self.models)

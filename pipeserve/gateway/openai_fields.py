@@ -102,6 +102,16 @@ RESPONSES_REFUSED: dict[str, Rule] = {
     "background": _truthy,
 }
 
+# /v1/embeddings (`dimensions` is refused by the request itself, naming why).
+EMBEDDINGS_REFUSED: dict[str, Rule] = {
+    "truncate_prompt_tokens": _given,
+    "add_special_tokens": _is_false,  # strings are tokenized with the tokenizer's special tokens
+    "messages": _given,  # chat-rendered embedding input
+    "normalize": _is_false,  # vectors are always L2-normalised
+    "embed_dtype": _given,
+    "mm_processor_kwargs": _given,
+}
+
 # Fields of a chat message the server does not render (the chat template sees role and content).
 MESSAGE_REFUSED: dict[str, Rule] = {"function_call": _given, "audio": _given}
 

@@ -61,6 +61,7 @@ from pipeserve.messages import (
     decode,
     encode,
     pack_ids,
+    unpack_floats,
     unpack_ids,
 )
 from pipeserve.sampling_params import SamplingParams
@@ -129,6 +130,7 @@ class Delta:
     # The same, rendered by the detokenizer as OpenAI JSON (a request submitted with a logprobs_format).
     logprobs_json: LogprobsJSON | None = None
     prompt_logprobs_json: LogprobsJSON | None = None
+    embedding: np.ndarray | None = None  # an embedding request's vector (float32), with its finish
 
 
 @dataclass
@@ -256,17 +258,20 @@ class Core:
 
     async def submit(self, params: SamplingParams, prompt: Prompt, rid: str, *, n: int = 1, app: str = "",
                      cache_salt: str = "", fit_max_tokens: bool = False,
-                     tools: list[dict[str, Any]] | None = None, logprobs_format: str = "") -> list[Stream]:
+                     tools: list[dict[str, Any]] | None = None, logprobs_format: str = "",
+                     embed: bool = False) -> list[Stream]:
         """Admit a request (Refusal otherwise), open its streams and send it to be tokenized. n > 1:
         n engine requests (ids `rid-0`...) sharing one tokenization, each with its own seed stream
         (seed + i when the request has a seed). logprobs_format: how its logprobs come (messages.
-        LOGPROBS_FORMATS; an OpenAI one: rendered, in its deltas' logprobs_json)."""
+        LOGPROBS_FORMATS; an OpenAI one: rendered, in its deltas' logprobs_json). embed: an embedding
+        request (gateway/embeddings.py)."""
         try:
             message = self._admit(params, prompt, rid, n, app, cache_salt)
         except Refusal as refusal:
             raise self.refused(refusal) from None
         message.fit_max_tokens, message.tools = fit_max_tokens, tools
         message.logprobs_format = logprobs_format
+        message.embed = embed
         data = encode(message)
         while True:
             worker = self._worker()
@@ -485,6 +490,7 @@ class Core:
             or (msg.row_engines is not None and len(msg.row_engines) != n)
             or any(rows is not None and len(rows) != n
                    for rows in (msg.logprobs_json, msg.prompt_logprobs_json))
+            or (msg.embeddings is not None and len(msg.embeddings) != n)
             or (n and msg.offsets[-1] > len(ids))
         ):
             log.warning("dropped a malformed TextDeltas of %d rows", n)
@@ -507,10 +513,16 @@ class Core:
                 continue
             stream.started = True
             row_ids = ids[msg.offsets[i] : msg.offsets[i + 1]]
+            packed = msg.embeddings[i] if msg.embeddings else None
+            try:
+                embedding = None if packed is None else unpack_floats(packed)
+            except MessageError:
+                embedding = None
             stream.pending.append(Delta(msg.text[i], row_ids, msg.logprobs[i] if msg.logprobs else None,
                                         msg.prompt_logprobs[i] if msg.prompt_logprobs else None,
                                         msg.logprobs_json[i] if msg.logprobs_json else None,
-                                        msg.prompt_logprobs_json[i] if msg.prompt_logprobs_json else None))
+                                        msg.prompt_logprobs_json[i] if msg.prompt_logprobs_json else None,
+                                        embedding))
             stream.prompt_tokens, stream.completion_tokens = msg.prompt_tokens[i], msg.completion_tokens[i]
             stream.cached_prompt_tokens = msg.cached_prompt_tokens[i]
             stream.finish = msg.finish[i]

@@ -60,6 +60,11 @@ class EagerStep:
         )
 
     def run(self, flat: FlatBatch) -> torch.Tensor | None:
+        return self.forward(flat)[1]
+
+    def forward(self, flat: FlatBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-norm hidden states of the rows read out (every row, in order, when they are all
+        read) and their logits (None: no row is read)."""
         meta = self.metadata(flat)
         input_ids = self.buffers.stage_ids("input_ids", flat.input_ids, flat.device_ids)
         positions = self.buffers.stage("positions", flat.positions)
@@ -67,7 +72,7 @@ class EagerStep:
             self.send_plan(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, meta, self.pool.layers)  # the rows read out
         if flat.sample_rows.size == 0:  # only partial prefill chunks this step
-            return None
+            return hidden, None
         # One logits pass over every row read out: under tensor parallelism it is a collective that
         # each rank joins once per step, over the same rows.
-        return self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden)

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=pipeserve_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pipeserve_dot_v1_dot_generation__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pipeserve.v1.Generation/Embed',
+                request_serializer=pipeserve_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pipeserve_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -79,6 +84,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One embedding per input: the final-norm hidden state of its last token, L2-normalised (the
+        inputs run as prefill-only requests, batched with the engine's other work).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +109,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=pipeserve_dot_v1_dot_generation__pb2.ModelInfoRequest.FromString,
                     response_serializer=pipeserve_dot_v1_dot_generation__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pipeserve_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=pipeserve_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class Generation:
             '/pipeserve.v1.Generation/ModelInfo',
             pipeserve_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
             pipeserve_dot_v1_dot_generation__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipeserve.v1.Generation/Embed',
+            pipeserve_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            pipeserve_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

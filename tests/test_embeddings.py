@@ -1,0 +1,196 @@
+"""Embeddings: prefill-only engine requests answered with the final-norm hidden state of the last
+token, L2-normalised. Checked against Hugging Face on stories260K and a tiny random Llama, chunked
+and batched with generation, through the detokenizer's pass-through, and (slow) over HTTP with the
+`openai` client and over gRPC's Embed on a real `pipeserve up`."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from pipeserve.detokenizer.worker import Detokenizer, Row
+from pipeserve.engine.llm import LLM
+from pipeserve.messages import (
+    DetokenizeRequest,
+    NewRequestInfo,
+    StepOutput,
+    TextDeltas,
+    decode,
+    encode,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+)
+from pipeserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = ["Once upon a time", "The cat sat on the mat and looked at the bird", "Lily liked " * 20, "Hi"]
+
+
+def hf_embeddings(model_dir: str, prompts: list[list[int]]) -> list[np.ndarray]:
+    """The reference: Hugging Face's last hidden state (after the final norm) at the last token,
+    L2-normalised."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+            out.append(torch.nn.functional.normalize(hidden, dim=-1).numpy())
+    return out
+
+
+def assert_close(ours: list[np.ndarray], reference: list[np.ndarray]) -> None:
+    assert len(ours) == len(reference)
+    for a, b in zip(ours, reference, strict=True):
+        assert a.dtype == np.float32 and a.shape == b.shape
+        assert np.abs(a - b).max() < 1e-4
+        assert float(a @ b) > 0.9999
+        assert abs(float(np.linalg.norm(a)) - 1.0) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    # A small token budget: the longer prompts are prefilled in several chunks.
+    return LLM(stories_dir, max_num_seqs=64, max_model_len=256, device="cpu", max_num_batched_tokens=32)
+
+
+def test_stories_matches_hugging_face_chunked(stories, stories_dir):
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    assert max(map(len, ids)) > 32  # chunked
+    assert_close(stories.embed(PROMPTS), hf_embeddings(stories_dir, ids))
+    assert_close(stories.embed(ids), hf_embeddings(stories_dir, ids))  # token ids as given
+
+
+def test_tiny_llama_matches_hugging_face(tiny_model):
+    model = tiny_model("llama")
+    llm = LLM(model, max_num_seqs=8, max_model_len=128, device="cpu")
+    rng = np.random.default_rng(0)
+    vocab = llm.engine.model_config.vocab_size
+    ids = [rng.integers(0, vocab, size=n).tolist() for n in (1, 5, 17, 40)]
+    assert_close(llm.embed(ids), hf_embeddings(model, ids))
+
+
+def test_a_batch_of_64_runs_in_a_few_steps_and_keeps_no_pages(stories_dir):
+    llm = LLM(stories_dir, max_num_seqs=64, max_model_len=256, device="cpu", max_num_batched_tokens=2048)
+    prompts = [f"Story number {i} begins with a dog" for i in range(64)]
+    before = llm.engine.step_count
+    vectors = llm.embed(prompts)
+    assert len(vectors) == 64 and llm.engine.step_count - before <= 2
+    assert llm.engine.pool.stats().pages_used == 0
+    reference = llm.embed(prompts[:3])  # alone: the same vectors
+    for a, b in zip(vectors[:3], reference, strict=True):
+        assert np.abs(a - b).max() < 1e-5
+
+
+def test_embedding_requests_share_steps_with_generation(stories):
+    engine = stories.engine
+    prompt = stories.tokenizer("Once upon a time").input_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    (alone,) = stories.generate([prompt], greedy)
+    engine.add("gen", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()  # the generation is decoding when the embeddings arrive
+    long = stories.tokenizer(PROMPTS[2]).input_ids
+    engine.add("emb-a", long, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+    engine.add("emb-b", prompt, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+    tokens, vectors, finishes = [], {}, {}
+    while engine.has_work():
+        for update in engine.step():
+            if update.rid == "gen":
+                tokens += update.token_ids
+            else:
+                assert update.token_ids == [] and update.new
+                vectors[update.rid], finishes[update.rid] = update.embedding, update.finish_reason
+    assert tokens == alone.token_ids[1:]
+    assert finishes == {"emb-a": "stop", "emb-b": "stop"}
+    (ref_a, ref_b) = stories.embed([long, prompt])
+    assert np.abs(vectors["emb-a"] - ref_a).max() < 1e-5 and np.abs(vectors["emb-b"] - ref_b).max() < 1e-5
+
+
+def test_the_detokenizer_passes_the_vector_on(stories):
+    detok = Detokenizer(stories.tokenizer)
+    vector = np.linspace(-1, 1, 8, dtype=np.float32)
+    rows: dict[str, Row] = {}
+    detok.handle(DetokenizeRequest(["e"], 3, pack_ids([1, 2, 3])), rows)
+    step = StepOutput(step=1, rids=["e"], tokens=pack_ids([-1]), finish=["stop"],
+                      new=[NewRequestInfo("e", embedding=pack_floats(vector))])
+    detok.handle(decode(encode(step)), rows)  # type: ignore[arg-type]
+    deltas = decode(encode(detok.deltas(rows)))
+    assert isinstance(deltas, TextDeltas) and deltas.finish == ["stop"] and deltas.text == [""]
+    assert deltas.embeddings is not None and np.array_equal(unpack_floats(deltas.embeddings[0]), vector)
+    assert detok.requests == {}
+
+
+# ---- over the wire: a real server ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    from pipeserve.local_cluster import LocalCluster
+
+    directory = tmp_path_factory.mktemp("embeddings")
+    with LocalCluster(directory / "server.log", stories_dir, workers=1, startup=180) as cluster:
+        yield cluster
+
+
+@pytest.mark.slow
+def test_openai_client_embeddings(server, stories, stories_dir):
+    import openai
+
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    reference = hf_embeddings(stories_dir, ids)
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        one = client.embeddings.create(model="stories260K", input=PROMPTS[0], encoding_format="float")
+        assert [d.index for d in one.data] == [0] and one.object == "list"
+        assert_close([np.asarray(one.data[0].embedding, dtype=np.float32)], reference[:1])
+        assert one.usage.prompt_tokens == len(ids[0]) == one.usage.total_tokens
+        # The SDK asks for base64 by default and decodes it.
+        many = client.embeddings.create(model="stories260K", input=PROMPTS)
+        assert_close([np.asarray(d.embedding, dtype=np.float32) for d in many.data], reference)
+        assert many.usage.prompt_tokens == sum(map(len, ids))
+        by_ids = client.embeddings.create(model="stories260K", input=ids, encoding_format="float")
+        assert_close([np.asarray(d.embedding, dtype=np.float32) for d in by_ids.data], reference)
+        single_ids = client.embeddings.create(model="stories260K", input=ids[1], encoding_format="float")
+        assert_close([np.asarray(single_ids.data[0].embedding, dtype=np.float32)], reference[1:2])
+        for bad, param in (({"dimensions": 16}, "dimensions"), ({"input": []}, "input"),
+                           ({"input": [""]}, "input"), ({"input": [[10**6]]}, "input")):
+            body = {"model": "stories260K", "input": "x"} | bad
+            with pytest.raises(openai.BadRequestError) as info:
+                client.post("/embeddings", body=body, cast_to=object)
+            assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_raw_base64_is_little_endian_float32(server):
+    import httpx
+
+    body = {"model": "stories260K", "input": ["Hi", "Once upon a time"], "encoding_format": "base64"}
+    response = httpx.post(server.http_url + "/v1/embeddings", json=body, timeout=60).json()
+    floats = httpx.post(server.http_url + "/v1/embeddings", json=body | {"encoding_format": "float"},
+                        timeout=60).json()
+    for packed, plain in zip(response["data"], floats["data"], strict=True):
+        decoded = np.frombuffer(base64.b64decode(packed["embedding"]), dtype="<f4")
+        # The second call's prompts come from the prefix cache: the same vectors to float rounding.
+        assert np.abs(decoded - np.asarray(plain["embedding"], dtype=np.float32)).max() < 1e-5
+
+
+@pytest.mark.slow
+def test_grpc_embed(server, stories):
+    ids = stories.tokenizer(PROMPTS[1]).input_ids
+    response = server.client.embed([PROMPTS[0], ids], request_id="emb-1")
+    assert response.request_id == "emb-1" and len(response.embeddings) == 2
+    reference = stories.embed([PROMPTS[0], ids])
+    assert_close([np.asarray(e.values, dtype=np.float32) for e in response.embeddings], reference)
+    assert [e.prompt_tokens for e in response.embeddings] == [len(stories.tokenizer(PROMPTS[0]).input_ids),
+                                                              len(ids)]
+    assert response.usage.prompt_tokens == sum(e.prompt_tokens for e in response.embeddings)
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        server.client.embed([[10**6]])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
