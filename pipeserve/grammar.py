@@ -67,19 +67,27 @@ def build_grammar(kind: str, text: str) -> xgr.Grammar:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-def after_reasoning(reasoning: str, kind: str, text: str) -> str:
-    """The EBNF grammar of a constraint that applies from the first character after a reasoning
-    section of the named format (pipeserve/reasoning.py): sent as a `grammar` constraint, so the
-    engine needs nothing more. ValueError as build_grammar."""
+def after_reasoning(reasoning: str, kind: str, text: str) -> xgr.Grammar:
+    """The grammar of a constraint that applies from the first character after a reasoning section of
+    the named format (pipeserve/reasoning.py; SamplingParams.reasoning_format). ValueError as
+    build_grammar."""
     section = xgr.Grammar.from_ebnf(section_ebnf(reasoning))
-    return str(xgr.Grammar.concat(section, build_grammar(kind, text)))
+    return xgr.Grammar.concat(section, build_grammar(kind, text))
+
+
+def params_grammar(params: SamplingParams) -> xgr.Grammar | None:
+    """The grammar the engine compiles for params (None: unconstrained)."""
+    constraint = params.constraint()
+    if constraint is None:
+        return None
+    if params.reasoning_format is not None:
+        return after_reasoning(params.reasoning_format, *constraint)
+    return build_grammar(*constraint)
 
 
 def check_constraint(params: SamplingParams) -> None:
     """Raise ValueError when the params' constraint (if any) cannot be turned into a grammar."""
-    constraint = params.constraint()
-    if constraint is not None:
-        build_grammar(*constraint)
+    params_grammar(params)
 
 
 def _first_line(exc: BaseException) -> str:

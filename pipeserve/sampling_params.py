@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pipeserve.config import opt
+from pipeserve.reasoning import FORMATS as REASONING_FORMATS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -57,6 +58,9 @@ class SamplingParams:
     regex: str | None = opt(None, "the output must fully match this regular expression")
     choice: list[str] | None = opt(None, "the output must be exactly one of these strings")
     grammar: str | None = opt(None, "the output must match this EBNF grammar (GBNF style, root rule `root`)")
+    reasoning_format: str | None = opt(
+        None, "the constraint applies from the first token after a reasoning section of this format "
+        f"({', '.join(REASONING_FORMATS)}); the section itself is free text. Unset: from the first token")
 
     def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field. vocab_size: the model's, when known (the ids
@@ -139,6 +143,9 @@ class SamplingParams:
         """The constraint's shape. Whether it compiles (schema, regex or grammar syntax) is checked
         where the tokenizer is at hand: pipeserve.grammar.check_constraint."""
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
+                             f"got {self.reasoning_format!r}")
         if len(given) > 1:
             raise ValueError(f"at most one structured-output constraint may be set, got {', '.join(given)}")
         if not given:

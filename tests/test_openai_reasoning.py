@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeserve.messages import RequestError, encode
 from tests.test_openai_api import HTTPPipeline
 from tests.test_openai_tools import USER, WEATHER, chat, merged_calls
 
@@ -75,18 +76,34 @@ def test_tool_calls_are_read_after_the_reasoning(api):
 def test_a_constraint_becomes_one_grammar_after_the_reasoning(api, extra, answer):
     req, _ = chat(api, ["<think>hm</think>", "yes"], messages=USER, **extra)
     s = req.sampling
-    assert s.grammar is not None
-    assert (s.choice, s.json_schema, s.json_object, s.regex) == (None, None, False, None)
-    xgr = pytest.importorskip("xgrammar")
+    # The constraint travels as given, with the reasoning format: the engine builds the grammar.
+    assert s.reasoning_format == "deepseek_r1" and s.constraint() is not None and s.grammar is None
+    pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string
 
-    grammar = xgr.Grammar.from_ebnf(s.grammar)
+    from pipeserve.grammar import params_grammar
+
+    grammar = params_grammar(s)
     assert not _is_grammar_accept_string(grammar, answer)  # the reasoning section comes first
     assert _is_grammar_accept_string(grammar, "<think>hm</think>" + answer)
     assert _is_grammar_accept_string(grammar, "hm</think>" + answer)  # deepseek_r1: the prompt may open it
 
 
-def test_an_invalid_constraint_is_still_a_400_naming_it(api):
+def test_an_invalid_constraint_is_still_refused_naming_it(api):
+    """The engine builds the grammar after the reasoning: it refuses what does not compile (as any
+    constraint), with the message the HTTP front end turns into a 400 naming the constraint; the
+    gateway itself never imports xgrammar."""
+    pytest.importorskip("xgrammar")
+    from pipeserve.grammar import check_constraint
+    from pipeserve.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="^regex is invalid"):
+        check_constraint(SamplingParams(regex="(unclosed", reasoning_format="deepseek_r1"))
     body = {"model": "fake", "messages": USER, "structured_outputs": {"regex": "(unclosed"}}
-    response = httpx.post(api.url + "/v1/chat/completions", json=body, timeout=30)
+    future = api.call(httpx.post, api.url + "/v1/chat/completions", json=body, timeout=30)
+    request = api.next_request()
+    assert request.sampling.reasoning_format == "deepseek_r1"
+    api.errors.send(encode(RequestError(rid=request.rid, code="INVALID_ARGUMENT",
+                                        message="regex is invalid: unbalanced parenthesis")))
+    response = future.result(30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "regex", response.text

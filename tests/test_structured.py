@@ -420,8 +420,8 @@ def test_a_slow_compilation_holds_back_only_its_own_request(stories_dir, monkeyp
     gate = threading.Event()
     original = engine.structured.compile
 
-    def slow_compile(kind: str, text: str):
-        future = original(kind, text)
+    def slow_compile(kind: str, text: str, after: str | None = None):
+        future = original(kind, text, after)
         held: Future = Future()
         threading.Thread(
             target=lambda: (gate.wait(30), held.set_result(future.result())), daemon=True

@@ -207,7 +207,7 @@ class EngineLoop:
         # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
         arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
         try:
-            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt, msg.embed)
+            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt, embed=msg.embed)
         except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine
             log.exception("adding %s failed", msg.rid)
             self._fail(msg.rid, "INTERNAL", f"engine: {exc}")

@@ -113,17 +113,19 @@ class StructuredOutputs:
         """Queue a constrained request until its grammar is compiled (see `ready`)."""
         constraint = seq.params.constraint()
         assert constraint is not None, "unconstrained request"
-        self.waiting.append((seq, self.compile(*constraint)))
+        self.waiting.append((seq, self.compile(*constraint, seq.params.reasoning_format)))
 
-    def compile(self, kind: str, text: str) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of a canonical constraint, from the cache or a background compile."""
-        key = hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()
+    def compile(self, kind: str, text: str, after: str | None = None) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of a canonical constraint (after: applied from the end of a reasoning
+        section of this format), from the cache or a background compile."""
+        key = hashlib.sha256(f"{kind}\0{text}\0{after or ''}".encode()).hexdigest()
         future = self._grammars.get(key)
         if future is not None and not _failed(future):
             self._grammars.move_to_end(key)
             return future
         compiler = self.prepare()
-        future = self._compile_pool.submit(lambda: compiler.result().compile_grammar(_grammar(kind, text)))
+        future = self._compile_pool.submit(
+            lambda: compiler.result().compile_grammar(_grammar(kind, text, after)))
         self._grammars[key] = future
         while len(self._grammars) > MAX_CACHED_GRAMMARS:
             self._grammars.popitem(last=False)
@@ -246,7 +248,7 @@ def _failed(future: Future[Any]) -> bool:
     return future.done() and future.exception() is not None
 
 
-def _grammar(kind: str, text: str) -> xgr.Grammar:
-    from pipeserve.grammar import build_grammar  # imports xgrammar: not until a request needs it
+def _grammar(kind: str, text: str, after: str | None) -> xgr.Grammar:
+    from pipeserve.grammar import after_reasoning, build_grammar  # imports xgrammar: not until needed
 
-    return build_grammar(kind, text)
+    return build_grammar(kind, text) if after is None else after_reasoning(after, kind, text)

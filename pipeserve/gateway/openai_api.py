@@ -609,7 +609,7 @@ class OpenAIServer:
             given |= plan.constraint()
         reasoning = self.config.reasoning_parser
         if reasoning is not None:
-            given = await constrain_after_reasoning(reasoning, given)
+            given = constrain_after_reasoning(reasoning, given)
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     return_token_ids=body.return_token_ids, tools=plan,
                     reasoning=REASONING_PARSERS[reasoning] if reasoning else None)

@@ -258,7 +258,7 @@ class Responses:
             given |= plan.constraint()
         reasoning = self.config.reasoning_parser
         if reasoning is not None:
-            given = await constrain_after_reasoning(reasoning, given)
+            given = constrain_after_reasoning(reasoning, given)
         rid = _id("resp")
         fit = body.max_output_tokens is None
         try:

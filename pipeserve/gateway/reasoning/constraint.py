@@ -1,27 +1,18 @@
-"""A request's structured-output constraint made to apply only after the reasoning section: one
-grammar (pipeserve/grammar.py after_reasoning), built off the event loop."""
+"""A request's structured-output constraint made to apply only after the reasoning section: the
+engine builds that grammar (SamplingParams.reasoning_format; pipeserve/grammar.py after_reasoning),
+so the gateway never imports xgrammar."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from pipeserve.gateway.http_common import HTTPError
-from pipeserve.sampling_params import CONSTRAINTS, SamplingParams
+from pipeserve.sampling_params import CONSTRAINTS
 
 
-async def constrain_after_reasoning(reasoning: str, given: dict[str, Any]) -> dict[str, Any]:
-    """given (SamplingParams fields) with its constraint, if any, replaced by the grammar of
-    "reasoning section, then the constraint"; a 400 naming the constraint when it does not build.
-    xgrammar (and with it torch) is imported on the first such request."""
-    names = [name for name in CONSTRAINTS if given.get(name) not in (None, False)]
-    if not names:
+def constrain_after_reasoning(reasoning: str, given: dict[str, Any]) -> dict[str, Any]:
+    """given (SamplingParams fields) with its constraint, if any, applying from the first token after
+    a reasoning section of the format `reasoning`. A constraint that does not compile is refused by
+    the engine (INVALID_ARGUMENT naming it), as any constraint is."""
+    if not any(given.get(name) not in (None, False) for name in CONSTRAINTS):
         return given
-    try:
-        kind, text = SamplingParams(**{names[0]: given[names[0]]}).constraint() or ("", "")
-        from pipeserve.grammar import after_reasoning  # xgrammar imports torch: not until needed
-
-        grammar = await asyncio.to_thread(after_reasoning, reasoning, kind, text)
-    except (ValueError, TypeError) as exc:
-        raise HTTPError(400, str(exc), names[0]) from None
-    return {k: v for k, v in given.items() if k not in CONSTRAINTS} | {"grammar": grammar}
+    return given | {"reasoning_format": reasoning}
