@@ -38,7 +38,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
 ]
-Prompt = str | list[int] | list[dict[str, str]]
+Prompt = str | list[int] | list[dict[str, Any]]
 
 
 def build_request(
@@ -48,10 +48,15 @@ def build_request(
     app: str = "",
     cache_salt: str = "",
     params: SamplingParams | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from text, token ids or chat messages, and sampling keyword arguments (the
-    SamplingParams field names; None means the server default). `params` supplies every field."""
+    """A GenerateRequest from text, token ids or chat messages (OpenAI's dicts: role, content, an
+    assistant's tool_calls, a tool message's tool_call_id), and sampling keyword arguments (the
+    SamplingParams field names; None means the server default). `params` supplies every field.
+    tools, tool_choice, parallel_tool_calls: as OpenAI's chat completions (function tools)."""
     values = params.to_dict() if params is not None else {}
     values.update({k: v for k, v in sampling.items() if v is not None})
     # The constraint is a oneof: set only the one given (json_object=False would select it too).
@@ -70,10 +75,28 @@ def build_request(
     if isinstance(prompt, str):
         request.prompt = prompt
     elif prompt and isinstance(prompt[0], dict):
-        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        for m in prompt:
+            message = request.messages.messages.add(role=m["role"], content=m.get("content") or "",
+                                                    tool_call_id=m.get("tool_call_id") or "")
+            for call in m.get("tool_calls") or ():
+                function = call["function"]
+                message.tool_calls.add(id=call.get("id", ""), name=function["name"],
+                                       arguments=function.get("arguments", ""))
     else:
         request.prompt_token_ids.ids.extend(typing.cast(list[int], prompt))  # dicts took the branch above
         request.prompt_token_ids.SetInParent()  # an empty list is still this oneof (and then rejected)
+    for tool in tools or ():
+        function = tool["function"]
+        parameters = function.get("parameters")
+        request.tools.add(name=function["name"], description=function.get("description", ""),
+                          parameters="" if parameters is None else json.dumps(parameters),
+                          strict=bool(function.get("strict")))
+    if isinstance(tool_choice, dict):
+        request.tool_choice.function = tool_choice["function"]["name"]
+    elif tool_choice is not None:
+        request.tool_choice.mode = tool_choice
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
     return request
 
 
@@ -88,6 +111,10 @@ class Completion:
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     chunks: int = 0  # messages received (fewer than tokens when the server coalesced)
+    # A messages request with tools or under --reasoning-parser: the whole output read (last message).
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[pb.ToolCall] = field(default_factory=list)
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.request_id = response.request_id
@@ -100,6 +127,9 @@ class Completion:
             self.prompt_tokens = response.usage.prompt_tokens
             self.completion_tokens = response.usage.completion_tokens
             self.cached_prompt_tokens = response.usage.cached_prompt_tokens
+            self.reasoning = response.reasoning if response.HasField("reasoning") else None
+            self.content = response.content if response.HasField("content") else None
+            self.tool_calls = list(response.tool_calls)
 
 
 def embed_request(inputs: Sequence[str | Sequence[int]], request_id: str = "",

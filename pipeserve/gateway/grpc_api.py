@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -25,7 +27,10 @@ from pipeserve.config import GatewayConfig
 from pipeserve.gateway.embeddings import embed
 from pipeserve.gateway.pb import generation_pb2 as pb
 from pipeserve.gateway.pb import generation_pb2_grpc as pb_grpc
+from pipeserve.gateway.reasoning import PARSERS as REASONING_PARSERS
+from pipeserve.gateway.reasoning import ReasoningParser
 from pipeserve.gateway.requests import Core, Delta, ErrorCode, Prompt, Refusal, Stream, invalid
+from pipeserve.gateway.tool_calls import ToolOutput, chat_sampling, plan_tools, read_answer
 from pipeserve.messages import ChatMessage, TokenLogprob
 from pipeserve.sampling_params import CONSTRAINTS
 
@@ -79,7 +84,57 @@ def prompt_of(request: pb.GenerateRequest) -> Prompt:
         return request.prompt
     if which == "prompt_token_ids":
         return np.asarray(request.prompt_token_ids.ids, dtype=np.int64)
-    return [ChatMessage(m.role, m.content) for m in request.messages.messages]
+    return [ChatMessage(m.role, m.content, [_call(c) for c in m.tool_calls] or None, m.tool_call_id or None)
+            for m in request.messages.messages]
+
+
+def _call(call: pb.ToolCall) -> dict[str, Any]:
+    """A history message's call as OpenAI's (what the chat template is given)."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tools_of(request: pb.GenerateRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The request's tools as OpenAI function tools and its tool_choice as OpenAI's (None: unset)."""
+    tools = []
+    for i, tool in enumerate(request.tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except json.JSONDecodeError as exc:
+                raise invalid(f"tools[{i}].parameters is not JSON: {exc}") from None
+        if tool.strict:
+            function["strict"] = True
+        tools.append({"type": "function", "function": function})
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    choice: str | dict[str, Any] | None = None
+    if which == "mode":
+        choice = request.tool_choice.mode
+    elif which == "function":
+        choice = {"type": "function", "function": {"name": request.tool_choice.function}}
+    return tools or None, choice
+
+
+@dataclass
+class ChatReading:
+    """How the last response of a messages request reads its whole text: calls (with tools) and the
+    reasoning split (under --reasoning-parser), as the HTTP API's chat message."""
+
+    tools: ToolOutput | None
+    reasoning: ReasoningParser | None
+    text: list[str] = field(default_factory=list)
+
+    def fill(self, out: pb.GenerateResponse) -> None:
+        answer = read_answer("".join(self.text), out.finish_reason, self.tools, self.reasoning)
+        if answer.reasoning is not None:
+            out.reasoning = answer.reasoning
+        if answer.content is not None:
+            out.content = answer.content
+        for call in answer.calls:
+            out.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+        out.finish_reason = answer.finish
 
 
 def response(stream: Stream, rows: list[Delta], last: bool) -> pb.GenerateResponse:
@@ -204,7 +259,7 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
             )
             return
         try:
-            stream = await self._submit(request)
+            stream, reading = await self._submit(request)
         except Refusal as refusal:
             await context.abort(status(refusal.code), refusal.message)
         # Both paths: grpc.aio does not always raise CancelledError into the handler on a cancel.
@@ -213,9 +268,14 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
             async for rows, last in self.core.output(stream):
                 # Logprob tables become protobuf off the loop (see openai_api's events).
                 if any(r.logprobs or r.prompt_logprobs for r in rows):
-                    yield await asyncio.to_thread(response, stream, rows, last)
+                    out = await asyncio.to_thread(response, stream, rows, last)
                 else:
-                    yield response(stream, rows, last)
+                    out = response(stream, rows, last)
+                if reading is not None:
+                    reading.text.append(out.text)
+                    if last:
+                        reading.fill(out)
+                yield out
         except Refusal as refusal:
             await context.abort(status(refusal.code), refusal.message)
         except asyncio.CancelledError:
@@ -224,20 +284,37 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
         finally:
             self.core.close(stream)
 
-    async def _submit(self, request: pb.GenerateRequest) -> Stream:
+    async def _submit(self, request: pb.GenerateRequest) -> tuple[Stream, ChatReading | None]:
         size = request.ByteSize()
         if size > self.config.max_request_bytes:
             which = request.WhichOneof("input") or "request"
             raise self.core.refused(invalid(f"{which} is too large: the request is {size} bytes, at most "
                                             f"{self.config.max_request_bytes} allowed"))
+        given = sampling_fields(request)
+        plan, reading = None, None
         try:
             prompt = prompt_of(request)
+            tools, choice = tools_of(request)
+            chat = isinstance(prompt, list)
+            if (tools or choice is not None) and not chat:
+                raise invalid("tools need a messages input (the chat template renders them)")
+            parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+            reasoning = self.config.reasoning_parser if chat else None
+            try:
+                plan = plan_tools(tools, choice, parallel, self.config)
+                given = chat_sampling(given, plan, reasoning)
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
         except Refusal as refusal:
             raise self.core.refused(refusal) from None
-        params = self.core.sampling(sampling_fields(request))
+        if plan is not None or reasoning is not None:
+            reading = ChatReading(plan.output() if plan is not None else None,
+                                  REASONING_PARSERS[reasoning]() if reasoning else None)
+        params = self.core.sampling(given)
         (stream,) = await self.core.submit(params, prompt, request.request_id or uuid.uuid4().hex,
-                                           app=request.app, cache_salt=request.cache_salt)
-        return stream
+                                           app=request.app, cache_salt=request.cache_salt,
+                                           tools=plan.tools if plan else None)
+        return stream, reading
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         size = request.ByteSize()

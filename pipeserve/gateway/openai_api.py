@@ -64,11 +64,10 @@ from pipeserve.gateway.openai_fields import (
 )
 from pipeserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pipeserve.gateway.reasoning import ReasoningParser
-from pipeserve.gateway.reasoning.constraint import constrain_after_reasoning
 from pipeserve.gateway.rendered_json import Logprobs, dumps
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.gateway.responses_api import Responses, ResponsesRequest
-from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, plan_tools
+from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, chat_sampling, plan_tools, read_answer
 from pipeserve.messages import ChatMessage
 
 log = logging.getLogger("pipeserve.gateway.http")
@@ -343,14 +342,14 @@ class Call:
                 out["delta"] = ({"role": "assistant"} if first else {}) | {"content": text}
             else:
                 message: dict[str, Any] = {"role": "assistant"}
-                content: str | None = text
+                answer = read_answer(text, finish or "", c.tools, c.reasoning)
                 if c.reasoning is not None:
-                    message["reasoning"], content = c.reasoning.parse(text)
-                    message["reasoning_content"] = message["reasoning"]  # the older name, still read
+                    message["reasoning"] = answer.reasoning
+                    message["reasoning_content"] = answer.reasoning  # the older name, still read
                 if c.tools is not None:
-                    content, calls, finish = c.tools.whole(content or "", finish or "")
-                    message["tool_calls"] = [call.message() for call in calls]
-                out["message"] = message | {"content": content}
+                    message["tool_calls"] = [call.message() for call in answer.calls]
+                    finish = answer.finish
+                out["message"] = message | {"content": answer.content}
             out["logprobs"] = entries.chat() if self.logprobs else None
         else:
             if not self.generated:
@@ -597,19 +596,13 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens or body.max_tokens
         given = body.params() | {"max_tokens": max_tokens,
                                  "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        reasoning = self.config.reasoning_parser
         try:
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
+            given = chat_sampling(given, plan, reasoning)
         except ValueError as exc:
             param = PARAM.match(str(exc))
             raise HTTPError(400, str(exc), param.group(1) if param else "tools") from None
-        if plan is not None and plan.constraint():
-            if any(given.get(name) for name in ("json_schema", "json_object", "regex", "choice", "grammar")):
-                raise HTTPError(400, f'tool_choice "{plan.mode}" constrains the output: it cannot be '
-                                     "combined with response_format or structured_outputs", "tool_choice")
-            given |= plan.constraint()
-        reasoning = self.config.reasoning_parser
-        if reasoning is not None:
-            given = constrain_after_reasoning(reasoning, given)
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     return_token_ids=body.return_token_ids, tools=plan,
                     reasoning=REASONING_PARSERS[reasoning] if reasoning else None)

@@ -23,9 +23,8 @@ from pipeserve.config import GatewayConfig
 from pipeserve.gateway.http_common import PARAM, HTTPError, RequestBody, from_refusal, until_disconnect
 from pipeserve.gateway.openai_fields import RESPONSES_REFUSED, Rule, first_refused
 from pipeserve.gateway.reasoning import PARSERS as REASONING_PARSERS
-from pipeserve.gateway.reasoning.constraint import constrain_after_reasoning
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Refusal, Stream
-from pipeserve.gateway.tool_calls import plan_tools
+from pipeserve.gateway.tool_calls import chat_sampling, plan_tools
 from pipeserve.gateway.tool_parsers import ToolCall
 from pipeserve.messages import ChatMessage
 
@@ -245,20 +244,14 @@ class Responses:
         tools = chat_tools(body.tools)
         given: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                                  "max_tokens": body.max_output_tokens} | text_format(body.text)
+        reasoning = self.config.reasoning_parser
         try:
             choice = chat_tool_choice(body.tool_choice)
             plan = plan_tools(tools, choice, body.parallel_tool_calls, self.config)
+            given = chat_sampling(given, plan, reasoning)
         except ValueError as exc:
             match = PARAM.match(str(exc))
             raise HTTPError(400, str(exc), match.group(1) if match else "tools") from None
-        if plan is not None and plan.constraint():
-            if any(given.get(k) for k in ("json_schema", "json_object")):
-                raise HTTPError(400, f'tool_choice "{plan.mode}" constrains the output: it cannot be '
-                                     "combined with text.format", "tool_choice")
-            given |= plan.constraint()
-        reasoning = self.config.reasoning_parser
-        if reasoning is not None:
-            given = constrain_after_reasoning(reasoning, given)
         rid = _id("resp")
         fit = body.max_output_tokens is None
         try:

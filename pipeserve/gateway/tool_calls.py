@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.config import GatewayConfig
+from pipeserve.gateway.reasoning import ReasoningParser
+from pipeserve.gateway.reasoning.constraint import constrain_after_reasoning
 from pipeserve.gateway.tool_parsers import (
     PARSERS,
     JsonListParser,
@@ -26,6 +28,7 @@ from pipeserve.gateway.tool_parsers import (
     ToolParser,
     ToolStream,
 )
+from pipeserve.sampling_params import CONSTRAINTS
 from pipeserve.tool_schema import parameters_schema, required_schema
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -100,6 +103,41 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
                              "and --tool-call-parser")
         plan.parser = PARSERS[config.tool_call_parser]
     return plan
+
+
+def chat_sampling(given: dict[str, Any], plan: ToolPlan | None, reasoning: str | None) -> dict[str, Any]:
+    """A chat request's SamplingParams fields with the constraint its tool choice needs (required, a
+    named function) and, under a reasoning parser, any constraint applying after the reasoning
+    section: what every front end sends (HTTP chat and responses, gRPC). ValueError naming
+    tool_choice when the choice and another constraint both constrain the output."""
+    if plan is not None and plan.constraint():
+        if any(given.get(name) not in (None, False) for name in CONSTRAINTS):
+            raise ValueError(f'tool_choice "{plan.mode}" constrains the output: it cannot be combined with '
+                             "another structured-output constraint (response_format, structured_outputs, "
+                             "text.format)")
+        given = given | plan.constraint()
+    return constrain_after_reasoning(reasoning, given) if reasoning is not None else given
+
+
+@dataclass
+class ChatAnswer:
+    """A whole chat output read as OpenAI's message: reasoning, content and calls (None: none)."""
+
+    reasoning: str | None
+    content: str | None
+    calls: list[ToolCall]
+    finish: str
+
+
+def read_answer(text: str, finish: str, tools: ToolOutput | None,
+                reasoning: ReasoningParser | None) -> ChatAnswer:
+    """The reasoning split off first (under a reasoning parser), then the calls read out of the
+    content (with tools)."""
+    thought, content = reasoning.parse(text) if reasoning is not None else (None, text)
+    calls: list[ToolCall] = []
+    if tools is not None:
+        content, calls, finish = tools.whole(content or "", finish)
+    return ChatAnswer(thought, content, calls, finish)
 
 
 @dataclass
