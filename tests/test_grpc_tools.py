@@ -130,7 +130,8 @@ def test_invalid_parameters_json_is_refused(api):
     request.tools[0].parameters = "{not json"
     with pytest.raises(grpc.RpcError) as info:
         list(api.client.stub.Generate(request, timeout=10))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools[0].parameters" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tools[0].parameters" in info.value.details()
 
 
 def test_auto_needs_the_server_flags(tmp_path):
