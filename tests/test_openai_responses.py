@@ -91,10 +91,12 @@ def test_function_call_round_trip(api, stream):
 def test_required_and_text_format_constrain(api):
     req, _ = respond(api, ["{}"], input="x", text={"format": {"type": "json_schema", "name": "o",
                                                              "schema": {"type": "object"}}})
-    assert req.sampling.grammar  # under the reasoning parser: one grammar after the section
+    # Under the reasoning parser: the engine builds one grammar, the section then the constraint.
+    assert req.sampling.json_schema and req.sampling.reasoning_format == "qwen3"
     req, out = respond(api, ['[{"name":"weather","parameters":{"city":"P"}}]'], input="x", tools=[WEATHER],
                        tool_choice="required")
-    assert req.sampling.grammar and [i.type for i in out.output] == ["function_call"]
+    assert req.sampling.json_schema and req.sampling.reasoning_format == "qwen3"
+    assert [i.type for i in out.output] == ["function_call"]
 
 
 @pytest.mark.parametrize(

@@ -463,7 +463,7 @@ def test_abort_while_compiling_and_a_failed_compilation_end_only_that_request(st
     assert not engine.has_work()
     gate.set()
 
-    def broken(kind: str, text: str) -> Future:
+    def broken(kind: str, text: str, after: str | None = None) -> Future:
         future: Future = Future()
         future.set_exception(RuntimeError("out of memory"))
         return future
