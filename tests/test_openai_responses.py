@@ -73,9 +73,11 @@ def test_function_call_round_trip(api, stream):
     _, out = respond(api, [CALL], stream=stream, input="Weather in Paris?", tools=[WEATHER])
     if stream:
         events = out
+        # hermes keeps the arguments as the model wrote them, streamed as they come
         assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == (
-            '{"city":"Paris"}')
+            '{"city": "Paris"}')
         out = events[-1].response
+        assert [i.arguments for i in out.output if i.type == "function_call"] == ['{"city": "Paris"}']
     (call,) = [item for item in out.output if item.type == "function_call"]
     assert call.name == "weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id
     history = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),

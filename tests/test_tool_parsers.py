@@ -48,20 +48,72 @@ def test_whole(name, text, content, calls):
     assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
 
 
-@pytest.mark.parametrize("name, text, content, calls", CASES)
+def streamed(name: str, text: str, step: int,
+             max_calls: int | None = None) -> tuple[str, list[dict[str, str]]]:
+    """(content, calls) of text fed in pieces of step characters, the call deltas merged."""
+    stream = ToolStream(parser(name), max_calls)
+    pieces = [stream.feed(text[i : i + step], i + step >= len(text)) for i in range(0, len(text), step)]
+    calls: dict[int, dict[str, str]] = {}
+    for d in (d for p in pieces for d in p.calls):
+        if "id" in d:  # a call's first delta: index, id, type and name
+            assert d["type"] == "function" and d["index"] not in calls
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": "", "id": d["id"]}
+        calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert [c["id"] for c in calls.values()] == [c.id for c in stream.calls]
+    return "".join(p.content for p in pieces), list(calls.values())
+
+
+# Cut short inside a call: whole it is content; streamed, hermes had announced the call (its name and
+# the arguments so far went out as they came, as vLLM streams them), so it stays that call.
+CUT_SHORT = CASES[2]
+
+
+@pytest.mark.parametrize("name, text, content, calls", [c for c in CASES if c is not CUT_SHORT])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_streamed_equals_whole(name, text, content, calls, step):
-    stream = ToolStream(parser(name))
-    pieces = [stream.feed(text[i : i + step], i + step >= len(text)) for i in range(0, len(text), step)]
-    assert "".join(p.content for p in pieces) == content
-    deltas = [d for p in pieces for d in p.calls]
-    streamed: dict[int, dict[str, str]] = {}
-    for d in deltas:
-        if "id" in d:  # a call's first delta: index, id, type and name
-            assert d["type"] == "function" and d["index"] not in streamed
-            streamed[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
-        streamed[d["index"]]["arguments"] += d["function"]["arguments"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+    got_content, got = streamed(name, text, step)
+    assert got_content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
+    whole = parser(name).parse(text)[1]
+    assert [c["arguments"] for c in got] == [c.arguments for c in whole]  # the very text
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_hermes_streams_arguments_as_they_are_written(step):
+    text = ('Ok.<tool_call>{"name": "weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
+            '<tool_call>{"arguments": {"zone": "utc"}, "name": "time"}</tool_call>')
+    stream = ToolStream(parser("hermes"))
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += [(i, d) for d in stream.feed(text[i : i + step], i + step >= len(text)).calls]
+    first_close = text.index("</tool_call>")
+    weather = [(i, d) for i, d in deltas if d["index"] == 0]
+    assert weather[0][1]["function"]["name"] == "weather" and weather[0][0] < text.index('"city"')
+    fragments = [d["function"]["arguments"] for i, d in weather[1:] if i < first_close]
+    assert len(fragments) > 2  # out before the call closed, piece by piece
+    assert "".join(d["function"]["arguments"] for _, d in weather) == '{"city": "Paris", "days": 2}'
+    # Name not first: read whole at its end, arguments compact, as before.
+    time_ = [d for _, d in deltas if d["index"] == 1]
+    assert [d["function"].get("name") for d in time_ if "id" in d] == ["time"]
+    assert "".join(d["function"]["arguments"] for d in time_) == '{"zone":"utc"}'
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_hermes_cut_short_while_written(step):
+    name, text, content, _ = CUT_SHORT
+    got_content, got = streamed(name, text, step)
+    if step == 1000:  # the whole text at once, last: never announced, content as whole
+        assert (got_content, got) == (content, [])
+    else:
+        assert got_content == "" and [c["name"] for c in got] == ["weather"]
+        assert got[0]["arguments"] == '{"city":'
+
+
+def test_hermes_at_most_max_calls_while_streaming():
+    text = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    _, got = streamed("hermes", text, 1, max_calls=1)
+    assert [(c["name"], c["arguments"]) for c in got] == [("a", '{"x": 1}')]
 
 
 def test_content_streams_before_the_calls_and_a_partial_marker_is_held():

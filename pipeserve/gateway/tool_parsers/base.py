@@ -5,7 +5,9 @@ might still become that beginning (`hold`), how much of the call section is comp
 (`complete`) and how to read calls out of a complete section (`parse_section`; None when the text
 is not what the format promised: then it is plain content, as vLLM returns it). `parse` reads a
 whole output; `ToolStream` turns the same rules into streaming deltas: text before the calls goes
-out as content at once, each call once it is complete.
+out as content at once, each call once it is complete, or, for a parser that reads a call still
+being written (`partial_call`: hermes), its name as soon as it is known and its arguments as they
+are generated, as vLLM streams them.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class ToolParser(ABC):
         waits for more text or the end. Default: nothing before the end."""
         return 0
 
+    def partial_call(self, text: str) -> tuple[str, str] | None:
+        """The call being written in text (what follows the complete calls): its name and the part
+        of its arguments text that is final so far (a prefix of what parse_section will read), or
+        None (not known yet, or the format is not streamed call by call). Default: None."""
+        return None
+
     @abstractmethod
     def parse_section(self, section: str) -> tuple[list[ToolCall], str] | None:
         """The calls of a call section and the text around them; None: it is no call section."""
@@ -103,6 +111,7 @@ class ToolStream:
         self.sent = 0  # characters of text already sent as content or consumed by calls
         self.start: int | None = None  # where the call section begins
         self.calls: list[ToolCall] = []
+        self.open: ToolCall | None = None  # a call announced while still being written (partial_call)
 
     def feed(self, new: str, last: bool) -> StreamPiece:
         self.text += new
@@ -116,23 +125,51 @@ class ToolStream:
             piece.content, self.sent = self.text[self.sent : self.start], self.start
         section = self.text[self.sent :]
         ready = len(section) if last else self.parser.complete(section)
-        if not ready:
-            return piece
-        parsed = self.parser.parse_section(section[:ready])
-        if parsed is None:
-            if last:  # never a call section after all: the text goes out as content
-                piece.content += section
-                self.sent = len(self.text)
-            return piece
-        calls, rest = parsed
-        self.sent += ready
-        piece.content += rest
-        for call in calls:
-            if self.max_calls is not None and len(self.calls) >= self.max_calls:
-                break
-            index = len(self.calls)
-            self.calls.append(call)
+        parsed = self.parser.parse_section(section[:ready]) if ready else None
+        if parsed is not None:
+            calls, rest = parsed
+            self.sent += ready
+            piece.content += rest
+            for call in calls:
+                self._emit(call, piece)
+        elif ready and last and self.open is None:  # never a call section: the text is content
+            piece.content += section
+            self.sent = len(self.text)
+        partial = self.parser.partial_call(self.text[self.sent :]) if self.sent < len(self.text) else None
+        if partial is not None and self._room():
+            name, arguments = partial
+            if self.open is None:
+                self.open = ToolCall(name, "")
+                piece.calls.append({"index": len(self.calls), "id": self.open.id, "type": "function",
+                                    "function": {"name": name, "arguments": ""}})
+            fragment = arguments[len(self.open.arguments):]
+            if fragment:
+                self.open.arguments += fragment
+                piece.calls.append({"index": len(self.calls), "function": {"arguments": fragment}})
+        if last and self.open is not None:  # cut short (or broken) while written: it stays the call it
+            self.calls.append(self.open)  # was announced as, with the arguments streamed (as vLLM)
+            self.open = None
+            self.sent = len(self.text)
+        return piece
+
+    def _room(self) -> bool:
+        return self.max_calls is None or len(self.calls) < self.max_calls
+
+    def _emit(self, call: ToolCall, piece: StreamPiece) -> None:
+        """A complete call's deltas: its head (unless announced while written), then its arguments
+        (what was not streamed yet)."""
+        index = len(self.calls)
+        if self.open is not None:  # the call announced while being written: its id, the rest of its text
+            call.id, sent = self.open.id, self.open.arguments
+            self.open = None
+            if not call.arguments.startswith(sent):  # cannot happen for a prefix-exact parser
+                sent = ""
+        elif self._room():
+            sent = ""
             piece.calls.append({"index": index, "id": call.id, "type": "function",
                                 "function": {"name": call.name, "arguments": ""}})
-            piece.calls.append({"index": index, "function": {"arguments": call.arguments}})
-        return piece
+        else:
+            return
+        self.calls.append(call)
+        if call.arguments[len(sent):]:
+            piece.calls.append({"index": index, "function": {"arguments": call.arguments[len(sent):]}})
