@@ -194,3 +194,36 @@ def test_grpc_embed(server, stories):
     with pytest.raises(grpc.RpcError) as info:
         server.client.embed([[10**6]])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_embedding_beside_speculative_verification(stories_dir, monkeypatch):
+    """A step that verifies proposals and finishes an embedding reads both back in its one readback."""
+    llm = LLM(stories_dir, max_num_seqs=8, max_model_len=256, device="cpu", speculative_method="ngram",
+              num_speculative_tokens=3)
+    prompt = llm.tokenizer("Once upon a time there was a girl. Once upon a time there was").input_ids
+    (reference,) = llm.embed([prompt])
+    (alone,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20))
+    engine = llm.engine
+    before = engine.stats()["spec_verifications"]
+    verify, extras = engine.runner.verifier.verify, []
+
+    def spy(*args):
+        extras.append(args[-1])  # the tensors read back beside the verification's
+        return verify(*args)
+
+    monkeypatch.setattr(engine.runner.verifier, "verify", spy)
+    engine.add("gen", prompt, SamplingParams(temperature=0.0, max_tokens=20))
+    vectors, tokens, steps = {}, [], 0
+    while engine.has_work():
+        steps += 1
+        if 2 <= steps <= 12:  # one embedding per step while the generation decodes (and verifies)
+            engine.add(f"emb-{steps}", prompt, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+        for update in engine.step():
+            if update.embedding is not None:
+                vectors[update.rid] = update.embedding
+            tokens += update.token_ids if update.rid == "gen" else []
+    assert engine.stats()["spec_verifications"] > before
+    hidden = engine.model_config.hidden_size
+    assert any(t.shape == (1, hidden) for extra in extras for t in extra)  # a vector rode a verification
+    assert len(vectors) == 11 and all(np.abs(v - reference).max() < 1e-5 for v in vectors.values())
+    assert tokens == alone.token_ids
