@@ -176,3 +176,13 @@ def test_generate_cli_flag_builds_the_grpc_field():
     assert dict(build_request("hi", logit_bias=dict(args.logit_bias)).logit_bias) == {5: 100.0, 9: -2.5}
     with pytest.raises(SystemExit):
         parser.parse_args(["hi", "--logit-bias", "5"])
+
+
+def test_build_request_from_params():
+    from pipeserve.gateway.client import build_request
+
+    request = build_request("hi", params=SamplingParams(logit_bias={3: 1.5}))
+    assert dict(request.logit_bias) == {3: 1.5}
+    assert not build_request("hi", params=SamplingParams()).logit_bias
+    with pytest.raises(ValueError, match="reasoning_format is set by the server"):
+        build_request("hi", params=SamplingParams(reasoning_format="qwen3"))

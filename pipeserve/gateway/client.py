@@ -39,6 +39,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
 ]
 Prompt = str | list[int] | list[dict[str, Any]]
+# SamplingParams fields a server sets from its own flags, never a client (--reasoning-parser).
+SERVER_SET = ("reasoning_format",)
 
 
 def build_request(
@@ -59,6 +61,11 @@ def build_request(
     tools, tool_choice, parallel_tool_calls: as OpenAI's chat completions (function tools)."""
     values = params.to_dict() if params is not None else {}
     values.update({k: v for k, v in sampling.items() if v is not None})
+    for name in SERVER_SET:
+        if values.pop(name, None) is not None:
+            raise ValueError(f"{name} is set by the server (--reasoning-parser), not by a request")
+    if values.get("logit_bias") is None:
+        values.pop("logit_bias", None)
     # The constraint is a oneof: set only the one given (json_object=False would select it too).
     constraint = {name: values.pop(name, None) for name in CONSTRAINTS}
     request = pb.GenerateRequest(request_id=request_id, app=app, cache_salt=cache_salt, **values)
@@ -333,6 +340,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hints = typing.get_type_hints(SamplingParams)
     for f in fields(SamplingParams):
+        if f.name in SERVER_SET:
+            continue
         flag, hint = f"--{f.name.replace('_', '-')}", hints[f.name]
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         help_ = f"{f.metadata['help']} (default: {'unset' if default is None else default})"
@@ -406,7 +415,7 @@ def http_hint(target: str, timeout: float = 2.0) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    sampling = {f.name: getattr(args, f.name) for f in fields(SamplingParams)}
+    sampling = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name not in SERVER_SET}
     if sampling["logit_bias"] is not None:
         sampling["logit_bias"] = dict(sampling["logit_bias"])
     prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
