@@ -87,6 +87,8 @@ class EngineConfig:
                               "reserve promises it in the pool", choices=PREDICTOR_MODES)
     seed: int = opt(0, "seed of the engine's sampler for requests without their own")
     max_logprobs: int = opt(20, "most top logprobs a request may ask for")
+    embed_normalize: bool = opt(True, "embeddings (last-token pooling of the final hidden state) are "
+                                "L2-normalised; --no-embed-normalize returns the raw hidden state")
     # On a CPU device all cores but one by default: the tokenizers, detokenizer and gateway need CPU
     # too, and a descheduled OpenMP thread stalls every matmul.
     cpu_threads: int = opt(0, "torch intra-op threads of the engine; 0: all cores but one on CPU, "

@@ -227,3 +227,35 @@ def test_embedding_beside_speculative_verification(stories_dir, monkeypatch):
     assert any(t.shape == (1, hidden) for extra in extras for t in extra)  # a vector rode a verification
     assert len(vectors) == 11 and all(np.abs(v - reference).max() < 1e-5 for v in vectors.values())
     assert tokens == alone.token_ids
+
+
+def test_embedding_beside_prompt_logprobs_in_one_step(stories):
+    """A step that reads prompt rows for prompt logprobs and an embedding's last row reads both."""
+    engine = stories.engine
+    prompt = stories.tokenizer("The dog ran to the park").input_ids
+    other = stories.tokenizer("Lily saw a bird").input_ids
+    (ref_vector,) = stories.embed([other])
+    scored = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    (alone,) = stories.generate([prompt], scored)
+    engine.add("scored", prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+    engine.add("emb", other, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+    first = {u.rid: u for u in engine.step()}  # both are prefilled in this one step
+    assert set(first) == {"scored", "emb"}
+    assert np.abs(first["emb"].embedding - ref_vector).max() < 1e-5
+    lp = first["scored"].prompt_logprobs
+    want = [entry["logprob"] for entry in alone.prompt_logprobs[1:]]
+    assert np.allclose(lp.logprobs[1:], want, atol=1e-5)
+    while engine.has_work():
+        engine.step()
+
+
+def test_no_embed_normalize_returns_the_raw_hidden_state(stories_dir):
+    llm = LLM(stories_dir, max_num_seqs=4, max_model_len=256, device="cpu", embed_normalize=False)
+    ids = llm.tokenizer(PROMPTS[0]).input_ids
+    (vector,) = llm.embed([ids])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32)
+    with torch.no_grad():
+        raw = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
+    assert np.abs(vector - raw).max() < 1e-4 and abs(float(np.linalg.norm(vector)) - 1.0) > 1e-3

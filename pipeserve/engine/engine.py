@@ -109,7 +109,10 @@ class Engine:
             plan=plan,
             sampler=self.sampler,
             structured=self.structured,
+            embed_normalize=config.embed_normalize,
         )
+        log.info("embeddings: last-token pooling of the final hidden state, %s",
+                 "L2-normalised" if config.embed_normalize else "not normalised (--no-embed-normalize)")
         if tp is not None:  # its steps run eager (StepPlan.tensor_parallel): each sends the step plan
             caches = self.pool.layers
             send = StepSender(tp, caches[0].seq_of_page if caches else None).send

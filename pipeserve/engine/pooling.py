@@ -3,7 +3,8 @@
 An embedding request (Sequence.embed) runs its prompt like any prefill, batched with the step's
 other rows; the step that computes its last prompt token reads that row out of the last layer (it is
 a sample row already) and keeps the final-norm hidden state instead of sampling. Pooling is last
-token, L2-normalised, as vLLM pools decoder LLMs by default. The vectors reach the host in the
+token, L2-normalised, as vLLM pools decoder LLMs by default (--no-embed-normalize: the raw hidden
+state). The vectors reach the host in the
 step's one readback; the request then finishes and its pages are released (the prefix cache keeps
 those it published, as for any request).
 """
@@ -27,12 +28,13 @@ class EmbedRows:
     seqs: list[Sequence]
     index: np.ndarray  # int64 [E]
 
-    def pool(self, hidden: torch.Tensor, sample_rows: np.ndarray, every_row: bool) -> torch.Tensor:
-        """float32 [E, hidden], L2-normalised. hidden: the rows the model read out, in sample-row
-        order, or every row of the batch in order (every_row)."""
+    def pool(self, hidden: torch.Tensor, sample_rows: np.ndarray, every_row: bool,
+             normalize: bool = True) -> torch.Tensor:
+        """float32 [E, hidden], L2-normalised unless normalize is False. hidden: the rows the model
+        read out, in sample-row order, or every row of the batch in order (every_row)."""
         rows = sample_rows[self.index] if every_row else self.index
         picked = hidden.index_select(0, upload(rows, hidden.device)).float()
-        return torch.nn.functional.normalize(picked, dim=-1)
+        return torch.nn.functional.normalize(picked, dim=-1) if normalize else picked
 
     def store(self, host: np.ndarray) -> None:
         for seq, vector in zip(self.seqs, host, strict=True):

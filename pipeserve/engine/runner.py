@@ -172,24 +172,6 @@ class ForwardRunner:
         executor = self.executor if self.executor.covers(flat) else self.eager
         return executor.run(flat)
 
-    def read_rows(self, flat: FlatBatch, extra: PromptRows | None, embeds: EmbedRows | None
-                  ) -> tuple[torch.Tensor | None, PromptScores | None, tuple[torch.Tensor, ...]]:
-        """Such steps run eager. The sample rows' logits; the prompt rows `extra`, read out too and
-        scored on the way; the embedding requests' pooled vectors (`embeds`, among the sample rows).
-        Scores and vectors stay on the device for the step's one readback."""
-        self.buffers.begin()
-        read = flat if extra is None else replace(
-            flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
-            sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
-            sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
-        hidden, logits = self.eager.forward(read)
-        assert logits is not None  # extra or embeds has rows
-        pooled = () if embeds is None else (embeds.pool(hidden, flat.sample_rows, read.every_row_read),)
-        if extra is None:
-            return logits, None, pooled
-        logits, scores = read_out(logits, flat.sample_rows, extra, read.every_row_read)
-        return (logits if flat.sample_rows.size else None), scores, pooled
-
     def forward(self, batch: ScheduledBatch,
                 device_ids: DeviceIds | None = None) -> tuple[FlatBatch, torch.Tensor | None]:
         """The batch's model input and the logits [R, V] of its sample rows (None: no row samples).
@@ -204,11 +186,32 @@ class ModelRunner(ForwardRunner):
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, backend: Backend, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, plan: StepPlan, sampler: Sampler,
-                 structured: StructuredOutputs) -> None:
+                 structured: StructuredOutputs, embed_normalize: bool = True) -> None:
+        """embed_normalize: embedding requests' vectors are L2-normalised (pooling.py)."""
         super().__init__(model=model, pool=pool, backend=backend, device=device, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, plan=plan)
         self.sampler, self.structured = sampler, structured
+        self.embed_normalize = embed_normalize
         self.verifier = Verifier(sampler, device)
+
+    def read_rows(self, flat: FlatBatch, extra: PromptRows | None, embeds: EmbedRows | None
+                  ) -> tuple[torch.Tensor | None, PromptScores | None, tuple[torch.Tensor, ...]]:
+        """Such steps run eager. The sample rows' logits; the prompt rows `extra`, read out too and
+        scored on the way; the embedding requests' pooled vectors (`embeds`, among the sample rows).
+        Scores and vectors stay on the device for the step's one readback."""
+        self.buffers.begin()
+        read = flat if extra is None else replace(
+            flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
+            sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
+            sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
+        hidden, logits = self.eager.forward(read)
+        assert logits is not None  # extra or embeds has rows
+        pooled = () if embeds is None else (
+            embeds.pool(hidden, flat.sample_rows, read.every_row_read, self.embed_normalize),)
+        if extra is None:
+            return logits, None, pooled
+        logits, scores = read_out(logits, flat.sample_rows, extra, read.every_row_read)
+        return (logits if flat.sample_rows.size else None), scores, pooled
 
     def run(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> StepResult:
         """drafts: the draft model's distributions behind batch.proposals (sampled proposals are
