@@ -62,18 +62,20 @@ class LLM:
         if problem is not None:
             raise ValueError(problem)
 
-    def embed(self, prompts: str | Seq[str] | Seq[Seq[int]], cache_salt: str = "") -> list[np.ndarray]:
-        """Each prompt's embedding (text, or token ids; in prompt order): the final-norm hidden state
-        of its last token, L2-normalised (pipeserve/engine/pooling.py), float32 [hidden]. The
-        prompts run as prefill-only requests batched through the engine's steps."""
+    def _prompt_ids(self, prompts: str | Seq[str] | Seq[Seq[int]]) -> list[list[int]]:
+        """One prompt (text or token ids) or several, as token ids each."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch: list[Any] = [prompts] if single else list(prompts)
-        requests = []
-        for prompt in batch:
-            ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
-            params = SamplingParams(max_tokens=1, temperature=0.0)
-            self.check(ids, params)
-            requests.append(ids)
+        return [self.tokenizer(p).input_ids if isinstance(p, str) else [int(t) for t in p] for p in batch]
+
+    def embed(self, prompts: str | Seq[str] | Seq[Seq[int]], cache_salt: str = "") -> list[np.ndarray]:
+        """Each prompt's embedding (text, or token ids; in prompt order): the final-norm hidden state
+        of its last token, L2-normalised unless embed_normalize=False (pipeserve/engine/pooling.py),
+        float32 [hidden]. The prompts run as prefill-only requests batched through the engine's
+        steps."""
+        requests = self._prompt_ids(prompts)
+        for ids in requests:
+            self.check(ids, SamplingParams(max_tokens=1, temperature=0.0))
         rids = [f"offline-{next(self._ids)}" for _ in requests]
         for rid, ids in zip(rids, requests, strict=True):
             self.engine.add(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=cache_salt,
@@ -90,15 +92,13 @@ class LLM:
                  use_tqdm: bool = False, cache_salt: str = "") -> list[RequestOutput]:
         """Run every prompt (text, or token ids) to completion; outputs in prompt order. cache_salt:
         these prompts share prefix-cache pages only with requests of the same salt."""
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        batch: list[Any] = [prompts] if single else list(prompts)
+        batch = self._prompt_ids(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(batch)
         if len(sampling_params) != len(batch):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
         requests = []
-        for prompt, given in zip(batch, sampling_params, strict=True):
-            ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
+        for ids, given in zip(batch, sampling_params, strict=True):
             # Each request gets its own params object: the engine fills in an unseeded seed.
             params = SamplingParams.from_dict(given.to_dict())
             self.check(ids, params)
