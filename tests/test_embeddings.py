@@ -259,3 +259,21 @@ def test_no_embed_normalize_returns_the_raw_hidden_state(stories_dir):
     with torch.no_grad():
         raw = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
     assert np.abs(vector - raw).max() < 1e-4 and abs(float(np.linalg.norm(vector)) - 1.0) > 1e-3
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(stories, stories_dir):
+    """Under tensor parallelism rank 0 reads the vectors out of the full hidden state it holds after
+    the last all-reduce; the other ranks run the same step (their logits pass included)."""
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    want = stories.embed(ids)
+    tp = LLM(stories_dir, device="cpu", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32,
+             max_model_len=256)
+    try:
+        engine = tp.engine
+        engine.add("gen", ids[0], SamplingParams(temperature=0.0, max_tokens=4))
+        engine.step()
+        got = tp.embed(ids)  # beside the generation's decode steps
+    finally:
+        tp.engine.close()
+    for a, b in zip(got, want, strict=True):
+        assert np.abs(a - b).max() < 1e-4
