@@ -198,8 +198,9 @@ def test_grpc_embed(server, stories):
 
 def test_embedding_beside_speculative_verification(stories_dir, monkeypatch):
     """A step that verifies proposals and finishes an embedding reads both back in its one readback."""
+    # Fixed proposal sizes: adaptive ones follow measured step times (a loaded machine may pick none).
     llm = LLM(stories_dir, max_num_seqs=8, max_model_len=256, device="cpu", speculative_method="ngram",
-              num_speculative_tokens=3)
+              num_speculative_tokens=3, speculative_adaptive=False)
     prompt = llm.tokenizer("Once upon a time there was a girl. Once upon a time there was").input_ids
     (reference,) = llm.embed([prompt])
     (alone,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20))
