@@ -6,6 +6,7 @@ and batched with generation, through the detokenizer's pass-through, and (slow) 
 from __future__ import annotations
 
 import base64
+import inspect
 
 import numpy as np
 import pytest
@@ -208,9 +209,10 @@ def test_embedding_beside_speculative_verification(stories_dir, monkeypatch):
     before = engine.stats()["spec_verifications"]
     verify, extras = engine.runner.verifier.verify, []
 
-    def spy(*args):
-        extras.append(args[-1])  # the tensors read back beside the verification's
-        return verify(*args)
+    def spy(*args, **kwargs):
+        bound = inspect.signature(verify).bind(*args, **kwargs)
+        extras.append(bound.arguments.get("also", ()))  # the tensors read back beside the verification's
+        return verify(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner.verifier, "verify", spy)
     engine.add("gen", prompt, SamplingParams(temperature=0.0, max_tokens=20))
