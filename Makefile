@@ -1,5 +1,5 @@
-# pipeserve developer entry points. Every target creates .venv on first use, through tools/install.py:
-# a torch already installed (in .venv, or a CUDA build in $(PY)'s site-packages, which .venv then sees)
+# pipeserve developer entry points. Every target creates .venv on first use, through tools/install.py
+# (no bytecode at install time; Triton only with a CUDA torch or the tests' extra): a torch already installed (in .venv, or a CUDA build in $(PY)'s site-packages, which .venv then sees)
 # is kept and never upgraded, and with a wheelhouse/ folder (`make wheelhouse`) nothing is downloaded.
 PY ?= python3
 VENV := .venv
@@ -13,7 +13,8 @@ TORCH_VERSION ?= 2.13.0
 WHEELHOUSE ?= wheelhouse
 PYTHON_VERSION ?= $(shell $(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 EXTRAS ?=
-INSTALL := $(PY) tools/install.py venv $(VENV) --editable --torch-version $(TORCH_VERSION) --wheelhouse $(WHEELHOUSE)
+INSTALL := $(PY) tools/install.py venv $(VENV) --editable --no-compile --torch-version $(TORCH_VERSION) \
+	--wheelhouse $(WHEELHOUSE)
 MODEL ?=
 HOST ?= 127.0.0.1
 PORT ?= 50051

@@ -17,6 +17,14 @@ the wheelhouse such an install reads on a host without network.
 - With a wheelhouse (`make wheelhouse`: a folder of wheels) every other package, the build backend
   included, comes from it with --no-index: nothing is downloaded (an air-gapped host).
 - Runtime dependencies always; the extras named by --extras besides (dev, bench, ray).
+- Triton only where it runs: with a CUDA torch (which brings its own) or when an extra named asks for
+  it (dev: the tests interpret the kernels on the CPU). With a CPU torch the CPU serving path never
+  imports it, so it is left out: pip resolves everything once (--dry-run --report), then installs
+  that set without Triton, --no-deps (xgrammar declares Triton for its GPU bitmask kernel only; on
+  CPU logits it uses its own C++ one). `pip check` then names Triton as xgrammar's missing dependency.
+- --no-compile: pip writes no bytecode for the ~40,000 modules it installs; Python writes it on
+  first import for the modules a process imports (what uv does by default). An image whose venv the
+  server cannot write (the Dockerfile's) leaves it out and compiles at build time.
 
 `wheelhouse` downloads wheels of every runtime dependency (and of --extras) except torch and triton,
 and of the build backend, for one Python version and manylinux x86-64, whatever this machine runs.
@@ -75,18 +83,24 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def requirements(extras: list[str], pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> list[str]:
-    """The runtime dependencies and those of `extras`, as pyproject.toml states them."""
+def optional_requirements(extras: list[str], pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> list[str]:
+    """The requirements of `extras` alone, as pyproject.toml states them."""
     with open(pyproject, "rb") as f:
-        project = tomllib.load(f)["project"]
-    found = list(project["dependencies"])
-    optional = project.get("optional-dependencies", {})
+        optional = tomllib.load(f)["project"].get("optional-dependencies", {})
+    found: list[str] = []
     for extra in extras:
         if extra not in optional:
             raise SystemExit(f"install.py: pyproject.toml has no extra {extra!r} "
                              f"(it has {', '.join(optional)})")
         found += optional[extra]
     return found
+
+
+def requirements(extras: list[str], pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> list[str]:
+    """The runtime dependencies and those of `extras`, as pyproject.toml states them."""
+    with open(pyproject, "rb") as f:
+        project = tomllib.load(f)["project"]
+    return [*project["dependencies"], *optional_requirements(extras, pyproject)]
 
 
 def run(cmd: list[str]) -> None:
@@ -167,6 +181,15 @@ def wheelhouse(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve(pip: list[str], options: list[str], wanted: list[str]) -> list[tuple[str, str]]:
+    """(name, version) of every package pip would install for `wanted`, nothing installed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        run([*pip, *options, "--dry-run", "--report", report, *wanted])
+        with open(report) as f:
+            return [(item["metadata"]["name"], item["metadata"]["version"]) for item in json.load(f)["install"]]
+
+
 def venv(args: argparse.Namespace) -> int:
     python = os.path.join(args.venv, "bin", "python")
     if not os.path.exists(python):
@@ -176,7 +199,8 @@ def venv(args: argparse.Namespace) -> int:
             print(f"install.py: {sys.executable} has torch {base['torch']} (CUDA {base['cuda']}): "
                   f"{args.venv} sees it (--system-site-packages)", flush=True)
         run([sys.executable, "-m", "venv", *(["--system-site-packages"] if shared else []), args.venv])
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *shlex.split(args.pip_args)]
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+           *(["--no-compile"] if args.no_compile else []), *shlex.split(args.pip_args)]
     offline = os.path.isdir(args.wheelhouse) and any(n.endswith(".whl") for n in os.listdir(args.wheelhouse))
     source = ["--no-index", "--find-links", args.wheelhouse] if offline else []
 
@@ -197,10 +221,23 @@ def venv(args: argparse.Namespace) -> int:
         pins.append(f"{found['triton_dist']}=={found['triton']}")
     kept = {"torch"} | ({"triton"} if found["triton"] is not None else set())
     wanted = [r for r in requirements(args.extras) if requirement_name(r) not in kept]
+    # Triton without a CUDA torch only when an extra asks for it (see the module's docstring).
+    asked = {requirement_name(r) for r in optional_requirements(args.extras)}
+    no_triton = found["triton"] is None and found["cuda"] is None and "triton" not in asked
+    if no_triton:
+        wanted = [r for r in wanted if requirement_name(r) != "triton"]
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(pins) + "\n")
     try:
-        run([*pip, *source, "-c", f.name, *wanted])
+        if no_triton:
+            resolved = resolve(pip, [*source, "-c", f.name], wanted)
+            left = [f"{name}=={version}" for name, version in resolved if requirement_name(name) not in KEPT]
+            print(f"install.py: torch {found['torch']} has no CUDA: Triton is left out (the CPU engine never "
+                  f"imports it); {len(left)} packages installed as resolved, --no-deps", flush=True)
+            if left:
+                run([*pip, *source, "-c", f.name, "--no-deps", *left])
+        else:
+            run([*pip, *source, "-c", f.name, *wanted])
         if not args.deps_only:
             target = ["-e", ROOT] if args.editable else [ROOT]
             run([*pip, *source, "-c", f.name, "--no-deps", *target])
@@ -226,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--editable", action="store_true", help="install the checkout in editable mode")
     p.add_argument("--deps-only", action="store_true",
                    help="the dependencies, not the project (a Docker layer)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="no bytecode at install time: Python writes it on first import (a writable venv)")
     p.add_argument("--pip-args", default="", help="extra pip options, e.g. '--find-links DIR'")
     p.set_defaults(run=venv)
     p = commands.add_parser("wheelhouse", help="download the wheels an offline install needs")
