@@ -105,8 +105,9 @@ def test_offline_install_from_the_wheelhouse_keeps_torch(tmp_path: Path) -> None
 
 
 def _dry_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: dict, inside: dict,
-              wheelhouse: bool) -> tuple[list[list[str]], list[str]]:
-    """Run `install.py venv` with pip and venv recorded instead of run: (commands, constraints)."""
+              wheelhouse: bool, extras: str = "dev") -> tuple[list[list[str]], list[str]]:
+    """Run `install.py venv` with pip and venv recorded instead of run: (commands, constraints). A
+    --dry-run's report says pip would install xgrammar, its Triton and msgpack."""
     commands: list[list[str]] = []
     constraints: list[str] = []
     venv = tmp_path / "venv"
@@ -125,10 +126,14 @@ def _dry_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: dict, insid
             (venv / "bin" / "python").write_text("")
         if "-c" in cmd:
             constraints.extend(Path(cmd[cmd.index("-c") + 1]).read_text().split())
+        if "--report" in cmd:
+            items = [{"metadata": {"name": n, "version": v}}
+                     for n, v in (("xgrammar", "0.2.8"), ("triton", "3.6.0"), ("msgpack", "1.2.4"))]
+            Path(cmd[cmd.index("--report") + 1]).write_text(json.dumps({"install": items}))
 
     monkeypatch.setattr(install, "probe", probe)
     monkeypatch.setattr(install, "run", run)
-    assert install.main(["venv", str(venv), "--wheelhouse", str(house), "--extras", "dev"]) == 0
+    assert install.main(["venv", str(venv), "--wheelhouse", str(house), "--extras", extras]) == 0
     return commands, constraints
 
 
@@ -150,3 +155,38 @@ def test_without_torch_the_pinned_one_is_installed(tmp_path: Path, monkeypatch: 
     assert commands[0][1:] == ["-m", "venv", str(tmp_path / "venv")]
     assert commands[1][-1] == "torch==2.13.0"
     assert not any("--no-index" in c for c in commands)
+
+
+CPU_TORCH = {"torch": "2.13.0+cpu", "cuda": None, "triton": None, "triton_dist": None}
+
+
+def test_a_cpu_torch_gets_no_triton(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime install on a CPU host: one resolution (--dry-run), then exactly what it chose but
+    Triton, --no-deps; the project last."""
+    commands, _ = _dry_venv(tmp_path, monkeypatch, CPU_TORCH, CPU_TORCH, wheelhouse=False, extras="")
+    pips = [c for c in commands if c[1:4] == ["-m", "pip", "install"]]
+    assert len(pips) == 3
+    dry, deps, project = pips
+    assert "--dry-run" in dry
+    assert not any(install.requirement_name(a) == "triton" for a in dry if a[0].isalpha())
+    assert "xgrammar>=0.2.5,<0.3" in dry
+    assert deps[-3:] == ["--no-deps", "xgrammar==0.2.8", "msgpack==1.2.4"]
+    assert project[-2:] == ["--no-deps", str(ROOT)]
+
+
+def test_the_tests_extra_brings_triton_to_a_cpu_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dev asks for Triton (the tests interpret its kernels on the CPU): pip resolves as usual."""
+    commands, _ = _dry_venv(tmp_path, monkeypatch, CPU_TORCH, CPU_TORCH, wheelhouse=False, extras="dev")
+    pips = [c for c in commands if c[1:4] == ["-m", "pip", "install"]]
+    assert len(pips) == 2 and not any("--dry-run" in c for c in pips)
+    assert "triton>=3.3" in pips[0] and "--no-deps" not in pips[0]
+
+
+def test_no_compile_reaches_every_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands: list[list[str]] = []
+    monkeypatch.setattr(install, "probe", lambda python: dict(CPU_TORCH))
+    monkeypatch.setattr(install, "run", commands.append)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    assert install.main(["venv", str(tmp_path / "venv"), "--no-compile", "--extras", "dev"]) == 0
+    assert commands and all("--no-compile" in c for c in commands)

@@ -83,7 +83,10 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def optional_requirements(extras: list[str], pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> list[str]:
+PYPROJECT = os.path.join(ROOT, "pyproject.toml")
+
+
+def optional_requirements(extras: list[str], pyproject: str = PYPROJECT) -> list[str]:
     """The requirements of `extras` alone, as pyproject.toml states them."""
     with open(pyproject, "rb") as f:
         optional = tomllib.load(f)["project"].get("optional-dependencies", {})
@@ -96,7 +99,7 @@ def optional_requirements(extras: list[str], pyproject: str = os.path.join(ROOT,
     return found
 
 
-def requirements(extras: list[str], pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> list[str]:
+def requirements(extras: list[str], pyproject: str = PYPROJECT) -> list[str]:
     """The runtime dependencies and those of `extras`, as pyproject.toml states them."""
     with open(pyproject, "rb") as f:
         project = tomllib.load(f)["project"]
@@ -187,7 +190,8 @@ def resolve(pip: list[str], options: list[str], wanted: list[str]) -> list[tuple
         report = os.path.join(tmp, "report.json")
         run([*pip, *options, "--dry-run", "--report", report, *wanted])
         with open(report) as f:
-            return [(item["metadata"]["name"], item["metadata"]["version"]) for item in json.load(f)["install"]]
+            items = json.load(f)["install"]
+    return [(item["metadata"]["name"], item["metadata"]["version"]) for item in items]
 
 
 def venv(args: argparse.Namespace) -> int:
