@@ -94,6 +94,7 @@ def resolve(engine: EngineConfig) -> EngineConfig:
                            f"for ({context} tokens): give at most {context}, leave it unset, or scale the "
                            "context with --rope-scaling")
     check_device(engine.device)
+    check_triton(engine)
     check_fp8(engine)
     if engine.tensor_parallel_size > 1:
         from pipeserve.engine.model.tensor_parallel import check_shardable
@@ -143,6 +144,19 @@ def check_device(device: str) -> None:
     if index >= torch.cuda.device_count():
         raise StartupError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA GPU(s): "
                            f"give cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+def check_triton(engine: EngineConfig) -> None:
+    """StartupError when the Triton backend would run and Triton is not installed (the runtime install
+    leaves it out beside a torch without CUDA, whose engine never imports it)."""
+    import importlib.util
+
+    if engine.backend != "triton" and not (engine.backend == "auto" and engine.device.startswith("cuda")):
+        return
+    if importlib.util.find_spec("triton") is None:
+        flag = "--backend triton" if engine.backend == "triton" else f"--device {engine.device}"
+        raise StartupError(f"{flag}: the Triton kernels need Triton, which is not installed here: "
+                           "pip install triton, or use --backend cpu")
 
 
 # Triton has fp8 e4m3 (every fp8 kernel: W8A8 GEMMs, the fp8 KV cache) from compute capability 8.9:

@@ -115,3 +115,20 @@ def test_fp8_is_refused_on_a_gpu_without_it(monkeypatch: pytest.MonkeyPatch) -> 
     check_fp8(EngineConfig(device="cpu", quantization="w8a8-fp8"))  # the cpu backend has its own fp8
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))  # Hopper
     check_fp8(EngineConfig(device="cuda:0", quantization="w8a8-fp8", kv_cache_dtype="fp8"))
+
+
+def test_the_triton_backend_without_triton_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime install leaves Triton out beside a CPU torch: asking for its kernels says so."""
+    import importlib.util
+
+    from pipeserve.preflight import check_triton
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(StartupError, match=r"^--backend triton: .*pip install triton, or use --backend cpu$"):
+        check_triton(EngineConfig(backend="triton", device="cpu"))
+    with pytest.raises(StartupError, match=r"^--device cuda: .*Triton"):
+        check_triton(EngineConfig(device="cuda"))
+    check_triton(EngineConfig(device="cpu"))  # auto on the CPU: the cpu backend, no Triton
+    check_triton(EngineConfig(backend="cpu", device="cuda"))

@@ -22,7 +22,7 @@ the wheelhouse such an install reads on a host without network.
   imports it, so it is left out: pip resolves everything once (--dry-run --report), then installs
   that set without Triton, --no-deps (xgrammar declares Triton for its GPU bitmask kernel only; on
   CPU logits it uses its own C++ one). `pip check` then names Triton as xgrammar's missing dependency.
-- --no-compile: pip writes no bytecode for the ~40,000 modules it installs; Python writes it on
+- --no-compile: pip writes no bytecode for the ~10,000 modules it installs; Python writes it on
   first import for the modules a process imports (what uv does by default). An image whose venv the
   server cannot write (the Dockerfile's) leaves it out and compiles at build time.
 
