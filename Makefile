@@ -1,6 +1,8 @@
-# pipeserve developer entry points. Every target creates .venv on first use, through tools/install.py
-# (no bytecode at install time; Triton only with a CUDA torch or the tests' extra): a torch already installed (in .venv, or a CUDA build in $(PY)'s site-packages, which .venv then sees)
+# pipeserve developer entry points. Every target creates .venv on first use, through tools/install.py:
+# a torch already installed (in .venv, or a CUDA build in $(PY)'s site-packages, which .venv then sees)
 # is kept and never upgraded, and with a wheelhouse/ folder (`make wheelhouse`) nothing is downloaded.
+# Triton comes with a CUDA torch or the dev extra (the tests), not beside a CPU torch; pip writes no
+# bytecode at install time (Python does, on first import).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
