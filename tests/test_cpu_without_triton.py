@@ -9,7 +9,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+# A fresh interpreter that imports torch and xgrammar and builds an engine: ~9 CPU-seconds.
+pytestmark = pytest.mark.slow
 
 SCRIPT = r"""
 import importlib.abc, json, sys

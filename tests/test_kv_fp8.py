@@ -162,6 +162,7 @@ def test_fp8_chunked_prefill_stores_every_chunk_less_the_first_chunks_mean(stori
 
 
 @pytest.mark.device
+@pytest.mark.slow  # the Triton interpreter end to end: a whole engine's kernels interpreted (7 CPU-seconds)
 def test_triton_serves_fp8_kv_with_the_shift_like_torch(stories_dir):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
     runs = {}
