@@ -69,9 +69,11 @@ test: lint
 	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1) || true)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end).
+# Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end), one
+# pytest-xdist worker per core, each test file on one worker (its module fixtures built once).
+TEST_WORKERS ?= auto
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # On a CUDA host: the tests that make sense on a GPU (marked `device`: kernels, Triton engine runs) on
 # the GPU, Triton compiled; PYTEST_ARGS adds -k, -x, ...
