@@ -78,6 +78,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "pipeserve.bench.cpu_ops",
         "the cpu backend's native attention and packed linear vs the torch ops",
     ),
+    "gemm": (
+        "pipeserve.bench.gemm",
+        "the CPU's packed product vs oneDNN's GEMM by rows, fp32 and bf16; writes the crossover table",
+    ),
 }
 
 

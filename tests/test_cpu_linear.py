@@ -1,7 +1,9 @@
 """The CPU's linear layers (pipeserve/engine/backend/cpu_linear.py) and the native packed product
 behind them: which layers are swapped (and that only the packed weight is kept), its numbers against
 F.linear (row counts, tails of K and N, bias, strided rows, one and two threads, in and out of the
-compiler), and an engine's greedy tokens with the native kernels on and off."""
+compiler), the bf16 packed product, the oneDNN GEMM the measured table hands many rows to, the
+portable builds (no AVX-512; AVX-512 without bf16 dot products), and an engine's greedy tokens with
+the native kernels on and off."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.engine import LLM, SamplingParams
+from pipeserve.engine.backend import cpu_gemm, native
 from pipeserve.engine.backend import cpu_linear as C
-from pipeserve.engine.backend import native
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -23,16 +25,19 @@ pytestmark = [
 ]
 
 
-def test_only_large_plain_fp32_cpu_linears_are_swapped():
+def test_only_large_plain_fp32_and_bf16_cpu_linears_are_swapped(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "table", lambda: cpu_gemm.Table("test", ()))  # packed only
     model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(512, 1024).to(torch.bfloat16), nn.Linear(64, 96),
-                          nn.ReLU())
+                          nn.Linear(512, 1024).half(), nn.ReLU())
     model.add_module("lm_head", nn.Linear(512, 1024, bias=False))  # an untied head: packed too
     first = model[0]
-    assert C.use_cpu_linears(model) == 2
+    assert C.use_cpu_linears(model) == 3
     swapped = model[0]
     assert isinstance(swapped, C.CpuLinear) and not hasattr(swapped, "weight")  # the packed copy only
     assert swapped.packed.numel() == first.weight.numel() and swapped.bias is not None
-    assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear and type(model.lm_head) is C.CpuLinear
+    assert swapped.reordered is None  # no GEMM row count in the table: no second copy
+    assert type(model[1]) is C.CpuLinear and model[1].packed.dtype == torch.bfloat16
+    assert type(model[2]) is nn.Linear and type(model[3]) is nn.Linear and type(model.lm_head) is C.CpuLinear
     x = torch.randn(3, 512)
     with torch.inference_mode():
         torch.testing.assert_close(model[0](x), first(x), atol=1e-4, rtol=1e-4)
@@ -98,3 +103,111 @@ def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model, monkeypat
         llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=64, step_executor="eager")
         outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 64, 32), (3, 37, 51), (6, 130, 517), (9, 70, 33),
+                                              (70, 20, 40), (200, 100, 24)])
+def test_bf16_packed_product_matches_f_linear_on_bf16_rows(threads, rows, n, k):
+    """bf16 panels (pairs of k, an odd K's zero tail, N past the panels): fp32 accumulation of the
+    rows rounded to bf16, against the same product in fp32."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * n + k)
+        x = torch.randn(rows, k + 5, generator=gen)[:, 2 : 2 + k]
+        w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        packed = native.pack_weight(w)
+        assert packed.dtype == torch.bfloat16
+        assert packed.numel() == -(-n // native.PANEL) * native.PANEL * (k + k % 2)
+        got = native.packed_linear(x, packed, b, n)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x.bfloat16().float(), w.float(), b), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_from_the_tables_count_take_the_gemm(dtype, monkeypatch):
+    linear = nn.Linear(512, 1024).to(dtype)
+    layer = C.CpuLinear(linear, gemm_from=8)
+    assert layer.reordered is not None
+    calls = []
+    gemm = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or gemm(*a))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode():
+        for rows in (1, 7, 8, 64):
+            x = torch.randn(rows, 512).to(dtype)
+            got = layer(x)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), linear(x).float(), atol=tol, rtol=tol)
+    assert calls == [8, 64]  # fewer rows take the packed product
+
+
+def test_crossover_is_where_the_gemm_wins_from_then_on():
+    rows = [1, 8, 64, 256]
+    assert cpu_gemm.crossover(rows, [1.0, 2.0, 9.0, 30.0], [2.0, 3.0, 5.0, 20.0]) == 64
+    assert cpu_gemm.crossover(rows, [1.0, 2.0, 9.0, 30.0], [0.5, 3.0, 5.0, 20.0]) == 64  # a lone early win
+    assert cpu_gemm.crossover(rows, [1.0, 2.0, 9.0, 30.0], [2.0, 3.0, 10.0, 31.0]) is None
+    assert cpu_gemm.crossover(rows, [1.0, 2.0, 9.0, 30.0], [2.0, 3.0, 8.5, 29.0]) is None  # within noise
+    assert cpu_gemm.crossover(rows, [1.0, 2.0, 9.0, 30.0], [0.5, 1.0, 5.0, 20.0]) == 1
+
+
+def test_table_lookup_by_cpu_class_dtype_and_nearest_shape():
+    data = {"amx": {"entries": [
+        {"dtype": "bfloat16", "n": 1280, "k": 768, "gemm_from": 8},
+        {"dtype": "bfloat16", "n": 512, "k": 512, "gemm_from": 32},
+        {"dtype": "float32", "n": 1280, "k": 768, "gemm_from": None}]}}
+    table = cpu_gemm.parse(data, "amx")
+    assert table.gemm_from(1280, 768, torch.bfloat16) == 8
+    assert table.gemm_from(1024, 768, torch.bfloat16) == 8  # nearest measured shape
+    assert table.gemm_from(512, 256, torch.bfloat16) == 32
+    assert table.gemm_from(1280, 768, torch.float32) is None
+    assert table.gemm_from(1280, 768, torch.float16) is None  # a dtype not measured
+    assert cpu_gemm.parse(data, "avx512").entries == ()  # another CPU class: nothing measured
+    assert cpu_gemm.cpu_class("fpu avx512f avx512_bf16 amx_bf16 amx_tile") == "amx"
+    assert cpu_gemm.cpu_class("fpu avx512f avx512_bf16") == "avx512_bf16"
+    assert cpu_gemm.cpu_class("fpu avx2 fma") == "other"
+
+
+def test_the_committed_table_parses_for_every_cpu_class():
+    import json
+
+    data = json.loads(cpu_gemm.TABLE.read_text())
+    for cpu, section in data.items():
+        table = cpu_gemm.parse(data, cpu)
+        assert table.entries and section["command"].startswith("pipeserve bench gemm")
+        assert all(e.dtype in cpu_gemm.DTYPES and (e.gemm_from is None or e.gemm_from >= 1)
+                   for e in table.entries)
+
+
+def test_gemm_rows_follow_most_of_the_weight():
+    layers = [C.CpuLinear(nn.Linear(512, 1024)) for _ in range(3)]
+    assert C.gemm_rows(layers) is None
+    layers[0].gemm_from, layers[1].gemm_from = 16, 64
+    assert C.gemm_rows(layers) == 64  # 16 covers a third of the weight, 64 two thirds
+
+
+@pytest.mark.slow  # two library builds
+@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
+def test_portable_builds_compute_the_same_products(march, tmp_path, monkeypatch):
+    """The library built for a CPU without AVX-512 (portable loops throughout) and for one with
+    AVX-512F but no bf16 dot products (portable bf16 loops): both products as on this host."""
+    import ctypes
+
+    monkeypatch.setattr("pipeserve.engine.backend.native.cache_dir", lambda: str(tmp_path))
+    flags = tuple(f for f in native.FLAGS if f != "-march=native") + (f"-march={march}",)
+    lib = native._declare(ctypes.CDLL(str(native._build(native.compiler() or "g++", flags))))
+    assert lib.pipeserve_isa() == (1 if march == "skylake-avx512" else 0)
+    gen = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows, n, k = 13, 70, 517
+        x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        packed = native.pack_weight(w)
+        out = torch.empty(rows, n)
+        fn = lib.pipeserve_packed_linear if dtype == torch.float32 else lib.pipeserve_packed_linear_bf16
+        fn(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(), out.data_ptr(), rows, n, k, 1)
+        torch.testing.assert_close(out, native.packed_linear(x, packed, b, n), atol=1e-4, rtol=1e-4)

@@ -40,7 +40,10 @@ from pipeserve.config import cache_dir
 
 # "pipeserve compiled" is the default (the native step for dense fp32 models); "pipeserve inductor"
 # the same engine with the native step switched off, so that Inductor compiles the step.
-SYSTEMS = ("pipeserve compiled", "pipeserve inductor", "pipeserve eager", "hf generate", "llama.cpp")
+# "pipeserve bf16" the default engine with the model in bf16 (weights and cache), not run by default.
+SYSTEMS = ("pipeserve compiled", "pipeserve inductor", "pipeserve eager", "hf generate", "llama.cpp",
+           "pipeserve bf16")
+DEFAULT_SYSTEMS = SYSTEMS[:5]
 LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python release whose converter this bench runs
 
 
@@ -53,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (medians reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: "
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated subset of: "
                         + ", ".join(SYSTEMS))
     parser.add_argument("--llama-cpp-src", help="an unpacked llama-cpp-python source package (its "
                         "vendored llama.cpp converts the checkpoint to GGUF); default: downloaded once "
@@ -107,7 +110,8 @@ def pipeserve_runner(model_dir: str, system: str, batch: int, new_tokens: int) -
     from pipeserve.engine import LLM, SamplingParams
 
     executor = {"pipeserve eager": "eager", "pipeserve inductor": "compiled"}.get(system, "auto")
-    llm = LLM(model_dir, device="cpu", dtype="float32", step_executor=executor, max_num_seqs=max(batch, 1),
+    dtype = "bfloat16" if system == "pipeserve bf16" else "float32"
+    llm = LLM(model_dir, device="cpu", dtype=dtype, step_executor=executor, max_num_seqs=max(batch, 1),
               cpu_threads=torch.get_num_threads(), prefix_caching=False)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
 

@@ -1,4 +1,5 @@
-"""fp32 linear layers on the CPU through the native packed product.
+"""fp32 and bf16 linear layers on the CPU: the native packed product for few rows, oneDNN's GEMM
+for many, chosen per row count from the measured table (backend/cpu_gemm.py).
 
 F.linear runs MKL, which takes the weight as it lies ([N, K]) and repacks it on every call. For one
 row it streams the weight at memory speed; for the few to few dozen rows of a decode step it is
@@ -6,9 +7,13 @@ several times slower per byte (on the 2-core development machine, over weights t
 caches, a [2816, 512] weight took 248 µs for one row, 933 for 8 and 1,118 for 32). Packed once at
 load time into panels of 16 output columns (backend/native.py, csrc/packed_gemm.cpp), the product
 needs no repacking and no horizontal sums: 375 and 642 µs there, 0.4-0.8x F.linear's time at 4-32
-rows, 0.6-1.0x at one to three, level from a few hundred rows on (`pipeserve bench cpu-ops`;
-docs/engine.md). So every row count takes it, and the layer keeps only the packed copy (the
-weight's bytes, rounded up to 16 output rows): no second copy of the model.
+rows, 0.6-1.0x at one to three (`pipeserve bench cpu-ops`; docs/engine.md). bf16 weights are packed
+as bf16 (half the bytes a decode step streams) and multiplied with fp32 accumulation.
+
+Once a product is compute-bound a cache-blocked GEMM wins: where the table says oneDNN beats the
+packed product for this shape and dtype, the layer also keeps the weight in oneDNN's layout
+(reordered once) and rows from `gemm_from` on take it. Where it never wins, the layer keeps only
+the packed copy (the weight's bytes, rounded up to 16 output rows).
 """
 
 from __future__ import annotations
@@ -16,45 +21,74 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import native
+from . import cpu_gemm, native
 
 MIN_ELEMENTS = 256 * 1024  # smaller weights: the call's own cost outweighs what packing gains
 
 
 class CpuLinear(nn.Module):
-    """nn.Linear with its weight packed for the native product (the [N, K] weight is not kept)."""
+    """nn.Linear with its weight packed for the native product (the [N, K] weight is not kept), and
+    in oneDNN's layout too where the measured table gives the GEMM a row count from which it wins."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemm_from: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
         self.packed: torch.Tensor
         self.register_buffer("packed", native.pack_weight(linear.weight))
         self.bias = linear.bias  # [N], contiguous as nn.Linear makes it
+        # The packed product adds an fp32 bias; a bf16 layer keeps an fp32 copy of its own.
+        self.bias_f32: torch.Tensor | None
+        self.register_buffer("bias_f32", None if linear.bias is None else linear.bias.detach().float())
+        self.gemm_from = gemm_from  # rows from which the GEMM runs (None: never)
+        self.reordered: torch.Tensor | None
+        reordered = None if gemm_from is None else cpu_gemm.reorder(linear.weight, gemm_from)
+        self.register_buffer("reordered", reordered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = native.packed_linear(rows, self.packed, self.bias, self.out_features)
+        if self.reordered is not None and self.gemm_from is not None and rows.shape[0] >= self.gemm_from:
+            out = cpu_gemm.linear(rows.to(self.dtype), self.reordered, self.bias)
+        else:
+            out = native.packed_linear(rows, self.packed, self.bias_f32, self.out_features).to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, "
+                f"dtype={self.dtype}, gemm_from={self.gemm_from}")
 
 
 def swaps(module: nn.Module) -> bool:
-    """Whether use_cpu_linears swaps this module: a plain fp32 nn.Linear on the CPU whose weight is
-    large enough for the native product to gain, on a host where the native kernels run."""
-    return (type(module) is nn.Linear and module.weight.dtype == torch.float32
+    """Whether use_cpu_linears swaps this module: a plain fp32 or bf16 nn.Linear on the CPU whose
+    weight is large enough for the native product to gain, on a host where the native kernels run."""
+    return (type(module) is nn.Linear and module.weight.dtype in native.PACKED_DTYPES
             and module.weight.device.type == "cpu" and module.weight.numel() >= MIN_ELEMENTS
             and native.available())
 
 
 def use_cpu_linears(model: nn.Module) -> int:
-    """Swap every layer swaps() accepts for a CpuLinear (the weight packed; the original freed); the
-    number swapped. An untied LM head is one of them; a tied one is the embedding, which stays."""
+    """Swap every layer swaps() accepts for a CpuLinear (the weight packed, and reordered for the
+    GEMM where the table says; the original freed); the number swapped. An untied LM head is one
+    of them; a tied one is the embedding, which stays."""
     targets = [(name, m) for name, m in model.named_modules() if swaps(m)]
+    table = cpu_gemm.table()
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         assert isinstance(module, nn.Linear)
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, CpuLinear(module))
+        gemm_from = table.gemm_from(module.out_features, module.in_features, module.weight.dtype)
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, CpuLinear(module, gemm_from))
     return len(targets)
+
+
+def gemm_rows(linears: list[CpuLinear]) -> int | None:
+    """The fewest rows at which most of these layers' weight (by elements) takes the GEMM: from
+    there a step runs faster per op than through the packed product alone (None: never)."""
+    total = sum(m.in_features * m.out_features for m in linears)
+    covered = 0
+    for m in sorted((m for m in linears if m.gemm_from is not None), key=lambda m: m.gemm_from or 0):
+        covered += m.in_features * m.out_features
+        if 2 * covered > total:
+            return m.gemm_from
+    return None

@@ -1,7 +1,9 @@
 """The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
-through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), the fp32
-product with a weight packed at load time (csrc/packed_gemm.cpp), and a whole decode step of a dense
-fp32 model built from them (csrc/decode_step.cpp, driven by engine/executor/native.py).
+through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), the product
+with an fp32 or bf16 weight packed at load time (csrc/packed_gemm.cpp; fp32 accumulation), and a
+whole step of a dense fp32 or bf16 model built from them (csrc/decode_step.cpp, driven by
+engine/executor/native.py). Which instructions the products use follows from the host's flags at
+build time (`isa()`, logged when the library loads).
 
 Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
@@ -100,6 +102,7 @@ def _load() -> ctypes.CDLL | None:
         log.warning("building the native CPU kernels failed; attention runs on torch ops: %s", detail)
         return None
     _lib = _declare(lib)
+    log.info("native CPU kernels: %s", isa())
     return _lib
 
 
@@ -115,6 +118,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_pack_weight.restype = None
     lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.pipeserve_packed_linear.restype = None
+    lib.pipeserve_pack_weight_bf16.argtypes = [ptr, i64, i64, ptr]
+    lib.pipeserve_pack_weight_bf16.restype = None
+    lib.pipeserve_packed_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.pipeserve_packed_linear_bf16.restype = None
+    lib.pipeserve_isa.argtypes = []
+    lib.pipeserve_isa.restype = i32
     lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
                                           i64, ptr, i32, ptr, ptr, i32]
     lib.pipeserve_decode_step.restype = None
@@ -124,6 +133,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def available() -> bool:
     """Whether the native kernels are built and loaded."""
     return _load() is not None
+
+
+def isa() -> str:
+    """Which instructions the packed products run, as the build for this host's CPU flags chose."""
+    lib = _load()
+    if lib is None:
+        return "not built"
+    bits = lib.pipeserve_isa()
+    fp32 = "AVX-512F" if bits & 1 else "portable loops"
+    bf16 = "AVX512-BF16 dot products" if bits & 2 else "portable loops"
+    return f"fp32 products on {fp32}, bf16 products on {bf16}"
 
 
 def _rows_packed(x: torch.Tensor) -> bool:
@@ -144,15 +164,24 @@ def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             and _rows_packed(k) and _rows_packed(v) and available())
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 CPU weight [N, K] in packed_linear's layout: ceil(N / 16) panels of [K, 16] (zeros
-    past N), flat. Call when available()."""
+    """An fp32 or bf16 CPU weight [N, K] in packed_linear's layout, flat, in its dtype: fp32 as
+    ceil(N / 16) panels of [K, 16]; bf16 as ceil(N / 16) panels of [ceil(K / 2), 16, 2] (pairs of k
+    per output column); zeros past N and K. Call when available()."""
     lib = _lib
-    assert lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    assert lib is not None and weight.dtype in PACKED_DTYPES and weight.device.type == "cpu"
     w = weight.detach().contiguous()
     n, k = w.shape
-    packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
-    lib.pipeserve_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
+    panels = -(-n // PANEL) * PANEL
+    if w.dtype == torch.float32:
+        packed = torch.empty(panels * k, dtype=torch.float32)
+        lib.pipeserve_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
+    else:
+        packed = torch.empty(panels * (k + k % 2), dtype=torch.bfloat16)
+        lib.pipeserve_pack_weight_bf16(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
@@ -160,18 +189,21 @@ def _packed_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
                         n: int) -> torch.Tensor:
     lib = _lib
     assert lib is not None
+    if x.dtype != torch.float32:
+        x = x.float()
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, k = x.shape
     out = torch.empty((rows, n), dtype=torch.float32)
-    lib.pipeserve_packed_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,
-                                torch.get_num_threads())
+    fn = lib.pipeserve_packed_linear if packed.dtype == torch.float32 else lib.pipeserve_packed_linear_bf16
+    fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+       out.data_ptr(), rows, n, k, torch.get_num_threads())
     return out
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """F.linear of fp32 rows x [M, K] with the weight [n, K] that pack_weight packed; bias [n],
+    """F.linear of rows x [M, K] with the weight [n, K] that pack_weight packed (fp32 or bf16), in
+    fp32 (rows taken as fp32; a bf16 weight's product rounds them to bf16); bias [n] fp32,
     contiguous, or None."""
     if torch.compiler.is_compiling():
         out: torch.Tensor = torch.ops.pipeserve.native_packed_linear(x, packed, bias, n)
@@ -254,7 +286,7 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table
 
 @torch.library.register_fake("pipeserve::native_packed_linear")  # type: ignore[untyped-decorator]
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], n))
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
 @torch.library.register_fake("pipeserve::native_store_kv")  # type: ignore[untyped-decorator]

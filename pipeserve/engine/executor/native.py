@@ -1,4 +1,4 @@
-"""The native step: a step of a dense fp32 Llama-family model on the CPU as one native call.
+"""The native step: a step of a dense fp32 or bf16 Llama-family model on the CPU as one native call.
 
 backend/csrc/decode_step.cpp runs the whole forward pass of a batch of rows (embedding, every
 layer, the final norm, and the logits where the LM head is packed) over the model's own packed
@@ -10,13 +10,16 @@ quarter of the step (docs/engine.md). Here one ctypes call replaces them.
 
 It covers what the per-op forward pass computes for the dense models (Llama, Mistral, Qwen2): fused
 qkv with its bias, rotate-half rotary embedding over the model's table (any scaling), sliding
-windows per layer, grouped-query attention and the SiLU-gated MLP, in fp32 with an fp32 cache.
-Anything else (quantized weights or cache, mixtures of experts and their q/k norms, other dtypes,
-hosts without a C++ compiler) takes Inductor's compiled step: `unsupported` says why, from what
+windows per layer, grouped-query attention and the SiLU-gated MLP, with fp32 or bf16 weights (the
+products accumulate in fp32; activations stay fp32 between them) and an fp32 or bf16 cache.
+Anything else (quantized weights or cache, mixtures of experts and their q/k norms, fp16, hosts
+without a C++ compiler) takes Inductor's compiled step: `unsupported` says why, from what
 model/llama.py declares the native step mirrors (NATIVE_STEP).
 
 Each row runs as itself (nothing is padded, nothing to compile beyond the kernels' C++), so merged
-steps (decode rows beside a prefill chunk of up to NATIVE_MERGED_ROWS rows) run native too.
+steps (decode rows beside a prefill chunk of up to NATIVE_MERGED_ROWS rows) run native too. Steps of
+as many rows as the measured table says oneDNN's GEMM wins at for most of the model's weight
+(backend/cpu_gemm.py, backend/cpu_linear.py's gemm_rows) run per op instead, where the layers take it.
 
 Linear layers that backend/cpu_linear.py packed are used as they are; smaller ones (left unpacked
 there, where a call of their own would cost more than packing gains) are packed here, once.
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from pipeserve.engine.backend import native
-from pipeserve.engine.backend.cpu_linear import CpuLinear
+from pipeserve.engine.backend.cpu_linear import CpuLinear, gemm_rows
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.model.llama import MLP, NATIVE_STEP, DecoderLayer, LlamaForCausalLM
 
@@ -43,11 +46,13 @@ from .buffers import StepBuffers
 from .flat import FlatBatch
 from .padded import select_rows
 
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # decode_step.cpp's kCacheDtype codes
 # One layer's entries in the table the C++ step reads, in decode_step.cpp's LayerField order.
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache",
                 "window")
 # The model's sizes, in decode_step.cpp's Dim order.
-DIMS = ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "layers", "rot_dim", "page_size")
+DIMS = ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "layers", "rot_dim", "page_size",
+        "weight_dtype", "cache_dtype")
 # Rows a native step takes at least, so that merged steps (decode rows beside a short prompt or a
 # chunk of one) run native too; a longer chunk runs eager, where prefill attention reads each page
 # once per chunk instead of once per row (docs/engine.md has the measurements).
@@ -70,10 +75,13 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     """Why the native step cannot run this model over this pool; None when it can."""
     if not model.backend.native_step or not native.available():
         return "the native kernels are not built for this backend here"
-    if pool.kv is None or pool.kv.dtype != torch.float32 or pool.kv_cache_dtype != "auto":
-        return "the KV cache is not fp32"
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
-        return "the weights are not fp32 on the CPU"
+    if pool.kv is None or pool.kv.dtype not in CACHE_DTYPES or pool.kv_cache_dtype != "auto":
+        return "the KV cache is neither fp32 nor bf16"
+    dtypes = {p.dtype for p in (*model.parameters(), *_packed(model)) if p.is_floating_point()}
+    if len(dtypes) != 1 or dtypes.pop() not in native.PACKED_DTYPES:
+        return "the weights are not all fp32 or all bf16"
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return "the weights are not on the CPU"
     cfg = model.config
     refusal = NATIVE_STEP.refusal(cfg)  # a feature of the model the step does not mirror
     if refusal is not None:
@@ -91,6 +99,16 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     return None
 
 
+def _packed(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """The packed weights of the model's CpuLinears (buffers, not parameters)."""
+    return [m.packed for m in model.modules() if isinstance(m, CpuLinear)]
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An fp32 view or copy, for the step's norms, biases and rotary table."""
+    return None if t is None else t.detach().float().contiguous()
+
+
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -104,18 +122,19 @@ class NativeStep:
         assert reason is None, reason
         cfg = model.config
         self.model = model
-        self._packed: list[torch.Tensor] = []  # packed here (small layers): kept alive with the step
+        self._packed: list[torch.Tensor] = []  # packed or converted here: kept alive with the step
+        self.dtype = model.embed_tokens.weight.dtype
         caches = pool.layer_views()
         rows = []
         for layer, cache in zip(_layers(model), caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP)
             entries = {
-                "input_norm": layer.input_layernorm.weight,
+                "input_norm": self._keep(_f32(layer.input_layernorm.weight)),
                 "qkv": self._panels(attn.qkv_proj),
-                "qkv_bias": attn.qkv_proj.bias,
+                "qkv_bias": self._keep(_f32(attn.qkv_proj.bias)),
                 "o": self._panels(attn.o_proj),
-                "post_norm": layer.post_attention_layernorm.weight,
+                "post_norm": self._keep(_f32(layer.post_attention_layernorm.weight)),
                 "gate_up": self._panels(mlp.gate_up_proj),
                 "down": self._panels(mlp.down_proj),
                 "k_cache": cache.k,
@@ -124,9 +143,12 @@ class NativeStep:
             window = attn.sliding_window or 0
             rows.append([_address(entries.get(name)) for name in LAYER_FIELDS[:-1]] + [window])
         self.layers = torch.tensor(rows, dtype=torch.int64)
+        assert pool.kv is not None
         sizes = {"hidden": cfg.hidden_size, "q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                  "head_dim": cfg.head_dim, "inter": cfg.intermediate_size, "layers": cfg.num_layers,
-                 "rot_dim": model.cos_sin.shape[-1], "page_size": pool.page_size}
+                 "rot_dim": model.cos_sin.shape[-1], "page_size": pool.page_size,
+                 "weight_dtype": int(self.dtype == torch.bfloat16),
+                 "cache_dtype": CACHE_DTYPES[pool.kv.dtype]}
         self.dims = torch.tensor([sizes[name] for name in DIMS], dtype=torch.int64)
         self.hidden = torch.empty(max_rows, cfg.hidden_size)  # the final norm's output
         self.seconds = 0.0  # spent inside the native call (a profiler sees no operator there)
@@ -139,10 +161,16 @@ class NativeStep:
         # Fixed for the step's life: converted to ctypes once, not per call.
         self._fixed = (
             *(ctypes.c_void_p(_address(t)) for t in (
-                self.dims, self.layers, model.embed_tokens.weight, model.norm.weight, model.cos_sin)),
+                self.dims, self.layers, model.embed_tokens.weight, self._keep(_f32(model.norm.weight)),
+                self._keep(_f32(model.cos_sin)))),
             ctypes.c_float(cfg.rms_norm_eps), ctypes.c_float(cfg.head_dim**-0.5),
             ctypes.c_void_p(_address(head)), cfg.vocab_size,
             ctypes.c_void_p(self.hidden.data_ptr()), ctypes.c_void_p(_address(self.logits)))
+
+    def _keep(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is not None:
+            self._packed.append(t)
+        return t
 
     def _head_panels(self, model: LlamaForCausalLM) -> torch.Tensor | None:
         """The LM head packed, or None (its product stays with torch). A tied head is copied packed
@@ -189,7 +217,7 @@ class NativeStep:
         if self.logits is not None:
             return self.logits[:n]
         with torch.inference_mode():
-            out: torch.Tensor = _LOGITS(self.model, self.hidden[:n])
+            out: torch.Tensor = _LOGITS(self.model, self.hidden[:n].to(self.dtype))
         return out
 
 
@@ -200,7 +228,11 @@ class NativeExecutor:
     mode = NATIVE
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, buffers: StepBuffers, max_rows: int) -> None:
-        self.max_rows = max(max_rows, NATIVE_MERGED_ROWS)
+        # From the row count at which the GEMM wins for most of the weight, steps run per op.
+        gemm = gemm_rows([m for m in _linears(model) if isinstance(m, CpuLinear)])
+        self.max_rows = max(max_rows, NATIVE_MERGED_ROWS) if gemm is None else min(
+            max(max_rows, NATIVE_MERGED_ROWS), gemm - 1)
+        self.gemm_rows = gemm
         self.buffers = buffers
         self.pool = pool
         self.step = NativeStep(model, pool, self.max_rows)

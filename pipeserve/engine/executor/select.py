@@ -66,7 +66,8 @@ def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPo
             raise ValueError(f"--step-executor compiled: {no_compiled}")
         return compiled, "requested"
     if no_native is None:
-        return NATIVE, f"dense fp32 {model.config.architecture}, {torch.get_num_threads()} threads"
+        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        return NATIVE, f"dense {dtype} {model.config.architecture}, {torch.get_num_threads()} threads"
     if compiled is not None:
         return compiled, f"native step: {no_native}"
     return EAGER, no_compiled
@@ -89,5 +90,7 @@ def select_executor(plan: StepPlan, *, backend: Backend, model: LlamaForCausalLM
     else:
         executor = EagerStep(model=model, pool=pool, buffers=buffers, max_rows=plan.max_rows)
     rows = "" if mode == EAGER else f"; steps of up to {executor.max_rows} rows, larger ones eager"
+    if isinstance(executor, NativeExecutor) and executor.gemm_rows is not None:
+        rows += f" (from {executor.gemm_rows} rows oneDNN's GEMM wins, per the measured table)"
     log.info("step (%s): %s (%s%s)", role, mode, why, rows)
     return executor

@@ -110,8 +110,9 @@ def quantize_experts(experts: nn.Module, method: str, backend: Backend) -> nn.Mo
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight the model holds (parameters and persistent buffers: codes, scales,
-    zero points), each shared tensor once."""
+    zero points; a oneDNN-reordered copy, which has no storage to point at, by its own identity),
+    each shared tensor once."""
     seen: dict[int, int] = {}
     for tensor in model.state_dict(keep_vars=True).values():
-        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        seen[id(tensor) if tensor.is_mkldnn else tensor.data_ptr()] = tensor.numel() * tensor.element_size()
     return sum(seen.values())

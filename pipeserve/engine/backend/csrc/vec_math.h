@@ -27,4 +27,20 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// bf16 <-> fp32 (bf16 weights, caches and the activations a bf16 product rounds).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion (NaN kept a quiet NaN).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 }  // namespace pipeserve

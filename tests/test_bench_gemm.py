@@ -1,0 +1,37 @@
+"""`pipeserve bench gemm`: both CPU products timed by row count, the crossover table written for this
+host's CPU class (other classes kept), and recomputed from a saved run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeserve import cli
+from pipeserve.engine.backend import cpu_gemm, native
+
+pytestmark = pytest.mark.skipif(not native.available() or not cpu_gemm.available(),
+                                reason="needs the native kernels and torch with oneDNN")
+
+
+@pytest.mark.slow  # torch.matmul's large product in every round
+def test_bench_gemm_writes_the_table_and_recomputes_it(tmp_path, monkeypatch) -> None:
+    table = tmp_path / "cpu_gemm_table.json"
+    table.write_text(json.dumps({"other-class": {"command": "pipeserve bench gemm", "entries": []}}))
+    monkeypatch.setattr(cpu_gemm, "TABLE", table)
+    out = tmp_path / "gemm.json"
+    argv = ["bench", "gemm", "--shapes", "512x256", "--rows", "1,4", "--repeats", "1", "--with-matmul",
+            "--json", str(out), "--write-table"]
+    assert cli.main(argv) == 0
+    run = json.loads(out.read_text())
+    assert [(e["dtype"], e["n"], e["k"], e["rows"]) for e in run["shapes"]] == [
+        ("float32", 512, 256, [1, 4]), ("bfloat16", 512, 256, [1, 4])]
+    assert all(len(e["matmul_GFLOPs"]) == 2 and len(e["best_over_matmul"]) == 2 for e in run["shapes"])
+    written = json.loads(table.read_text())
+    mine = written[cpu_gemm.cpu_class()]
+    assert "other-class" in written and mine["command"].startswith("pipeserve bench gemm --shapes 512x256")
+    assert [e["gemm_from"] for e in mine["entries"]] == [e["gemm_from"] for e in run["shapes"]]
+    # The crossovers again from the saved run, nothing measured: the same entries.
+    table.write_text("{}")
+    assert cli.main(["bench", "gemm", "--from-json", str(out), "--write-table"]) == 0
+    assert json.loads(table.read_text())[cpu_gemm.cpu_class()]["entries"] == mine["entries"]
