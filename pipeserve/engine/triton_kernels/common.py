@@ -6,7 +6,6 @@ wrapper that falls back to one fixed config under TRITON_INTERPRET=1 (autotune n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -17,7 +16,8 @@ import triton.language as tl
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels in its interpreter (Triton's own setting, not ours to choose)."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 _TL_DTYPES = {
