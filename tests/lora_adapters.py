@@ -35,7 +35,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             out.append(ids[0, len(p):].tolist())
     return out

@@ -53,7 +53,8 @@ def stories_adapters(stories_dir: str, tmp_path_factory: pytest.TempPathFactory)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_matches_peft_tiny_models(kind: str, tiny_model, tmp_path) -> None:
     model_dir = tiny_model(kind)
-    requests, refs, base = reference(model_dir, str(tmp_path), [(8, ALL_LINEAR, False), (16, ATTENTION, False)])
+    specs = [(8, ALL_LINEAR, False), (16, ATTENTION, False)]
+    requests, refs, base = reference(model_dir, str(tmp_path), specs)
     llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=64)
     for request, ref in zip(requests, refs, strict=True):
         assert tokens(llm, PROMPTS, request) == ref, request.lora_name
