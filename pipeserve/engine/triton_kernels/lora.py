@@ -28,7 +28,7 @@ BLOCK_M = 16  # segment rows per SGMV program
 
 
 @triton.jit
-def _bgmv_shrink(x, a, out, slots, K, N, stride_x, stride_as, stride_an, stride_o,
+def _bgmv_shrink_kernel(x, a, out, slots, K, N, stride_x, stride_as, stride_an, stride_o,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     s = tl.load(slots + t).to(tl.int64)
@@ -45,7 +45,7 @@ def _bgmv_shrink(x, a, out, slots, K, N, stride_x, stride_as, stride_an, stride_
 
 
 @triton.jit
-def _bgmv_expand(xa, b, y, slots, N, OUT, stride_xa, stride_bs, stride_bn, stride_y,
+def _bgmv_expand_kernel(xa, b, y, slots, N, OUT, stride_xa, stride_bs, stride_bn, stride_y,
                  BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
     t = tl.program_id(0)
     s = tl.load(slots + t).to(tl.int64)
@@ -62,7 +62,7 @@ def _bgmv_expand(xa, b, y, slots, N, OUT, stride_xa, stride_bs, stride_bn, strid
 
 
 @triton.jit
-def _sgmv_shrink(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as, stride_an, stride_o,
+def _sgmv_shrink_kernel(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as, stride_an, stride_o,
                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     g = tl.program_id(0)
@@ -86,7 +86,7 @@ def _sgmv_shrink(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as, stride
 
 
 @triton.jit
-def _sgmv_expand(xa, b, y, bounds, seg_slots, N, OUT, stride_xa, stride_bs, stride_bn, stride_y,
+def _sgmv_expand_kernel(xa, b, y, bounds, seg_slots, N, OUT, stride_xa, stride_bs, stride_bn, stride_y,
                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
     g = tl.program_id(0)
@@ -116,14 +116,16 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tenso
     out = torch.empty((t, n), dtype=torch.float32, device=x.device)
     block_n = pow2(n, 16)
     if rows.num_gathered:
-        _bgmv_shrink[(rows.num_gathered,)](x, a, out, rows.slots, k_in, n, x.stride(0), a.stride(0),
-                                           a.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=BLOCK_K)
+        _bgmv_shrink_kernel[(rows.num_gathered,)](x, a, out, rows.slots, k_in, n, x.stride(0), a.stride(0),
+                                                  a.stride(1), out.stride(0), BLOCK_N=block_n,
+                                                  BLOCK_K=BLOCK_K)
     if rows.seg_bounds is not None and rows.seg_slots is not None and rows.max_seg_len:
         compute = compute_dtype(x.dtype)
         grid = (rows.seg_slots.shape[0], triton.cdiv(rows.max_seg_len, BLOCK_M))
-        _sgmv_shrink[grid](x, a, out, rows.seg_bounds, rows.seg_slots, k_in, n, x.stride(0), a.stride(0),
-                           a.stride(1), out.stride(0), COMPUTE=compute, PRECISION=dot_precision(compute),
-                           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
+        _sgmv_shrink_kernel[grid](x, a, out, rows.seg_bounds, rows.seg_slots, k_in, n, x.stride(0),
+                                  a.stride(0), a.stride(1), out.stride(0), COMPUTE=compute,
+                                  PRECISION=dot_precision(compute), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                  BLOCK_K=BLOCK_K)
     return out
 
 
@@ -133,15 +135,16 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, rows: LoRARo
     block_n = pow2(n, 16)
     if rows.num_gathered:
         grid = (rows.num_gathered, triton.cdiv(d_out, BLOCK_OUT))
-        _bgmv_expand[grid](xa, b, y, rows.slots, n, d_out, xa.stride(0), b.stride(0), b.stride(1),
-                           y.stride(0), BLOCK_N=block_n, BLOCK_O=BLOCK_OUT)
+        _bgmv_expand_kernel[grid](xa, b, y, rows.slots, n, d_out, xa.stride(0), b.stride(0), b.stride(1),
+                                  y.stride(0), BLOCK_N=block_n, BLOCK_O=BLOCK_OUT)
     if rows.seg_bounds is not None and rows.seg_slots is not None and rows.max_seg_len:
         compute = compute_dtype(y.dtype)
         grid3 = (rows.seg_slots.shape[0], triton.cdiv(rows.max_seg_len, BLOCK_M),
                  triton.cdiv(d_out, BLOCK_OUT))
-        _sgmv_expand[grid3](xa, b, y, rows.seg_bounds, rows.seg_slots, n, d_out, xa.stride(0), b.stride(0),
-                            b.stride(1), y.stride(0), COMPUTE=compute, PRECISION=dot_precision(compute),
-                            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_O=BLOCK_OUT)
+        _sgmv_expand_kernel[grid3](xa, b, y, rows.seg_bounds, rows.seg_slots, n, d_out, xa.stride(0),
+                                   b.stride(0), b.stride(1), y.stride(0), COMPUTE=compute,
+                                   PRECISION=dot_precision(compute), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                   BLOCK_O=BLOCK_OUT)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> None:
