@@ -270,6 +270,8 @@ def check_choices(obj: Any) -> None:
 
 # The EngineConfig fields a tokenizer or detokenizer process reads: which tokenizer, and the context.
 TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "chat_template", "max_model_len", "rope_scaling")
+# The EngineConfig fields the gateway reads besides: the LoRA adapters it names and validates.
+LORA_FIELDS = ("enable_lora", "lora_modules", "max_lora_rank", "allow_runtime_lora")
 
 
 def cache_dir() -> str:
