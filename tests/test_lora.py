@@ -212,3 +212,16 @@ def test_validation_names_the_file_and_field(stories_adapters, tmp_path) -> None
         validate(str(tmp_path / "nowhere"), 16)
     config, _ = validate(src, 16)
     assert (config.rank, config.scale, config.target_modules) == (8, 2.0, tuple(sorted(ATTENTION)))
+
+
+@pytest.mark.slow
+def test_triton_backend_matches_peft(stories_dir: str, stories_adapters) -> None:
+    """The Triton kernels (under the interpreter on the CPU) in whole engine steps: prefill segments
+    (SGMV) and decode rows (BGMV) of several adapters and the base."""
+    requests, refs, base = stories_adapters
+    llm = LLM(stories_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=64, backend="triton",
+              dtype="float32")
+    prompts = PROMPTS[:2] * 2
+    loras = [requests[0], requests[1], None, requests[1]]
+    expected = [refs[0][0], refs[1][1], base[0], refs[1][1]]
+    assert tokens(llm, prompts, loras) == expected
