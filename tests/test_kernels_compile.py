@@ -290,7 +290,7 @@ def _cases() -> list[tuple[str, bool, Any]]:
     for dt in dtypes:
         add(f"lora {dt}", lambda dt=dt: lora.add_lora(
             torch.zeros(70, 6144, dtype=dt), torch.zeros(70, 4096, dtype=dt),
-            torch.zeros(4, 48, 4096, dtype=dt), torch.zeros(4, 48, 6144, dtype=dt), rows))
+            torch.zeros(4, 4096, 48, dtype=dt), torch.zeros(4, 48, 6144, dtype=dt), rows))
     return cases
 
 

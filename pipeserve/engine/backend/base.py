@@ -119,8 +119,8 @@ class FusedMoEW4A16(Protocol):
 class AddLoRA(Protocol):
     def __call__(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                  rows: LoRARows) -> None:
-        """y [T, out] += each LoRA row's (x @ A_slot^T) @ B_slot, slot tables a [S, N, in] and
-        b [S, N, out] (lora_ops.py: the rows' index and the torch path)."""
+        """y [T, out] += each LoRA row's (x @ A^T_slot) @ B_slot, slot tables a [S, in, N] (A
+        transposed) and b [S, N, out] (lora_ops.py: the rows' index and the torch path)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """How PEFT's projections map onto the model's fused linear layers: q/k/v share `qkv_proj`, gate/up
 share `gate_up_proj`. A fused layer's adapter factors stack the sub-projections' ranks: A [n * R, in]
-and B [n * R, out], B block-diagonal over the sub-projections' output slices (R: max_lora_rank)."""
+(held transposed) and B [n * R, out], B block-diagonal over the sub-projections' output slices
+(R: max_lora_rank)."""
 
 from __future__ import annotations
 

@@ -22,37 +22,42 @@ def buffer_shapes(max_tokens: int, max_num_seqs: int,
     """The buffers' dtypes and largest shapes: a group index pads each of up to max_loras groups to
     the largest, at most every row."""
     i32, i64, f32 = torch.int32, torch.int64, torch.float32
-    groups = max_tokens * max_loras
+    groups = (max_tokens + 1) * max_loras
     return {
         "lora_slots": (i32, (max_tokens,)),
         "lora_group_rows": (i64, (groups,)),
         "lora_group_mask": (f32, (groups,)),
+        "lora_group_back": (i64, (max_tokens,)),
         "lora_seg_bounds": (i32, (max_num_seqs + 1,)),
         "lora_seg_slots": (i32, (max_num_seqs,)),
         "lora_sample_slots": (i32, (max_tokens,)),
         "lora_sample_group_rows": (i64, (groups,)),
         "lora_sample_group_mask": (f32, (groups,)),
+        "lora_sample_group_back": (i64, (max_tokens,)),
     }
 
 
-def _groups(rows: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """The rows of an adapter grouped by slot, each group padded to the largest (padding repeats the
-    group's first row, masked): (row index [k * L], mask [k * L], the k slots, L); None when none."""
-    use = slots >= 0
-    if not use.any():
+def _groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray] | None:
+    """Rows 0 .. slots.size grouped by slot, each group padded to the largest plus one (padding
+    repeats the group's first row, masked): (row index [k * L], mask [k * L], the k slots, L, each
+    row's position in the groups: a padded one, whose delta is zero, for rows of no adapter); None
+    when no row has an adapter."""
+    rows = np.flatnonzero(slots >= 0)
+    if not rows.size:
         return None
-    rows, slots = rows[use], slots[use]
-    order = np.argsort(slots, kind="stable")
-    rows, slots = rows[order], slots[order]
-    groups, first, counts = np.unique(slots, return_index=True, return_counts=True)
-    k, length = groups.size, int(counts.max())
+    order = np.argsort(slots[rows], kind="stable")
+    rows = rows[order]
+    groups, first, counts = np.unique(slots[rows], return_index=True, return_counts=True)
+    k, length = groups.size, int(counts.max()) + 1
     group_of = np.repeat(np.arange(k), counts)
     dest = group_of * length + (np.arange(rows.size) - first[group_of])
-    index = np.repeat(rows[first], length)  # padding: the group's first row, masked out
+    index = np.repeat(rows[first], length)
     index[dest] = rows
     mask = np.zeros(k * length, np.float32)
     mask[dest] = 1.0
-    return index, mask, groups, length
+    back = np.full(slots.size, length - 1, np.int64)  # group 0's last row: always padding
+    back[rows] = dest
+    return index, mask, groups, length, back
 
 
 class LoRAContext:
@@ -93,16 +98,25 @@ class LoRAContext:
         slots = stage(f"lora_{prefix}slots", lora.astype(np.int32))
         one = int(lora[0])
         every = one if one >= 0 and bool((lora == one).all()) else -1
-        groups = _groups(np.arange(num_gathered), lora[:num_gathered]) if every < 0 else None
-        group_rows = group_mask = group_slots = None
+        # The torch path groups every row when padding at most doubles them, else the gathered rows
+        # (and runs each segment on its own).
+        cover = lora.size
+        used = lora[lora >= 0]
+        if used.size and (np.bincount(used).max() + 1) * np.unique(used).size > 2 * lora.size:
+            cover = num_gathered
+        groups = _groups(lora[:cover]) if every < 0 else None
+        group_rows = group_mask = group_slots = group_back = None
         group_first, length = False, 0
         if groups is not None:
-            index, mask, slot_ids, length = groups
+            index, mask, slot_ids, length, back = groups
             group_rows = stage(f"lora_{prefix}group_rows", index)
             group_mask = stage(f"lora_{prefix}group_mask", mask)
+            group_back = stage(f"lora_{prefix}group_back", back)
             group_first = bool((slot_ids == np.arange(slot_ids.size)).all())
             group_slots = torch.from_numpy(slot_ids).to(slots.device)  # k ints: used only when not 0..k-1
         use = seg_slots >= 0
+        if cover == lora.size or every >= 0:
+            use[:] = False
         segments = [(int(a), int(b), int(s)) for a, b, s in zip(bounds[:-1][use], bounds[1:][use],
                                                                  seg_slots[use], strict=True)]
         seg_bounds = seg_slots_t = None
@@ -113,5 +127,6 @@ class LoRAContext:
             max_len = int(np.diff(bounds).max())
         return LoRARows(slots=slots, num_gathered=num_gathered, group_rows=group_rows, group_mask=group_mask,
                         group_slots=group_slots, group_first=group_first, group_len=length, segments=segments,
+                        group_back=group_back, group_cover=cover,
                         seg_bounds=seg_bounds, seg_slots=seg_slots_t, max_seg_len=max_len, kinds=kinds,
                         every_row_one_slot=every)

@@ -1,6 +1,6 @@
 """The device-resident slot table: for every layer and fused linear kind, the A and B factors of
-max_loras adapters, allocated once at start ([S, n * R, in] and [S, n * R, out]; a captured CUDA graph
-reads them at fixed addresses). Loading an adapter into a slot copies its host tensors in place;
+max_loras adapters, allocated once at start ([S, in, n * R] and [S, n * R, out]; a captured CUDA graph
+reads them at fixed addresses; A stored transposed). Loading an adapter into a slot copies its host tensors in place;
 the kinds it does not target are zeroed, so a stale adapter never leaks into a row."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class SlotTable:
                 n = len(SUBS[kind]) * max_rank
                 shape = shapes[kind]
                 self.tables[(layer, kind)] = (
-                    torch.zeros(num_slots, n, shape.d_in, dtype=dtype, device=device),
+                    torch.zeros(num_slots, shape.d_in, n, dtype=dtype, device=device),
                     torch.zeros(num_slots, n, shape.d_out, dtype=dtype, device=device),
                 )
         self.kinds: list[frozenset[str]] = [frozenset()] * num_slots  # what each slot's adapter targets

@@ -1,5 +1,5 @@
 """An adapter's tensors in host memory, laid out for the slot table: per (layer, fused kind) the
-stacked A [n * R, in] and B [n * R, out] (layout.py), B scaled by the adapter's alpha / r (or
+stacked A^T [in, n * R] and B [n * R, out] (layout.py), B scaled by the adapter's alpha / r (or
 alpha / sqrt(r)), ranks below R zero-padded, in the model's dtype."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class HostAdapter:
     request: LoRARequest
     rank: int
     scale: float
-    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, kind) -> (A, B)
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, kind) -> (A^T, B)
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -64,5 +64,5 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, dtype: t
                 rows = slice(j * max_rank, j * max_rank + rank)
                 a[rows] = by_module[(layer, module, "A")].float()
                 b[rows, offset:offset + size] = by_module[(layer, module, "B")].float().t() * scale
-            out[(layer, kind)] = (a.to(dtype), b.to(dtype))
+            out[(layer, kind)] = (a.t().contiguous().to(dtype), b.to(dtype))
     return HostAdapter(request, rank, scale, out)

@@ -1,5 +1,5 @@
-"""Batched LoRA as Punica's shrink/expand pair: y += (x @ A_slot^T) @ B_slot per row, the slot table
-a [S, N, in], b [S, N, out] (pipeserve/engine/lora/slots.py; N is the rank times the sub-projections
+"""Batched LoRA as Punica's shrink/expand pair: y += (x @ A^T_slot) @ B_slot per row, the slot table
+a [S, in, N] (A transposed), b [S, N, out] (pipeserve/engine/lora/slots.py; N is the rank times the sub-projections
 a fused linear stacks), the rows' index a `LoRARows` (backend/lora_ops.py).
 
 - gathered rows (decode and verification rows, BGMV): one program per row and output tile, each
@@ -28,7 +28,7 @@ BLOCK_M = 16  # segment rows per SGMV program
 
 
 @triton.jit
-def _bgmv_shrink_kernel(x, a, out, slots, K, N, stride_x, stride_as, stride_an, stride_o,
+def _bgmv_shrink_kernel(x, a, out, slots, K, N, stride_x, stride_as, stride_ak, stride_o,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     s = tl.load(slots + t).to(tl.int64)
@@ -38,7 +38,7 @@ def _bgmv_shrink_kernel(x, a, out, slots, K, N, stride_x, stride_as, stride_an, 
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-            av = tl.load(a + s * stride_as + n[:, None] * stride_an + k[None, :],
+            av = tl.load(a + s * stride_as + n[:, None] + k[None, :] * stride_ak,
                          mask=(n[:, None] < N) & (k[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(av * xv[None, :], axis=1)
     tl.store(out + t * stride_o + n, acc, mask=n < N)
@@ -62,7 +62,7 @@ def _bgmv_expand_kernel(xa, b, y, slots, N, OUT, stride_xa, stride_bs, stride_bn
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as, stride_an, stride_o,
+def _sgmv_shrink_kernel(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as, stride_ak, stride_o,
                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     g = tl.program_id(0)
@@ -78,7 +78,7 @@ def _sgmv_shrink_kernel(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as,
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x + rows[:, None].to(tl.int64) * stride_x + k[None, :],
                          mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0)
-            at = tl.load(a + s * stride_as + n[None, :] * stride_an + k[:, None],
+            at = tl.load(a + s * stride_as + n[None, :] + k[:, None] * stride_ak,
                          mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
             acc = tl.dot(xt.to(COMPUTE), at.to(COMPUTE), acc, input_precision=PRECISION)
         tl.store(out + rows[:, None].to(tl.int64) * stride_o + n[None, :], acc,
@@ -110,9 +110,10 @@ def _sgmv_expand_kernel(xa, b, y, bounds, seg_slots, N, OUT, stride_xa, stride_b
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
-    """x @ A_slot^T of every LoRA row, fp32 [T, N] (rows of no adapter left unwritten)."""
+    """x @ A^T_slot of every LoRA row, fp32 [T, N] (rows of no adapter left unwritten)."""
     t, k_in = x.shape
-    n = a.shape[1]
+    n = a.shape[2]
+    assert a.stride(2) == 1
     out = torch.empty((t, n), dtype=torch.float32, device=x.device)
     block_n = pow2(n, 16)
     if rows.num_gathered:
