@@ -36,9 +36,11 @@ BASE, PLAIN = "base", "base (engine without LoRA)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the random ~18M Llama)")
-    parser.add_argument("--adapters", default="1,4,16,64", help="distinct adapter counts (comma-separated)")
+    parser.add_argument("--adapters", default="1,4,16,64",
+                        help="distinct adapter counts (comma-separated)")
     parser.add_argument("--rank", type=int, default=8, help="adapter rank")
-    parser.add_argument("--targets", default=",".join(TARGETS_ALL), help="target modules (default: all linear)")
+    parser.add_argument("--targets", default=",".join(TARGETS_ALL),
+                        help="target modules (default: all linear)")
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (the batch)")
     parser.add_argument("--max-loras", type=int, default=0, help="slots (0: the batch)")
@@ -127,9 +129,9 @@ def main(args: argparse.Namespace) -> int:
             path = os.path.join(tmp, f"adapter{i}")
             write_adapter(path, model, args.rank, targets, args.seed + i)
             adapters.append(LoRARequest(f"adapter{i}", i + 1, path))
-        lora_engine = Engine(EngineConfig(**common, enable_lora=True, max_loras=slots,  # type: ignore[arg-type]
+        lora_engine = Engine(EngineConfig(**common, enable_lora=True, max_loras=slots,
                                           max_lora_rank=args.rank, max_cpu_loras=max(slots, max(counts))))
-        plain_engine = Engine(EngineConfig(**common))  # type: ignore[arg-type]
+        plain_engine = Engine(EngineConfig(**common))
         cases: dict[str, tuple[Any, list[Any]]] = {PLAIN: (plain_engine, []), BASE: (lora_engine, [])}
         for n in counts:
             cases[f"{n} adapters"] = (lora_engine, adapters[:n])
@@ -162,8 +164,9 @@ def main(args: argparse.Namespace) -> int:
     met = {n: summary[f"{n} adapters"]["vs_base"] >= want for n, want in TARGETS.items()
            if f"{n} adapters" in summary}
     for n, ok in met.items():
-        print(f"{n} adapters: {summary[f'{n} adapters']['vs_base']:.2f}x the base model's tokens/s on the same "
-              f"engine (target >= {TARGETS[n]}): {'met' if ok else 'NOT met'}")
+        ratio = summary[f"{n} adapters"]["vs_base"]
+        print(f"{n} adapters: {ratio:.2f}x the base model's tokens/s on the same engine (target >= "
+              f"{TARGETS[n]}): {'met' if ok else 'NOT met'}")
     if args.json:
         write_json(args.json, {"args": vars(args), "machine": machine_info(), "summary": summary,
                                "targets": TARGETS, "met": met, "runs": runs})

@@ -1,7 +1,8 @@
 """The device-resident slot table: for every layer and fused linear kind, the A and B factors of
-max_loras adapters, allocated once at start ([S, in, n * R] and [S, n * R, out]; a captured CUDA graph
-reads them at fixed addresses; A stored transposed). Loading an adapter into a slot copies its host tensors in place;
-the kinds it does not target are zeroed, so a stale adapter never leaks into a row."""
+max_loras adapters, allocated once at start ([S, in, n * R], A stored transposed, and [S, n * R, out]:
+a captured CUDA graph would read them at fixed addresses). Loading an adapter into a slot copies its
+host tensors in place; the kinds it does not target are zeroed, so a stale adapter never leaks into
+a row."""
 
 from __future__ import annotations
 

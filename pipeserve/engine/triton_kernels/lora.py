@@ -1,6 +1,6 @@
 """Batched LoRA as Punica's shrink/expand pair: y += (x @ A^T_slot) @ B_slot per row, the slot table
-a [S, in, N] (A transposed), b [S, N, out] (pipeserve/engine/lora/slots.py; N is the rank times the sub-projections
-a fused linear stacks), the rows' index a `LoRARows` (backend/lora_ops.py).
+a [S, in, N] (A transposed), b [S, N, out] (pipeserve/engine/lora/slots.py; N is the rank times the
+sub-projections a fused linear stacks), the rows' index a `LoRARows` (backend/lora_ops.py).
 
 - gathered rows (decode and verification rows, BGMV): one program per row and output tile, each
   reading its own slot: a matrix-vector product, as one row's work is;
