@@ -168,3 +168,17 @@ def test_metrics_count_swaps(cluster: LocalCluster) -> None:
         10,
         "the swaps counter",
     )
+
+
+def test_bad_lora_module_fails_at_start(stories_dir: str, adapters) -> None:
+    import subprocess
+    import sys
+
+    from pipeserve.local_cluster import ROOT, free_port
+
+    argv = [sys.executable, "-m", "pipeserve.cli", "up", "--model", stories_dir, "--enable-lora",
+            "--lora-modules", f"big={adapters['broken-rank'][0]}", "--port", str(free_port()),
+            "--http-port", str(free_port())]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--lora-modules big:" in out.stderr and "rank r=64 is above max_lora_rank=16" in out.stderr
