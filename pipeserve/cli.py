@@ -59,6 +59,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "moe": ("pipeserve.bench.moe", "MoE vs dense decode steps at the same active parameters"),
     "priority": ("pipeserve.bench.priority", "interactive requests over a batch flood: fcfs vs priority"),
+    "lora": ("pipeserve.bench.lora", "batched LoRA: 1, 4, 16, 64 adapters interleaved vs the base model"),
     "prefix": ("pipeserve.bench.prefix", "prefix caching on vs off: shared prompts, chats, no sharing"),
     "tp": ("pipeserve.bench.tp", "tensor parallelism: TP=1 vs TP=T step time, step plan over gloo vs zmq"),
     "dp": (

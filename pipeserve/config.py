@@ -124,6 +124,18 @@ class EngineConfig:
                                      "acceptance (none at large batch); false: always num_speculative_tokens")
     prompt_lookup_min: int = opt(2, "ngram: the shortest suffix looked up in the prompt and output")
     prompt_lookup_max: int = opt(4, "ngram: the longest suffix looked up (the longest match wins)")
+    enable_lora: bool = opt(False, "serve LoRA adapters (PEFT directories) of the model, batched: each "
+                            "request names its adapter (the OpenAI model field, gRPC lora) or none")
+    lora_modules: list[str] = opt(help="adapters served from the start, as NAME=PATH (PATH: a PEFT "
+                                  "directory with adapter_config.json and adapter_model.safetensors)",
+                                  factory=list)
+    max_loras: int = opt(4, "LoRA: slots of the device-resident adapter table, the most distinct "
+                         "adapters one step runs (others wait for a slot)")
+    max_lora_rank: int = opt(16, "LoRA: the largest adapter rank served (the slots' width)")
+    max_cpu_loras: int | None = opt(None, "LoRA: adapters kept in host memory, least recently used "
+                                    "evicted (those requests hold are kept); unset: max(4, --max-loras)")
+    allow_runtime_lora: bool = opt(False, "LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                   "add and remove adapters while serving")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -163,6 +175,34 @@ class EngineConfig:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
         if (self.speculative_method == "draft") != (self.draft_model is not None):
             raise ValueError("--draft-model goes with --speculative-method draft, and only with it")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(4, self.max_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if (self.lora_modules or self.allow_runtime_lora) and not self.enable_lora:
+            raise ValueError("lora_modules and allow_runtime_lora need enable_lora")
+        names = [lora_module(m)[0] for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported (adapters are not "
+                             "sharded across ranks)")
+        if self.enable_lora and self.quantization != "none":
+            raise ValueError(f"enable_lora with quantization {self.quantization} is not supported: LoRA "
+                             "serves unquantized base weights")
+
+
+def lora_module(spec: str) -> tuple[str, str]:
+    """A --lora-modules entry NAME=PATH -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules entries are NAME=PATH, got {spec!r}")
+    return name, path
 
 
 # The devices an engine runs on (torch's names); auto picks cuda when present.
@@ -230,6 +270,8 @@ def check_choices(obj: Any) -> None:
 
 # The EngineConfig fields a tokenizer or detokenizer process reads: which tokenizer, and the context.
 TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "chat_template", "max_model_len", "rope_scaling")
+# The EngineConfig fields the gateway reads besides: the LoRA adapters it names and validates.
+LORA_FIELDS = ("enable_lora", "lora_modules", "max_lora_rank", "allow_runtime_lora")
 
 
 def cache_dir() -> str:
@@ -422,6 +464,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, only: tuple[str, .
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
                                else {"type": kind, "metavar": kind.__name__.upper()})
+        if typing.get_origin(hint) is list:  # one flag, several values
+            how = {"type": str, "nargs": "+", "metavar": "VALUE"}
         if f.name.endswith("port"):
             how["type"] = port_number
         if f.metadata.get("choices"):
@@ -451,6 +495,9 @@ def to_argv(obj: Any, only: tuple[str, ...] | None = None) -> list[str]:
         if f.default is not MISSING and value == f.default or value is None:
             continue
         flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(value, list):
+            argv += [flag, *map(str, value)] if value else []
+            continue
         argv += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
     return argv
 

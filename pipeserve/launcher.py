@@ -179,7 +179,8 @@ def plan(
         *engine_children,
         Child("detokenizer", ["detokenizer", *tokenizer], env=others_env),
         *[Child(f"tokenizer-{i}", ["tokenizer", *tokenizer], env=others_env) for i in range(workers)],
-        Child("gateway", ["gateway", *cfg.to_argv(gateway), *tokenizer], env=others_env),
+        Child("gateway", ["gateway", *cfg.to_argv(gateway), *tokenizer,
+                          *cfg.to_argv(engine, only=cfg.LORA_FIELDS)], env=others_env),
     ]
 
 

@@ -121,6 +121,11 @@ class TokenizeRequest(Message):
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template's `tools`
     logprobs_format: str = ""  # one of LOGPROBS_FORMATS: how its logprobs reach the gateway
     embed: bool = False  # an embedding request: prefill only, answered with the pooled hidden state
+    # LoRA: the adapter by name, its id (unique per load) and directory ("" / 0: the base model). The
+    # path travels with every request, so an engine reads an adapter when a request first needs it.
+    lora_name: str = ""
+    lora_id: int = 0
+    lora_path: str = ""
 
     def engine_rids(self) -> list[str]:
         """The ids of the engine requests it becomes: rid, or rid-0 ... rid-(n-1)."""
@@ -139,6 +144,9 @@ class EngineRequest(Message):
     arrival: float = 0.0
     cache_salt: str = ""
     embed: bool = False  # prefill only, no sampling: its one update carries NewRequestInfo.embedding
+    lora_name: str = ""  # as TokenizeRequest's
+    lora_id: int = 0
+    lora_path: str = ""
 
 
 @dataclass

@@ -24,7 +24,8 @@ import sys
 import traceback
 from dataclasses import asdict, replace
 
-from pipeserve.config import EngineConfig, GatewayConfig
+from pipeserve.config import EngineConfig, GatewayConfig, lora_module
+from pipeserve.lora import LoRAError, validate
 from pipeserve.model_config import ModelConfig, read_config
 from pipeserve.startup import StartupError, explain
 
@@ -114,6 +115,12 @@ def resolve(engine: EngineConfig) -> EngineConfig:
         if draft.vocab_size != vocab:
             raise StartupError(f"--draft-model {engine.draft_model}: its vocabulary has {draft.vocab_size} "
                                f"tokens, the model's {vocab}: a draft must share the model's tokenizer")
+    for spec in engine.lora_modules:  # the gateway checks them again when it starts
+        name, path = lora_module(spec)
+        try:
+            validate(path, engine.max_lora_rank)
+        except LoRAError as exc:
+            raise StartupError(f"--lora-modules {name}: {exc}") from None
     try:
         tokenizer = load_tokenizer(tokenizer_dir or model_dir, engine.chat_template)
     except (OSError, ValueError) as exc:  # FileNotFoundError, a corrupt tokenizer.json, ...

@@ -156,6 +156,7 @@ def _cases() -> list[tuple[str, bool, Any]]:
     dtype of a GEMM is its epilogue's store: one config per extra dtype)."""
     import torch
 
+    from pipeserve.engine.backend.lora_ops import LoRARows
     from pipeserve.engine.model.rope import rope_cache
     from pipeserve.engine.triton_kernels import (
         activation,
@@ -164,6 +165,7 @@ def _cases() -> list[tuple[str, bool, Any]]:
         gemm_w4a16,
         gemm_w8a8,
         kv_cache,
+        lora,
         norm,
         prefill_attention,
         quantize,
@@ -278,6 +280,17 @@ def _cases() -> list[tuple[str, bool, Any]]:
                         torch.zeros(t, hid, dtype=dt), torch.zeros(t, e, dtype=dt),
                         torch.zeros(e, 2 * inter, hid, dtype=q), torch.ones(e, 2 * inter),
                         torch.zeros(e, hid, inter, dtype=q), torch.ones(e, hid), 2, True))
+    # Batched LoRA: gathered (decode) rows and prefill segments in one step, a qkv-sized stack of
+    # rank-16 factors (3 x 16) over a 4096-wide layer.
+    i32 = torch.int32
+    rows = LoRARows(slots=torch.tensor([0, -1, 2, 1], dtype=i32), num_gathered=4, group_rows=None,
+                    group_mask=None, group_slots=None, group_first=False, group_len=0, segments=[],
+                    seg_bounds=torch.tensor([4, 40, 70], dtype=i32),
+                    seg_slots=torch.tensor([3, 0], dtype=i32), max_seg_len=36)
+    for dt in dtypes:
+        add(f"lora {dt}", lambda dt=dt: lora.add_lora(
+            torch.zeros(70, 6144, dtype=dt), torch.zeros(70, 4096, dtype=dt),
+            torch.zeros(4, 4096, 48, dtype=dt), torch.zeros(4, 48, 6144, dtype=dt), rows))
     return cases
 
 

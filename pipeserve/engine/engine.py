@@ -20,6 +20,9 @@ from pipeserve.engine.executor import EagerStep, StepPlan
 from pipeserve.engine.kv.policy import make_policy
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
 from pipeserve.engine.kv.predicted import PredictedPolicy
+from pipeserve.engine.lora import layer as lora_layer
+from pipeserve.engine.lora.manager import LoRAManager
+from pipeserve.engine.lora.rows import LoRAContext
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model
 from pipeserve.engine.model.tensor_parallel import check_shardable
@@ -38,6 +41,7 @@ from pipeserve.engine.spec.draft import DraftModel
 from pipeserve.engine.spec.ngram import NgramProposer
 from pipeserve.engine.spec.speculator import Speculator
 from pipeserve.engine.structured import StructuredOutputs
+from pipeserve.lora import LORA_RUNNING, LoRARequest
 from pipeserve.model_config import ModelConfig, generation_defaults
 from pipeserve.sampling_params import PREEMPTIONS_BY_PRIORITY, SamplingParams
 from pipeserve.startup import phase
@@ -90,6 +94,16 @@ class Engine:
         draft_per_page = kv_bytes_per_page(draft[1], self.dtype, config.page_size) if draft else 0
         self.pool = build_pool(config, shard, tp, draft_per_page, weight_bytes(draft[0]) if draft else 0)
         self.sampler = Sampler(config.max_num_seqs, model_cfg.vocab_size, self.device, config.max_logprobs)
+        self.lora: LoRAManager | None = None
+        lora_context = None
+        if config.enable_lora:  # after prepare_model (the CPU's packed linears): the adapters wrap them
+            assert config.max_cpu_loras is not None  # EngineConfig fills it in
+            self.lora = LoRAManager(cfg=model_cfg, max_loras=config.max_loras,
+                                    max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
+                                    max_num_seqs=config.max_num_seqs,
+                                    dtype=self.dtype, device=self.device)
+            lora_context = LoRAContext(self.lora)
+            lora_layer.attach(self.model, self.lora.table, lora_context, backend)
         spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         plan = StepPlan(
             requested=config.step_executor,
@@ -98,6 +112,7 @@ class Engine:
             whole_graph=config.quantization == "none" and not any(model_cfg.moe_layers or ()),
             max_cuda_graph_batch=config.max_cuda_graph_batch,
             tensor_parallel=tp is not None,
+            lora=config.enable_lora,
         )
         self.runner = ModelRunner(
             model=self.model,
@@ -110,6 +125,7 @@ class Engine:
             sampler=self.sampler,
             structured=self.structured,
             embed_normalize=config.embed_normalize,
+            lora=lora_context,
         )
         log.info("embeddings: last-token pooling of the final hidden state, %s",
                  "L2-normalised" if config.embed_normalize else "not normalised (--no-embed-normalize)")
@@ -139,6 +155,7 @@ class Engine:
             on_admit=self._on_admit,
             on_release=self._on_release,
             scheduling_policy=config.scheduling_policy,
+            adapters=self.lora,
         )
         log.info("scheduling policy: %s", config.scheduling_policy)
         self.requests: dict[str, Sequence] = {}
@@ -180,17 +197,27 @@ class Engine:
         arrival: float | None = None,
         cache_salt: str = "",
         embed: bool = False,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Its id, ids and params were validated by the caller's edge. arrival:
         time.monotonic() of its arrival (default now). cache_salt: prefix-cache pages are shared only
         among requests with the same salt. Unseeded params get a seed drawn here. embed: an
         embedding request (prefill only; its update carries the pooled, normalised last hidden state;
-        params must ask for nothing but the defaults, max_tokens 1)."""
+        params must ask for nothing but the defaults, max_tokens 1). lora: its adapter, read into host
+        memory now (LoRAError, a ValueError naming the file and field, refuses the request; nothing
+        is queued)."""
         assert rid not in self.requests, f"request_id {rid!r} is already in flight"
         assert 0 < len(prompt_ids) <= self.max_prompt_len, f"prompt of {len(prompt_ids)} tokens"
         vocab = self.model_config.vocab_size
         assert 0 <= min(prompt_ids) and max(prompt_ids) < vocab, "ids outside the vocabulary"
         assert params.max_tokens >= 1 and params.min_tokens <= params.max_tokens, "unvalidated params"
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} requested but LoRA is not enabled "
+                                 "(enable_lora)")
+            self.lora.hold(lora)
+            # Its pages hold the adapter's K/V: shared only among requests of the same adapter.
+            cache_salt = f"{cache_salt}\0lora:{lora.lora_int_id}:{lora.lora_path}"
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
@@ -204,6 +231,7 @@ class Engine:
             cache_salt,
             stop_ids=frozenset(stop),
             embed=embed,
+            lora=lora,
         )
         assert not embed or (params.max_tokens == 1 and not params.constrained
                              and params.prompt_logprobs is None), "an embedding request samples nothing"
@@ -315,6 +343,8 @@ class Engine:
         for seq in finished + self._ended:
             del self.requests[seq.rid]
             self.structured.finish(seq)
+            if self.lora is not None and seq.lora is not None:
+                self.lora.drop(seq.lora)
         self._ended = []
         if self.speculator is not None:
             self.speculator.finish(time.perf_counter() - step_start)
@@ -374,7 +404,13 @@ class Engine:
             "requests": len(self.requests),
             "steps": self.step_count,
             **(self.speculator.stats() if self.speculator else Speculator.zero_stats()),
+            **(self._lora_stats() if self.lora is not None else {}),
         }
+
+    def _lora_stats(self) -> dict[str, int]:
+        assert self.lora is not None
+        running = {f"{LORA_RUNNING}{name}": n for name, n in self.lora.running().items()}
+        return {"lora_swaps": self.lora.swaps, "lora_loads": self.lora.host.loads, **running}
 
     @property
     def tokenizer(self) -> Any:

@@ -19,6 +19,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
 from pipeserve.engine.engine import Engine
 from pipeserve.engine.sequence import one_token_updates
+from pipeserve.lora import LoRARequest
 from pipeserve.sampling_params import SamplingParams
 
 
@@ -89,14 +90,28 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, cache_salt: str = "") -> list[RequestOutput]:
+                 use_tqdm: bool = False, cache_salt: str = "",
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt (text, or token ids) to completion; outputs in prompt order. cache_salt:
-        these prompts share prefix-cache pages only with requests of the same salt."""
+        these prompts share prefix-cache pages only with requests of the same salt. lora_request:
+        the adapter of every prompt, or one per prompt (None: the base model); LLM(...,
+        enable_lora=True)."""
         batch = self._prompt_ids(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(batch)
         if len(sampling_params) != len(batch):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
+        loras = ([lora_request] * len(batch) if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(batch)} prompts")
+        if any(loras) and not self.engine.config.enable_lora:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        ids_by_name: dict[str, int] = {}
+        for lora in loras:  # one adapter per name and per id, as the engine keys them
+            if lora is not None and ids_by_name.setdefault(lora.lora_name,
+                                                           lora.lora_int_id) != lora.lora_int_id:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} given with two ids")
         requests = []
         for ids, given in zip(batch, sampling_params, strict=True):
             # Each request gets its own params object: the engine fills in an unseeded seed.
@@ -106,12 +121,26 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         texts: dict[str, RequestText] = {}
         decode, skip = make_decoder(self.tokenizer), skipped_ids(self.tokenizer)
-        for ids, params in requests:  # all valid: none is added unless every one is
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add(rid, ids, params, cache_salt=cache_salt)
-            outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
-            texts[rid] = RequestText(IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens, decode=decode, skip=skip))
+        # Every adapter read and validated (a LoRAError names the file and field) before any request is
+        # added; held meanwhile, so host memory keeps them.
+        distinct = list({lora.lora_int_id: lora for lora in loras if lora is not None}.values())
+        manager = self.engine.lora
+        held: list[LoRARequest] = []
+        try:
+            for lora in distinct:
+                assert manager is not None
+                manager.hold(lora)
+                held.append(lora)
+            for (ids, params), lora in zip(requests, loras, strict=True):  # all valid: every one is added
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add(rid, ids, params, cache_salt=cache_salt, lora=lora)
+                outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
+                texts[rid] = RequestText(IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop, params.skip_special_tokens, decode=decode, skip=skip))
+        finally:
+            for lora in held:
+                assert manager is not None
+                manager.drop(lora)
         bar = tqdm(total=len(outputs), disable=not use_tqdm, desc="generate")
         while self.engine.has_work():
             for update in one_token_updates(self.engine.step()):

@@ -36,6 +36,7 @@ import zmq
 from pipeserve import config as cfg
 from pipeserve.config import Addresses, EngineConfig, InternalAuth, engine_endpoint
 from pipeserve.engine.sequence import StepUpdate, one_token_updates
+from pipeserve.lora import LoRAError, LoRARequest
 from pipeserve.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
@@ -207,7 +208,11 @@ class EngineLoop:
         # The gateway stamps wall-clock arrival; the engine keeps time on the monotonic clock.
         arrival = time.monotonic() - max(0.0, time.time() - msg.arrival) if msg.arrival else None
         try:
-            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt, embed=msg.embed)
+            lora = LoRARequest(msg.lora_name, msg.lora_id, msg.lora_path) if msg.lora_name else None
+            self.engine.add(msg.rid, ids, msg.sampling, msg.app, arrival, msg.cache_salt, embed=msg.embed,
+                            lora=lora)
+        except LoRAError as exc:  # the adapter's directory went bad after the gateway checked it
+            self._fail(msg.rid, "INVALID_ARGUMENT", f"LoRA adapter {msg.lora_name!r}: {exc}")
         except Exception as exc:  # an assertion (a bug upstream) must fail one request, not the engine
             log.exception("adding %s failed", msg.rid)
             self._fail(msg.rid, "INTERNAL", f"engine: {exc}")

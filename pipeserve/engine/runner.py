@@ -31,6 +31,7 @@ from pipeserve.engine.executor import (
 from pipeserve.engine.executor.base import EAGER
 from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.lora.rows import LoRAContext, buffer_shapes
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.pooling import EmbedRows, embed_rows
 from pipeserve.engine.prompt_logprobs import PromptRows, PromptScores, prompt_rows, read_out
@@ -58,9 +59,10 @@ class ForwardRunner:
     """A model's forward passes: flat batch in, logits of its sample rows out."""
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, backend: Backend, device: torch.device,
-                 max_num_seqs: int, max_num_batched_tokens: int, plan: StepPlan, role: str = "model") -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, plan: StepPlan, role: str = "model",
+                 lora: LoRAContext | None = None) -> None:
         """plan: how steps run (the executor is chosen from it and the backend); role names the
-        model in the log line of that choice."""
+        model in the log line of that choice; lora: the adapters' step index, filled every step."""
         self.model, self.pool, self.device = model, pool, device
         self.page_size = pool.page_size
         decode_rows = plan.max_rows  # a compiled step runs each verification row as a decode row
@@ -84,7 +86,9 @@ class ForwardRunner:
             "sample_seq_lens": (i32, (max_tokens,)),
             "sample_offsets": (i64, (max_tokens,)),
             "patch_rows": (i64, (max_tokens,)),  # rows whose input ids are on the device (proposals)
+            **(buffer_shapes(max_tokens, max_num_seqs, lora.manager.table.num_slots) if lora else {}),
         })
+        self.lora = lora
         self.eager = EagerStep(model=model, pool=pool, buffers=self.buffers, max_rows=max_tokens)
         self.executor: StepExecutor = select_executor(plan, backend=backend, model=model, pool=pool,
                                                       buffers=self.buffers, device=device, role=role)
@@ -170,7 +174,19 @@ class ForwardRunner:
         """Logits [R, V] of flat's sample rows (None: no row samples)."""
         self.buffers.begin()
         executor = self.executor if self.executor.covers(flat) else self.eager
+        self._index_lora(flat)
         return executor.run(flat)
+
+    def _index_lora(self, flat: FlatBatch) -> None:
+        """The step's row -> adapter slot index, for the LoRA layers (once per step)."""
+        if self.lora is None:
+            return
+        cu = flat.prefill_cu_q_lens
+        chunks = int(np.searchsorted(cu, flat.num_verify_rows))  # verification chunks come first
+        self.lora.prepare(row_slots=flat.row_slots, num_gathered=flat.num_decode + flat.num_verify_rows,
+                          chunk_bounds=flat.num_decode + cu[chunks:], chunk_slots=flat.prefill_slots[chunks:],
+                          sample_rows=None if flat.every_row_read else flat.sample_rows,
+                          stage=self.buffers.stage)
 
     def forward(self, batch: ScheduledBatch,
                 device_ids: DeviceIds | None = None) -> tuple[FlatBatch, torch.Tensor | None]:
@@ -186,10 +202,11 @@ class ModelRunner(ForwardRunner):
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, backend: Backend, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, plan: StepPlan, sampler: Sampler,
-                 structured: StructuredOutputs, embed_normalize: bool = True) -> None:
+                 structured: StructuredOutputs, embed_normalize: bool = True,
+                 lora: LoRAContext | None = None) -> None:
         """embed_normalize: embedding requests' vectors are L2-normalised (pooling.py)."""
         super().__init__(model=model, pool=pool, backend=backend, device=device, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, plan=plan)
+                         max_num_batched_tokens=max_num_batched_tokens, plan=plan, lora=lora)
         self.sampler, self.structured = sampler, structured
         self.embed_normalize = embed_normalize
         self.verifier = Verifier(sampler, device)
@@ -204,6 +221,7 @@ class ModelRunner(ForwardRunner):
             flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
             sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
             sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
+        self._index_lora(read)
         hidden, logits = self.eager.forward(read)
         assert logits is not None  # extra or embeds has rows
         pooled = () if embeds is None else (

@@ -14,10 +14,22 @@ import bisect
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pipeserve.engine.kv.policy import AdmissionPolicy
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.sequence import Sequence, Status
+from pipeserve.lora import LoRARequest
+
+
+class AdapterSlots(Protocol):
+    """The LoRA slot table's holders (pipeserve/engine/lora/manager.py), as the scheduler asks it."""
+
+    def can_run(self, request: LoRARequest | None) -> bool: ...
+
+    def acquire(self, request: LoRARequest | None, request_slot: int) -> None: ...
+
+    def release(self, request: LoRARequest | None, request_slot: int) -> None: ...
 
 
 def priority_key(seq: Sequence) -> tuple[int, float]:
@@ -62,7 +74,10 @@ class Scheduler:
         on_admit: Callable[[Sequence], None],
         on_release: Callable[[Sequence], None],
         scheduling_policy: str = "fcfs",
+        adapters: AdapterSlots | None = None,
     ):
+        """adapters: with LoRA, a request is admitted only when its adapter has a slot; those whose
+        adapter finds none wait, and the requests behind them are admitted meanwhile."""
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {scheduling_policy!r}")
         self.by_priority = scheduling_policy == "priority"
@@ -70,6 +85,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.on_admit, self.on_release = on_admit, on_release  # the runner's per-slot state
+        self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -142,9 +158,13 @@ class Scheduler:
         # New requests in queue order (the head blocks those behind it); none in a step that had to
         # preempt, but the head pages were held for.
         seats = self.max_num_seqs
+        no_slot: list[Sequence] = []  # waiting for a LoRA slot: passed over this step
         while self.waiting and budget > 0 and (held or not preempted) and len(self.running) < seats:
             held = 0
             seq = self.waiting[0]
+            if self.adapters is not None and not self.adapters.can_run(seq.lora):
+                no_slot.append(self.waiting.popleft())
+                continue
             need = min(
                 self.pool.pages_for(self.policy.reservation_tokens(seq, self.max_model_len)),
                 self.pool.num_pages,
@@ -163,6 +183,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()
             seq.status = Status.RUNNING
+            if self.adapters is not None:
+                self.adapters.acquire(seq.lora, seq.slot)
             if self.pool.prefix_caching:
                 self.pool.attach(seq, root, cached, hashes)
                 self.prefix_cache_queries += seq.num_tokens
@@ -181,6 +203,7 @@ class Scheduler:
             if self.pool.prefix_caching:
                 self.pool.commit(seq, seq.num_computed + chunk)
             budget -= chunk
+        self.waiting.extendleft(reversed(no_slot))  # their places in the queue, in order
         return batch
 
     def _make_room(self) -> int:
@@ -257,6 +280,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq)
         self.on_release(seq)
+        if self.adapters is not None:
+            self.adapters.release(seq.lora, seq.slot)
         self._free_slots.append(seq.slot)
         seq.slot = -1
         self.running.remove(seq)

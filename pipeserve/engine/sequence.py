@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeserve.lora import LoRARequest
 from pipeserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Sequence:
     # pooled hidden state instead of sampling, and it finishes there ("stop", no token).
     embed: bool = False
     embedding: np.ndarray[Any, np.dtype[np.float32]] | None = None  # [hidden], L2-normalised
+    lora: LoRARequest | None = None  # its adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:

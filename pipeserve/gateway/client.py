@@ -53,12 +53,14 @@ def build_request(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    lora: str = "",
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids or chat messages (OpenAI's dicts: role, content, an
     assistant's tool_calls, a tool message's tool_call_id), and sampling keyword arguments (the
     SamplingParams field names; None means the server default). `params` supplies every field.
-    tools, tool_choice, parallel_tool_calls: as OpenAI's chat completions (function tools)."""
+    tools, tool_choice, parallel_tool_calls: as OpenAI's chat completions (function tools); lora names
+    a LoRA adapter."""
     values = params.to_dict() if params is not None else {}
     values.update({k: v for k, v in sampling.items() if v is not None})
     for name in SERVER_SET:
@@ -68,7 +70,7 @@ def build_request(
         values.pop("logit_bias", None)
     # The constraint is a oneof: set only the one given (json_object=False would select it too).
     constraint = {name: values.pop(name, None) for name in CONSTRAINTS}
-    request = pb.GenerateRequest(request_id=request_id, app=app, cache_salt=cache_salt, **values)
+    request = pb.GenerateRequest(request_id=request_id, app=app, cache_salt=cache_salt, lora=lora, **values)
     for name, value in constraint.items():
         if value is None or value is False:
             continue

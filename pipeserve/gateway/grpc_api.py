@@ -313,7 +313,7 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
         params = self.core.sampling(given)
         (stream,) = await self.core.submit(params, prompt, request.request_id or uuid.uuid4().hex,
                                            app=request.app, cache_salt=request.cache_salt,
-                                           tools=plan.tools if plan else None)
+                                           tools=plan.tools if plan else None, lora=request.lora)
         return stream, reading
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
@@ -353,6 +353,7 @@ class GrpcFrontEnd(pb_grpc.GenerationServicer):
         engines = self.core.router.engines
         out.data_parallel_size = len(engines)
         out.tensor_parallel_size = max(view.tensor_parallel_size for view in engines)
+        out.loras.extend(self.core.adapters.names())
         for i, view in enumerate(engines):
             out.engines.add(index=i, serving=view.live, running=view.stats.get("running", 0),
                             waiting=view.stats.get("waiting", 0), routed=view.routed)

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pipeserve.gateway.router import Router
+from pipeserve.lora import LORA_RUNNING
 from pipeserve.sampling_params import PREEMPTIONS_BY_PRIORITY
 
 PREFIX = "pipeserve:"
@@ -89,6 +90,7 @@ ENGINE_SERIES: dict[str, tuple[type[GaugeMetricFamily] | type[CounterMetricFamil
     "spec_decode_num_drafts": (CounterMetricFamily, "spec_verifications", "speculative decoding: "
                                "verifications (a request's proposals in one step); accepted / drafts is the "
                                "mean accepted length"),
+    "lora_swaps": (CounterMetricFamily, "lora_swaps", "LoRA adapters loaded into a slot of the device table"),
 }
 
 
@@ -109,6 +111,13 @@ def engine_families(engines: Sequence[Mapping[str, int]]) -> Iterator[Metric]:
             if key.startswith(PREEMPTIONS_BY_PRIORITY):
                 metric.add_metric([str(i), key.removeprefix(PREEMPTIONS_BY_PRIORITY)], n)
     yield metric
+    running = GaugeMetricFamily(PREFIX + "lora_running_requests", "running requests per LoRA adapter",
+                                labels=["engine", "lora_name"])
+    for i, stats in enumerate(engines):
+        for key, n in stats.items():
+            if key.startswith(LORA_RUNNING):
+                running.add_metric([str(i), key.removeprefix(LORA_RUNNING)], n)
+    yield running
     usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "fraction of the KV cache pages in use "
                               "(1 = full)", labels=["engine"])
     for i, stats in enumerate(engines):

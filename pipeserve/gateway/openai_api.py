@@ -68,6 +68,7 @@ from pipeserve.gateway.rendered_json import Logprobs, dumps
 from pipeserve.gateway.requests import MAX_TOKEN_ID, Core, Delta, ErrorCode, Prompt, Refusal, Stream
 from pipeserve.gateway.responses_api import Responses, ResponsesRequest
 from pipeserve.gateway.tool_calls import ToolOutput, ToolPlan, chat_sampling, plan_tools, read_answer
+from pipeserve.lora import LoRAError
 from pipeserve.messages import ChatMessage
 
 log = logging.getLogger("pipeserve.gateway.http")
@@ -240,6 +241,20 @@ class ChatRequest(Sampling):
         super().check_supported()
         for message in self.messages:
             message.check_supported()
+
+
+class LoadLoRABody(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRABody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's body may carry it: the name decides
 
 
 class TokenizeBody(BaseModel):
@@ -482,6 +497,8 @@ class OpenAIServer:
                       ["POST"])
         keyed = [Depends(self._check_key), Depends(_json_body)]
         app.get("/v1/models", dependencies=keyed)(self.models)
+        app.post("/v1/load_lora_adapter", dependencies=keyed)(self.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter", dependencies=keyed)(self.unload_lora_adapter)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
         app.post("/detokenize", dependencies=keyed)(self.detokenize)
         app.get("/health")(self.health)
@@ -552,8 +569,48 @@ class OpenAIServer:
         if info is None:
             return {"object": "list", "data": []}
         model = {"id": info.name, "object": "model", "created": 0, "owned_by": "pipeserve",
-                 "max_model_len": info.context_length}
-        return {"object": "list", "data": [model]}
+                 "max_model_len": info.context_length, "root": info.name, "parent": None}
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeserve",
+                     "max_model_len": info.context_length, "root": request.lora_path, "parent": info.name}
+                    for name, request in self.core.adapters.by_name.items()]
+        return {"object": "list", "data": [model, *adapters]}
+
+    # ---- LoRA adapters (--allow-runtime-lora) -------------------------------------------------------
+    def _runtime_lora(self) -> None:
+        if not self.core.adapters.runtime:
+            raise HTTPError(403, "loading and unloading LoRA adapters is off: start the server with "
+                                 "--enable-lora --allow-runtime-lora", code="lora_runtime_disabled",
+                            kind="permission_error")
+
+    async def load_lora_adapter(self, body: LoadLoRABody) -> Response:
+        """Validate the adapter's directory now (a 400 naming the file, or saying "rank"), then serve it
+        under lora_name."""
+        self._runtime_lora()
+        try:
+            # Reads two small files: off the loop.
+            await asyncio.to_thread(self.core.adapters.load, body.lora_name, body.lora_path)
+        except LoRAError as exc:
+            raise HTTPError(400, str(exc), "lora_path" if "lora_name" not in str(exc) else "lora_name",
+                            "invalid_lora_adapter") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, body: UnloadLoRABody) -> Response:
+        """Requests already admitted finish with it; new ones naming it are a 404."""
+        self._runtime_lora()
+        if not self.core.adapters.unload(body.lora_name):
+            raise HTTPError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", "lora_name",
+                            "model_not_found")
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")
+
+    def _model_or_adapter(self, requested: str | None) -> tuple[str, str]:
+        """(the model a response names, the LoRA adapter it runs: "" for the base model): the model
+        field names the base model or one of the adapters."""
+        if requested and self.core.adapters.get(requested) is not None:
+            self._model(None)  # 503 before the engine reports
+            return requested, requested
+        return self._model(requested), ""
 
     def _model(self, requested: str | None) -> str:
         info = self.core.model_info()
@@ -565,7 +622,7 @@ class OpenAIServer:
         return info.name
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        model = self._model(body.model)
+        model, lora = self._model_or_adapter(body.model)
         prompts = self._prompts(body.prompt)
         if body.max_tokens == 0 and not body.echo:
             raise HTTPError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
@@ -579,10 +636,10 @@ class OpenAIServer:
         if body.echo:
             call.prompts = [p if isinstance(p, str) else await self._decode(p) for p in prompts]
         inputs: list[Prompt] = [p if isinstance(p, str) else np.asarray(p, dtype=np.int64) for p in prompts]
-        return await self._serve(call, inputs, given, body, request)
+        return await self._serve(call, inputs, given, body, request, lora=lora)
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
-        model = self._model(body.model)
+        model, lora = self._model_or_adapter(body.model)
         if not body.messages:
             raise HTTPError(400, "messages must not be empty", "messages")
         if body.top_logprobs is not None:
@@ -606,7 +663,8 @@ class OpenAIServer:
         call = Call(True, model, [], body.n, body.logprobs, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     return_token_ids=body.return_token_ids, tools=plan,
                     reasoning=REASONING_PARSERS[reasoning] if reasoning else None)
-        return await self._serve(call, [messages], given, body, request, fit_max_tokens=max_tokens is None)
+        return await self._serve(call, [messages], given, body, request, fit_max_tokens=max_tokens is None,
+                                 lora=lora)
 
     @staticmethod
     def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
@@ -621,16 +679,18 @@ class OpenAIServer:
         return prompts
 
     async def _serve(self, call: Call, prompts: list[Prompt], given: dict[str, Any], body: Sampling,
-                     request: Request, fit_max_tokens: bool = False) -> Response:
+                     request: Request, fit_max_tokens: bool = False, lora: str = "") -> Response:
         """Submit every prompt's n engine requests, then answer as one JSON body or as a stream. A
-        stream's response starts with its first output: what fails before it is an HTTP error."""
+        stream's response starts with its first output: what fails before it is an HTTP error.
+        lora: the LoRA adapter they run ("": the base model)."""
         try:
             params = self.core.sampling(given, fit_max_tokens)
             for p, prompt in enumerate(prompts):
                 streams = await self.core.submit(params, prompt, f"{call.rid}-{p}", n=body.n,
                                                  cache_salt=body.cache_salt, fit_max_tokens=fit_max_tokens,
                                                  tools=call.tools.tools if call.tools else None,
-                                                 logprobs_format="chat" if call.chat else "completion")
+                                                 logprobs_format="chat" if call.chat else "completion",
+                                                 lora=lora)
                 call.choices += [Choice(p * body.n + i, s, tools=call.tools.output() if call.tools else None,
                                         reasoning=call.reasoning() if call.reasoning else None)
                                  for i, s in enumerate(streams)]

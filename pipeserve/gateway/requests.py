@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from pipeserve.config import ABORTED_HOLD, Addresses, GatewayConfig, InternalAuth, engine_endpoints
+from pipeserve.gateway.adapters import Adapters
 from pipeserve.gateway.health import PIPELINE, PipelineHealth, engine_index
 from pipeserve.gateway.metrics import ServingMetrics
 from pipeserve.gateway.router import Router, prefix_blocks
@@ -183,6 +184,7 @@ class Core:
         self.aborted: dict[str, float] = {}  # rid -> monotonic expiry
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.info: ModelInfo | None = None
+        self.adapters = Adapters()  # the LoRA adapters requests may name (the server sets them)
         self.router = Router(len(engine_endpoints(addrs.control)), config.dp_balance_threshold)
         self.detok_stats: dict[str, int] = {}
         self.workers: list[bytes] = []  # tokenizer workers' routing ids, in announcement order
@@ -259,14 +261,22 @@ class Core:
     async def submit(self, params: SamplingParams, prompt: Prompt, rid: str, *, n: int = 1, app: str = "",
                      cache_salt: str = "", fit_max_tokens: bool = False,
                      tools: list[dict[str, Any]] | None = None, logprobs_format: str = "",
-                     embed: bool = False) -> list[Stream]:
+                     embed: bool = False, lora: str = "") -> list[Stream]:
         """Admit a request (Refusal otherwise), open its streams and send it to be tokenized. n > 1:
         n engine requests (ids `rid-0`...) sharing one tokenization, each with its own seed stream
         (seed + i when the request has a seed). logprobs_format: how its logprobs come (messages.
         LOGPROBS_FORMATS; an OpenAI one: rendered, in its deltas' logprobs_json). embed: an embedding
-        request (gateway/embeddings.py)."""
+        request (gateway/embeddings.py). lora: the name of its LoRA adapter ("": the base model; an
+        unknown name is NOT_FOUND)."""
         try:
+            adapter = self.adapters.get(lora) if lora else None
+            if lora and adapter is None:
+                raise Refusal(ErrorCode.NOT_FOUND, f"the LoRA adapter {lora!r} does not exist" + (
+                    "" if self.adapters.enabled else " (this server runs without --enable-lora)"))
             message = self._admit(params, prompt, rid, n, app, cache_salt)
+            if adapter is not None:  # the engine keys its prefix cache by adapter too
+                message.lora_name, message.lora_id, message.lora_path = (lora, adapter.lora_int_id,
+                                                                         adapter.lora_path)
         except Refusal as refusal:
             raise self.refused(refusal) from None
         message.fit_max_tokens, message.tools = fit_max_tokens, tools

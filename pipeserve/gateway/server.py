@@ -20,9 +20,18 @@ import uvloop
 from prometheus_client import start_http_server
 
 from pipeserve import config as cfg
-from pipeserve.config import TOKENIZER_FIELDS, Addresses, EngineConfig, GatewayConfig, new_instance_id
+from pipeserve.config import (
+    LORA_FIELDS,
+    TOKENIZER_FIELDS,
+    Addresses,
+    EngineConfig,
+    GatewayConfig,
+    new_instance_id,
+)
+from pipeserve.gateway.adapters import Adapters
 from pipeserve.gateway.grpc_api import GrpcFrontEnd
 from pipeserve.gateway.requests import Core
+from pipeserve.lora import LoRAError
 from pipeserve.startup import StartupError, fail
 
 log = logging.getLogger("pipeserve.gateway")
@@ -42,6 +51,7 @@ class Gateway:
         self.config = config
         self.instance_id = instance_id or new_instance_id()
         self.core = Core(config, addrs)
+        self.core.adapters = Adapters.from_config(tokenizer_config)  # LoRAError: a bad --lora-modules entry
         self.grpc = GrpcFrontEnd(self.core, config, self.instance_id)
         self.http: Any = None  # the OpenAI HTTP front end, with --http-port
         self.tokenizer_config = tokenizer_config  # what /tokenize and /detokenize load, on first use
@@ -82,7 +92,10 @@ class Gateway:
 
 
 async def serve(config: GatewayConfig, addrs: Addresses, tokenizer: EngineConfig | None = None) -> int:
-    gateway = Gateway(config, addrs, os.environ.get("PIPESERVE_INSTANCE_ID", ""), tokenizer)
+    try:
+        gateway = Gateway(config, addrs, os.environ.get("PIPESERVE_INSTANCE_ID", ""), tokenizer)
+    except LoRAError as exc:
+        return fail("pipeserve gateway", StartupError(f"--lora-modules: {exc}"))
     try:
         port = await gateway.start()
     except PortInUse as exc:  # taken since `up` checked it, or a gateway run on its own
@@ -103,7 +116,8 @@ async def serve(config: GatewayConfig, addrs: Addresses, tokenizer: EngineConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
     cfg.add_arguments(parser, Addresses)
-    cfg.add_arguments(parser, EngineConfig, only=TOKENIZER_FIELDS)  # the tokenizer /tokenize serves
+    # The tokenizer /tokenize serves, and the LoRA adapters the requests may name.
+    cfg.add_arguments(parser, EngineConfig, only=TOKENIZER_FIELDS + LORA_FIELDS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -112,7 +112,7 @@ class Tokenizer:
                                  "can be generated; lower max_tokens")
         # Stop strings are the detokenizer's (DetokenizeRequest): the engine never reads them.
         return EngineRequest(req.rid, pack_ids(ids), replace(params, stop=[]), req.app, req.arrival,
-                             req.cache_salt, req.embed)
+                             req.cache_salt, req.embed, req.lora_name, req.lora_id, req.lora_path)
 
     @staticmethod
     def detokenize_request(req: TokenizeRequest, add: EngineRequest) -> DetokenizeRequest:

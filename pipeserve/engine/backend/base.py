@@ -10,6 +10,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .lora_ops import LoRARows
+
 QuantOut = tuple[torch.Tensor, torch.Tensor]
 NormOut = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 NormQuantOut = QuantOut | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -114,6 +116,13 @@ class FusedMoEW4A16(Protocol):
         to a whole number of groups; activations in float."""
 
 
+class AddLoRA(Protocol):
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 rows: LoRARows) -> None:
+        """y [T, out] += each LoRA row's (x @ A^T_slot) @ B_slot, slot tables a [S, in, N] (A
+        transposed) and b [S, N, out] (lora_ops.py: the rows' index and the torch path)."""
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -132,6 +141,7 @@ class Backend:
     fused_moe: FusedMoE
     fused_moe_w8a8: FusedMoEW8A8
     fused_moe_w4a16: FusedMoEW4A16
+    add_lora: AddLoRA
     # Its specifics (not ops): see the module docstring.
     prepare_model: Callable[[nn.Module], None] = field(default=lambda model: None)
     compiled_step: tuple[tuple[str, str], ...] = ()  # (device type, executor mode): hashable, as ops are

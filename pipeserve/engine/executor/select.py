@@ -33,6 +33,7 @@ class StepPlan:
     whole_graph: bool = True  # the forward pass traces as one graph (Inductor)
     max_cuda_graph_batch: int = 256
     tensor_parallel: bool = False  # a tensor-parallel forward exchanges the step plan: eager
+    lora: bool = False  # LoRA adapters are applied (pipeserve/engine/lora): only eager steps apply them
 
 
 def compiled_mode(backend: Backend, device: torch.device) -> tuple[str | None, str]:
@@ -55,6 +56,10 @@ def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPo
         if plan.requested != "auto":
             raise ValueError(f"--step-executor {plan.requested}: tensor-parallel steps run eager")
         return EAGER, "tensor-parallel steps send their plan to the other ranks"
+    if plan.lora:  # the native step has no adapters; compiled steps would freeze the step's index
+        if plan.requested != "auto":
+            raise ValueError(f"--step-executor {plan.requested}: with --enable-lora steps run eager")
+        return EAGER, "LoRA adapters are applied by eager steps only (not by the native or compiled ones)"
     no_native = unsupported(model, pool) if device.type == "cpu" else f"not on {device.type}"
     compiled, no_compiled = compiled_mode(backend, device)
     if plan.requested == NATIVE:

@@ -9,4 +9,5 @@ imported) against the reference backend, and compile each for sm_90 with Triton'
 - decode_attention.py: flash-decoding; prefill_attention.py: FlashAttention-2, causal, varlen
 - norm.py (RMSNorm [+ residual] [+ quant]), activation.py (SiLU-and-mul [+ quant]), rope.py
 - gemm_w8a8.py: int8 / fp8 W8A8 GEMM; gemm_w4a16.py: int4 / NF4 weight-only GEMM
+- lora.py: batched LoRA, Punica's shrink/expand (gathered rows: BGMV; prefill segments: SGMV)
 """
