@@ -14,13 +14,16 @@ row of slot -1 is skipped (its y untouched).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from pipeserve.engine.backend.lora_ops import LoRARows
-
 from .common import compute_dtype, dot_precision, pow2
+
+if TYPE_CHECKING:  # the backend package imports these kernels; the rows' type is only named here
+    from pipeserve.engine.backend.lora_ops import LoRARows
 
 BLOCK_K = 64  # input features per step of the shrink's loop
 BLOCK_OUT = 64  # output features per expand program
