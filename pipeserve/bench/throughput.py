@@ -103,8 +103,9 @@ def main(args: argparse.Namespace) -> int:
         "points": points,
     }  # fmt: skip
     print_table(
-        f"decode throughput, {args.input_len} in / {args.output_len} out, identical requests",
-        ["batch", "prefill ms", "ms/step", "steps/s", "decode tok/s", "total tok/s",
+        f"decode throughput, {args.input_len} in / {args.output_len} out, identical requests; e2e: the "
+        f"whole batch, prefill included; ms/step, steps/s, decode tok/s: the steps after the prefill",
+        ["batch", "prefill ms", "ms/step", "steps/s", "decode tok/s", "e2e tok/s",
          "floor ms/step", "ceiling tok/s", "% roofline"],
         [[p["batch"], p["prefill_ms"], p["ms_per_step"], p["decode_steps_per_s"], p["decode_tokens_per_s"],
           p["tokens_per_s"], p["floor_ms_per_step"], p["floor_tokens_per_s"], p["roofline_pct"]]
