@@ -240,7 +240,7 @@ def test_real_vllm_cpu_matches_pipeserve_greedy(tiny_model) -> None:
     from pipeserve.bench.harness import run_batch
     from pipeserve.engine import LLM
 
-    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    model = tiny_model("llama")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
     ours = run_batch(LLM(model, device="cpu", dtype="float32").engine, prompts, 6).outputs
     with vllm_peer.bench_cores(1) as cores, vllm_peer.VllmPeer(model, "float32", cores, 2, 64) as peer:
