@@ -267,7 +267,9 @@ def host_overhead_ms(llm: Any, prompts: list[list[int]], steps: int) -> dict[str
     params = SamplingParams(max_tokens=steps + 2, min_tokens=steps + 2, temperature=0.0)
     for i, p in enumerate(prompts):
         engine.add(f"profile-{i}", p, params)
-    engine.step()  # the prefill step, not measured
+    waiting = {f"profile-{i}" for i in range(len(prompts))}
+    while waiting:  # the prefill (chunked when long), not measured
+        waiting -= {u.rid for u in engine.step() if u.token_ids}
     executor = engine.runner.executor
     native = executor.step if isinstance(executor, NativeExecutor) else None
     native_before = 0.0 if native is None else native.seconds
@@ -488,7 +490,8 @@ def main(args: argparse.Namespace) -> int:
                    for system, ts in runs.items()}
             reference = "pipeserve eager" if "pipeserve eager" in outputs else next(iter(outputs), "")
             compare(row, outputs, reference)
-            for system, llm in llms.items() if args.profile_steps else ():
+            # a prefill-only run has no decode step to profile
+            for system, llm in llms.items() if args.profile_steps and args.new_tokens > 1 else ():
                 row[system]["profile"] = host_overhead_ms(llm, warm, args.profile_steps)
             results["batches"][str(batch)] = row
             del runners, llms
