@@ -213,10 +213,12 @@ def test_bench_step_skips_a_peer_that_cannot_start(stub_venv, tmp_path, tiny_mod
                   "--json", str(tmp_path / "s.json")])
     assert step.main(args) == 0
     result = json.loads((tmp_path / "s.json").read_text())
-    assert "head_dim=8" in result["skipped"]["vllm-cpu"] and set(result["batches"]["1"]) == {"pipeserve eager"}
+    assert "head_dim=8" in result["skipped"]["vllm-cpu"]
+    assert set(result["batches"]["1"]) == {"pipeserve eager"}
 
 
-def test_bench_offline_runs_the_peer_on_the_same_requests(stub_venv, tiny_model, traces_dir, tmp_path) -> None:
+def test_bench_offline_runs_the_peer_on_the_same_requests(stub_venv, tiny_model, traces_dir,
+                                                          tmp_path) -> None:
     parser = argparse.ArgumentParser()
     offline.add_arguments(parser)
     args = parser.parse_args(["--model", tiny_model("llama"), "--num-requests", "3", "--batch-size", "2",
@@ -235,16 +237,19 @@ def test_bench_offline_runs_the_peer_on_the_same_requests(stub_venv, tiny_model,
 def test_real_vllm_cpu_matches_pipeserve_greedy(tiny_model) -> None:
     """vLLM-CPU itself, when `pipeserve bench peers setup vllm` has been run here: the same greedy
     ids as pipeserve on a tiny fp32 Llama (head_dim 64: vLLM's CPU attention refuses 8)."""
-    if vllm_peer.missing_reason():
-        pytest.skip(vllm_peer.missing_reason())
+    # The tests' cache dir is a temporary one: the venv is where the setup puts it by default.
+    venv = Path.home() / ".cache" / "pipeserve" / "peers" / f"vllm-cpu-{vllm_peer.VLLM_CPU_VERSION}"
+    if reason := vllm_peer.missing_reason(venv):
+        pytest.skip(reason)
     from pipeserve.bench.harness import run_batch
     from pipeserve.engine import LLM
 
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
     ours = run_batch(LLM(model, device="cpu", dtype="float32").engine, prompts, 6).outputs
-    with vllm_peer.bench_cores(1) as cores, vllm_peer.VllmPeer(model, "float32", cores, 2, 64) as peer:
-        assert peer.generate(prompts, [6, 6]).outputs == ours
+    with vllm_peer.bench_cores(1) as cores:
+        with vllm_peer.VllmPeer(model, "float32", cores, 2, 64, venv=venv) as peer:
+            assert peer.generate(prompts, [6, 6]).outputs == ours
 
 
 def test_peers_command_checks_the_venv(stub_venv) -> None:
