@@ -117,13 +117,17 @@ def test_worker_runs_batches_on_the_given_cores(stub_venv, tmp_path) -> None:
         again = peer.generate([[7, 7]], [2])  # the worker serves batch after batch
         assert again.outputs == [stub_tokens([7, 7], 2)]
     assert peer.process.returncode == 0  # EOF on its stdin ended it
+    assert not peer.log.exists()  # kept only when vLLM failed
 
 
 def test_a_worker_that_cannot_start_says_why(stub_venv, tmp_path) -> None:
     model = tmp_path / "unsupported"
     model.mkdir()
-    with pytest.raises(vllm_peer.PeerError, match="head_dim=8"):
+    with pytest.raises(vllm_peer.PeerError, match="head_dim=8") as failed:
         vllm_peer.VllmPeer(str(model), "float32", [0], 1, 64)
+    log = Path(str(failed.value).split("(log ")[1].split(")")[0])
+    assert "head_dim=8" in log.read_text()  # the worker's traceback, kept for the reader
+    log.unlink()
 
 
 def test_bench_cores_pins_for_the_block_and_restores() -> None:

@@ -117,6 +117,7 @@ class VllmPeer:
         if reason:
             raise PeerError(reason)
         self.log = Path(tempfile.mkstemp(prefix="pipeserve-vllm-", suffix=".log")[1])
+        self.failed = False  # the log is kept only when vLLM failed: the error names it
         read_fd, write_fd = os.pipe()
         env = os.environ | {
             "HF_HUB_OFFLINE": "1",
@@ -144,6 +145,7 @@ class VllmPeer:
         line = self.replies.readline()
         message: dict[str, Any] = json.loads(line) if line else {"error": "the worker exited"}
         if "error" in message:
+            self.failed = True
             self.close()
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
             raise PeerError(f"vLLM-CPU: {message['error']} (log {self.log}):\n{tail}")
@@ -167,6 +169,8 @@ class VllmPeer:
                 self.process.kill()
                 self.process.wait()
         self.replies.close()
+        if not self.failed:
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmPeer:
         return self
