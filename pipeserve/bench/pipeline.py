@@ -54,6 +54,7 @@ from pipeserve.config import Addresses, EngineConfig, GatewayConfig, InternalAut
 from pipeserve.cpus import CpuSplit, cpu_split
 from pipeserve.engine.sequence import Sequence, StepUpdate
 from pipeserve.local_cluster import free_port
+from pipeserve.lora import LoRARequest
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.zmq_auth import InternalSockets
 
@@ -95,7 +96,11 @@ class SyntheticEngine:
         app: str = "",
         arrival: float | None = None,
         cache_salt: str = "",
+        embed: bool = False,
+        lora: LoRARequest | None = None,
     ) -> None:
+        if embed or lora is not None:  # it has no hidden states and no adapters: refuse, never fake
+            raise ValueError("the synthetic engine serves plain generation only (no embeddings, no LoRA)")
         if rid in self.running:
             raise ValueError(f"request_id {rid!r} is already in flight")
         if not prompt_ids:
