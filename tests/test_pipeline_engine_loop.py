@@ -59,7 +59,8 @@ class FakeEngine:
     def capacity_problem(self, prompt_len: int) -> str | None:
         return f"prompt has {prompt_len} tokens, more than the KV cache holds" if prompt_len > 10 else None
 
-    def add(self, rid, prompt_ids, params, app="", arrival=None, cache_salt="", embed=False) -> None:
+    def add(self, rid, prompt_ids, params, app="", arrival=None, cache_salt="", embed=False,
+            lora=None) -> None:
         assert params.temperature >= 0, "unvalidated params"
         self.calls.append(("add", rid, prompt_ids, app, arrival))
         self.requests[rid] = Sequence(rid, list(prompt_ids), len(prompt_ids), params, arrival or 0.0, app,
