@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "w8a8-int8", "w8a8-fp8", "w4a16", "nf4")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+POOLING_MODES = ("last", "mean")
 
 # The gateway keeps an aborted id reserved until the engine reports its finish (or its error), but at
 # most this long (a request lost with a dead process never reports).
@@ -87,8 +88,10 @@ class EngineConfig:
                               "reserve promises it in the pool", choices=PREDICTOR_MODES)
     seed: int = opt(0, "seed of the engine's sampler for requests without their own")
     max_logprobs: int = opt(20, "most top logprobs a request may ask for")
-    embed_normalize: bool = opt(True, "embeddings (last-token pooling of the final hidden state) are "
-                                "L2-normalised; --no-embed-normalize returns the raw hidden state")
+    pooling: str = opt("last", "embeddings pool the final-norm hidden states: last takes the last "
+                       "input token's, mean averages every input token's", choices=POOLING_MODES)
+    embed_normalize: bool = opt(True, "embeddings (the pooled final hidden state) are L2-normalised; "
+                                "--no-embed-normalize returns the raw pooled state")
     # On a CPU device all cores but one by default: the tokenizers, detokenizer and gateway need CPU
     # too, and a descheduled OpenMP thread stalls every matmul.
     cpu_threads: int = opt(0, "torch intra-op threads of the engine; 0: all cores but one on CPU, "

@@ -32,16 +32,17 @@ pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["Once upon a time", "The cat sat on the mat and looked at the bird", "Lily liked " * 20, "Hi"]
 
 
-def hf_embeddings(model_dir: str, prompts: list[list[int]]) -> list[np.ndarray]:
-    """The reference: Hugging Face's last hidden state (after the final norm) at the last token,
-    L2-normalised."""
+def hf_embeddings(model_dir: str, prompts: list[list[int]], pooling: str = "last") -> list[np.ndarray]:
+    """The reference: Hugging Face's last hidden state (after the final norm) at the last token, or
+    averaged over every token (mean), L2-normalised."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = []
     with torch.no_grad():
         for ids in prompts:
-            hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+            states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+            hidden = states[-1] if pooling == "last" else states.mean(0)
             out.append(torch.nn.functional.normalize(hidden, dim=-1).numpy())
     return out
 
@@ -280,3 +281,107 @@ def test_tensor_parallel_embeddings_equal_one_rank(stories, stories_dir):
         tp.engine.close()
     for a, b in zip(got, want, strict=True):
         assert np.abs(a - b).max() < 1e-4
+
+
+# ---- mean pooling ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories_mean(stories_dir):
+    # As `stories`: the longer prompts are prefilled in several chunks, each chunk's rows summed.
+    return LLM(stories_dir, max_num_seqs=64, max_model_len=256, device="cpu", max_num_batched_tokens=32,
+               pooling="mean")
+
+
+def test_mean_pooling_matches_hugging_face_chunked(stories_mean, stories_dir):
+    ids = [stories_mean.tokenizer(p).input_ids for p in PROMPTS]
+    assert max(map(len, ids)) > 32  # chunked
+    reference = hf_embeddings(stories_dir, ids, "mean")
+    assert_close(stories_mean.embed(PROMPTS), reference)
+    # Again, now that the prompts' pages are in the prefix cache: every row must still run.
+    assert_close(stories_mean.embed(ids), reference)
+    assert not np.allclose(reference[2], hf_embeddings(stories_dir, ids[2:3])[0], atol=1e-2)  # not last
+
+
+def test_mean_pooling_batch_of_64_runs_in_a_few_steps(stories_dir):
+    llm = LLM(stories_dir, max_num_seqs=64, max_model_len=256, device="cpu", max_num_batched_tokens=2048,
+              pooling="mean")
+    prompts = [f"Story number {i} begins with a dog" for i in range(64)]
+    before = llm.engine.step_count
+    vectors = llm.embed(prompts)
+    assert len(vectors) == 64 and llm.engine.step_count - before <= 2
+    assert llm.engine.pool.stats().pages_used == 0
+    ids = [llm.tokenizer(p).input_ids for p in prompts[:3]]
+    assert_close(vectors[:3], hf_embeddings(stories_dir, ids, "mean"))
+
+
+def test_mean_pooling_beside_generation_and_prompt_logprobs(stories_mean):
+    """One step reads a prompt-logprob request's rows and a mean-pooled embedding's rows beside the
+    sampled ones; a long embedding is chunked across the steps a generation decodes in."""
+    engine = stories_mean.engine
+    prompt = stories_mean.tokenizer("The dog ran to the park").input_ids
+    other = stories_mean.tokenizer("Lily saw a bird").input_ids
+    long = stories_mean.tokenizer(PROMPTS[2]).input_ids
+    ref_other, ref_long = stories_mean.embed([other, long])
+    scored = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2)
+    (alone,) = stories_mean.generate([prompt], scored)
+    engine.add("scored", prompt, SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2))
+    engine.add("emb", other, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+    first = {u.rid: u for u in engine.step()}  # both are prefilled in this one step
+    assert set(first) == {"scored", "emb"}
+    assert np.abs(first["emb"].embedding - ref_other).max() < 1e-5
+    lp = first["scored"].prompt_logprobs
+    assert np.allclose(lp.logprobs[1:], [e["logprob"] for e in alone.prompt_logprobs[1:]], atol=1e-5)
+    engine.add("emb-long", long, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+    tokens, vector = list(first["scored"].token_ids), None
+    while engine.has_work():
+        for update in engine.step():
+            if update.rid == "scored":
+                tokens += update.token_ids
+            elif update.embedding is not None:
+                vector = update.embedding
+    assert tokens == alone.token_ids
+    assert vector is not None and np.abs(vector - ref_long).max() < 1e-5
+
+
+def test_mean_pooling_without_normalisation_is_the_average(stories_dir):
+    llm = LLM(stories_dir, max_num_seqs=4, max_model_len=256, device="cpu", max_num_batched_tokens=16,
+              pooling="mean", embed_normalize=False)
+    ids = llm.tokenizer(PROMPTS[1]).input_ids
+    assert len(ids) > 16
+    (vector,) = llm.embed([ids])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32)
+    with torch.no_grad():
+        raw = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].mean(0).numpy()
+    assert np.abs(vector - raw).max() < 1e-4
+
+
+def test_tensor_parallel_mean_pooling_equals_hugging_face(stories_dir):
+    tp = LLM(stories_dir, device="cpu", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32,
+             max_model_len=256, pooling="mean")
+    try:
+        ids = [tp.tokenizer(p).input_ids for p in PROMPTS]
+        got = tp.embed(ids)
+    finally:
+        tp.engine.close()
+    assert_close(got, hf_embeddings(stories_dir, ids, "mean"))
+
+
+@pytest.mark.slow
+def test_openai_client_mean_pooled_embeddings(stories, stories_dir, tmp_path):
+    import openai
+
+    from pipeserve.local_cluster import LocalCluster
+
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    reference = hf_embeddings(stories_dir, ids, "mean")
+    with (LocalCluster(tmp_path / "server.log", stories_dir, "--pooling", "mean", "--max-num-batched-tokens",
+                       "32", workers=1, startup=180) as cluster,
+          openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as client):
+        many = client.embeddings.create(model="stories260K", input=PROMPTS)
+        assert_close([np.asarray(d.embedding, dtype=np.float32) for d in many.data], reference)
+        assert many.usage.prompt_tokens == sum(map(len, ids))
+        by_ids = client.embeddings.create(model="stories260K", input=ids, encoding_format="float")
+        assert_close([np.asarray(d.embedding, dtype=np.float32) for d in by_ids.data], reference)

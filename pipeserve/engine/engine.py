@@ -30,6 +30,7 @@ from pipeserve.engine.parallel import group as parallel_group
 from pipeserve.engine.parallel import worker
 from pipeserve.engine.parallel.group import TPGroup
 from pipeserve.engine.parallel.step_plan import StepSender
+from pipeserve.engine.pooling import Pooler
 from pipeserve.engine.prompt_logprobs import PromptLogprobs
 from pipeserve.engine.quantization.model import weight_bytes
 from pipeserve.engine.runner import ForwardRunner, ModelRunner, StepResult
@@ -124,10 +125,12 @@ class Engine:
             plan=plan,
             sampler=self.sampler,
             structured=self.structured,
-            embed_normalize=config.embed_normalize,
+            pooler=Pooler(config.pooling, config.embed_normalize, config.max_num_seqs, model_cfg.hidden_size,
+                          self.device),
             lora=lora_context,
         )
-        log.info("embeddings: last-token pooling of the final hidden state, %s",
+        self.pooling = config.pooling
+        log.info("embeddings: %s pooling of the final hidden state (--pooling), %s", config.pooling,
                  "L2-normalised" if config.embed_normalize else "not normalised (--no-embed-normalize)")
         if tp is not None:  # its steps run eager (StepPlan.tensor_parallel): each sends the step plan
             caches = self.pool.layers
@@ -202,7 +205,7 @@ class Engine:
         """Queue a request. Its id, ids and params were validated by the caller's edge. arrival:
         time.monotonic() of its arrival (default now). cache_salt: prefix-cache pages are shared only
         among requests with the same salt. Unseeded params get a seed drawn here. embed: an
-        embedding request (prefill only; its update carries the pooled, normalised last hidden state;
+        embedding request (prefill only; its update carries the pooled final hidden state, --pooling;
         params must ask for nothing but the defaults, max_tokens 1). lora: its adapter, read into host
         memory now (LoRAError, a ValueError naming the file and field, refuses the request; nothing
         is queued)."""
@@ -230,7 +233,7 @@ class Engine:
             app,
             cache_salt,
             stop_ids=frozenset(stop),
-            embed=embed,
+            embed=self.pooling if embed else "",
             lora=lora,
         )
         assert not embed or (params.max_tokens == 1 and not params.constrained

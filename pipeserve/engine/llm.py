@@ -71,7 +71,8 @@ class LLM:
 
     def embed(self, prompts: str | Seq[str] | Seq[Seq[int]], cache_salt: str = "") -> list[np.ndarray]:
         """Each prompt's embedding (text, or token ids; in prompt order): the final-norm hidden state
-        of its last token, L2-normalised unless embed_normalize=False (pipeserve/engine/pooling.py),
+        of its last token (pooling="last") or their mean over every token (pooling="mean"),
+        L2-normalised unless embed_normalize=False (pipeserve/engine/pooling.py),
         float32 [hidden]. The prompts run as prefill-only requests batched through the engine's
         steps."""
         requests = self._prompt_ids(prompts)

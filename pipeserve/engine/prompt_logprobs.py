@@ -116,9 +116,11 @@ def read_out(logits: torch.Tensor, sample_rows: np.ndarray, extra: PromptRows,
              every_row: bool) -> tuple[torch.Tensor, PromptScores]:
     """Score the extra rows out of the logits of the rows the model read out; return the sampled
     rows' logits and the scores. The model returned the rows asked for in that order (sample rows,
-    then extra rows) or, when together they are every row of the batch, all rows in batch order."""
+    then extra rows, then any rows read for others) or, when together they are every row of the batch,
+    all rows in batch order."""
     if every_row:
         device = logits.device
         scores = score(logits.index_select(0, upload(extra.rows, device)), extra)
         return logits.index_select(0, upload(sample_rows, device)), scores
-    return logits[: len(sample_rows)], score(logits[len(sample_rows):], extra)
+    n = len(sample_rows)
+    return logits[:n], score(logits[n : n + len(extra.rows)], extra)

@@ -33,7 +33,7 @@ from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.lora.rows import LoRAContext, buffer_shapes
 from pipeserve.engine.model.llama import LlamaForCausalLM
-from pipeserve.engine.pooling import EmbedRows, embed_rows
+from pipeserve.engine.pooling import EmbedRows, Pooler
 from pipeserve.engine.prompt_logprobs import PromptRows, PromptScores, prompt_rows, read_out
 from pipeserve.engine.sampler import SampleOutput, Sampler
 from pipeserve.engine.scheduler import ScheduledBatch
@@ -202,33 +202,40 @@ class ModelRunner(ForwardRunner):
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, backend: Backend, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, plan: StepPlan, sampler: Sampler,
-                 structured: StructuredOutputs, embed_normalize: bool = True,
-                 lora: LoRAContext | None = None) -> None:
-        """embed_normalize: embedding requests' vectors are L2-normalised (pooling.py)."""
+                 structured: StructuredOutputs, pooler: Pooler, lora: LoRAContext | None = None) -> None:
+        """pooler: how embedding requests' vectors are pooled (pooling.py)."""
         super().__init__(model=model, pool=pool, backend=backend, device=device, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, plan=plan, lora=lora)
-        self.sampler, self.structured = sampler, structured
-        self.embed_normalize = embed_normalize
+        self.sampler, self.structured, self.pooler = sampler, structured, pooler
         self.verifier = Verifier(sampler, device)
 
     def read_rows(self, flat: FlatBatch, extra: PromptRows | None, embeds: EmbedRows | None
                   ) -> tuple[torch.Tensor | None, PromptScores | None, tuple[torch.Tensor, ...]]:
-        """Such steps run eager. The sample rows' logits; the prompt rows `extra`, read out too and
-        scored on the way; the embedding requests' pooled vectors (`embeds`, among the sample rows).
+        """Such steps run eager. The sample rows' logits (None: no row samples); the prompt rows
+        `extra`, read out too and scored on the way; the embedding requests' rows (`embeds`: among
+        the sample rows, and with mean pooling every prompt row, read out after extra's) pooled.
         Scores and vectors stay on the device for the step's one readback."""
         self.buffers.begin()
-        read = flat if extra is None else replace(
-            flat, sample_rows=np.concatenate([flat.sample_rows, extra.rows]),
-            sample_slots=np.concatenate([flat.sample_slots, extra.slots]),
-            sample_seq_lens=np.concatenate([flat.sample_seq_lens, extra.seq_lens]))
+        scored_rows = _NO_ROWS if extra is None else extra.rows
+        more = [r for r in (scored_rows, _NO_ROWS if embeds is None else embeds.extra) if r.size]
+        read = flat
+        if more:
+            rows = np.concatenate(more)
+            read = replace(flat, sample_rows=np.concatenate([flat.sample_rows, rows]),
+                           sample_slots=np.concatenate([flat.sample_slots, flat.row_slots[rows]]),
+                           sample_seq_lens=np.concatenate([flat.sample_seq_lens, flat.positions[rows] + 1]))
         self._index_lora(read)
         hidden, logits = self.eager.forward(read)
         assert logits is not None  # extra or embeds has rows
-        pooled = () if embeds is None else (
-            embeds.pool(hidden, flat.sample_rows, read.every_row_read, self.embed_normalize),)
-        if extra is None:
-            return logits, None, pooled
-        logits, scores = read_out(logits, flat.sample_rows, extra, read.every_row_read)
+        every_row = read.every_row_read
+        pooled = () if embeds is None else self.pooler.pool(
+            embeds, hidden, flat.sample_rows, flat.sample_rows.size + scored_rows.size, every_row)
+        scores = None
+        if extra is not None:
+            logits, scores = read_out(logits, flat.sample_rows, extra, every_row)
+        elif read is not flat:
+            logits = (logits.index_select(0, upload(flat.sample_rows, logits.device)) if every_row
+                      else logits[: flat.sample_rows.size])
         return (logits if flat.sample_rows.size else None), scores, pooled
 
     def run(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> StepResult:
@@ -239,7 +246,8 @@ class ModelRunner(ForwardRunner):
         # The chunks are the verification rows, then the prefills: skip the former's offsets.
         extra = (prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
                  if batch.prefill else None)
-        embeds = (embed_rows(batch.prefill, batch.prefill_lens, flat.num_decode + flat.num_verify_rows)
+        embeds = (self.pooler.rows(batch.prefill, batch.prefill_lens, flat.num_decode + flat.num_verify_rows,
+                                   flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
                   if batch.prefill else None)
         scores: PromptScores | None = None
         pooled: tuple[torch.Tensor, ...] = ()
@@ -282,7 +290,8 @@ class ModelRunner(ForwardRunner):
             host_scores = host[len(logprobs):]
         if scores is not None:
             scores.store(host_scores)
-        if embeds is not None:
+        if host_pooled:
+            assert embeds is not None
             embeds.store(host_pooled[0])
         self.structured.advance(row_tokens)
         if host_logprobs:

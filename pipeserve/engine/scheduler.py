@@ -174,7 +174,7 @@ class Scheduler:
             hashes: list[bytes] = []
             if self.pool.prefix_caching:  # its first chunk, were it computed cold, is the budget's
                 root = self.pool.root(seq, min(seq.num_tokens, budget))
-                if seq.params.prompt_logprobs is None:  # else every prompt row must run: no cache hit
+                if not seq.runs_every_prompt_row:
                     cached, hashes = self.pool.match(seq, root)
             if self.pool.cost(cached, need) > self.pool.available or not self.policy.admits(
                 seq, self.running, self.pool, self.max_model_len, cached

@@ -46,11 +46,17 @@ class Sequence:
     hash_root: bytes = b""  # prefix caching: the chain its page hashes start from (kv.prefix)
     page_hashes: list[bytes] = field(default_factory=list)  # of its full computed pages, in order
     prompt_logprobs: PromptLogprobs | None = None  # filled during prefill when params ask for them
-    # An embedding request: prefill only; the step that computes its last prompt token reads out the
-    # pooled hidden state instead of sampling, and it finishes there ("stop", no token).
-    embed: bool = False
+    # An embedding request's pooling ("last" or "mean", pipeserve/engine/pooling.py; "": not one):
+    # prefill only; the step that computes its last prompt token reads out the pooled hidden state
+    # instead of sampling, and it finishes there ("stop", no token).
+    embed: str = ""
     embedding: np.ndarray[Any, np.dtype[np.float32]] | None = None  # [hidden], L2-normalised
     lora: LoRARequest | None = None  # its adapter (None: the base model)
+
+    @property
+    def runs_every_prompt_row(self) -> bool:
+        """Whether every prompt row must run (prompt logprobs, mean pooling): no prefix-cache hit."""
+        return self.params.prompt_logprobs is not None or self.embed == "mean"
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,8 @@
 Each input becomes one embedding request (TokenizeRequest.embed): tokenized as a completion prompt is
 (a string with the special tokens the tokenizer adds by default, token ids as given), run by the
 engine as a prefill only, batched with whatever else runs (pipeserve/engine/pooling.py), and answered
-with the final-norm hidden state of its last token, L2-normalised, in its finishing row.
+with the final-norm hidden states pooled as the engine's --pooling says (its last token's, or the
+mean over every token), L2-normalised, in its finishing row.
 """
 
 from __future__ import annotations
