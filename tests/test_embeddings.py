@@ -344,6 +344,28 @@ def test_mean_pooling_beside_generation_and_prompt_logprobs(stories_mean):
     assert vector is not None and np.abs(vector - ref_long).max() < 1e-5
 
 
+def test_mean_pooling_starts_over_after_preemption(stories_dir):
+    """A request preempted mid-prompt recomputes every row (its published pages are not taken from the
+    prefix cache) into a sum that starts over in its new slot."""
+    llm = LLM(stories_dir, max_num_seqs=4, max_model_len=256, device="cpu", max_num_batched_tokens=16,
+              pooling="mean")
+    engine = llm.engine
+    ids = llm.tokenizer(PROMPTS[2]).input_ids
+    engine.add("emb", ids, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
+    engine.step()
+    engine.step()  # two chunks summed
+    seq = engine.requests["emb"]
+    assert 0 < seq.num_computed < len(ids)
+    engine.scheduler.preempt(seq)
+    vector = None
+    while engine.has_work():
+        for update in engine.step():
+            vector = update.embedding if update.embedding is not None else vector
+    assert seq.num_preemptions == 1 and seq.num_cached_tokens == 0
+    assert vector is not None
+    assert_close([vector], hf_embeddings(stories_dir, [ids], "mean"))
+
+
 def test_mean_pooling_without_normalisation_is_the_average(stories_dir):
     llm = LLM(stories_dir, max_num_seqs=4, max_model_len=256, device="cpu", max_num_batched_tokens=16,
               pooling="mean", embed_normalize=False)
