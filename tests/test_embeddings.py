@@ -315,32 +315,45 @@ def test_mean_pooling_batch_of_64_runs_in_a_few_steps(stories_dir):
     assert_close(vectors[:3], hf_embeddings(stories_dir, ids, "mean"))
 
 
-def test_mean_pooling_beside_generation_and_prompt_logprobs(stories_mean):
+def test_mean_pooling_beside_generation_and_prompt_logprobs(stories_mean, monkeypatch):
     """One step reads a prompt-logprob request's rows and a mean-pooled embedding's rows beside the
-    sampled ones; a long embedding is chunked across the steps a generation decodes in."""
+    sampled ones, while a plain prompt's other rows are not read (the rows read are not every row);
+    a long embedding is then chunked across the steps the generations decode in."""
     engine = stories_mean.engine
     prompt = stories_mean.tokenizer("The dog ran to the park").input_ids
+    plain = stories_mean.tokenizer("Once upon a time there was a little").input_ids
     other = stories_mean.tokenizer("Lily saw a bird").input_ids
     long = stories_mean.tokenizer(PROMPTS[2]).input_ids
     ref_other, ref_long = stories_mean.embed([other, long])
     scored = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2)
     (alone,) = stories_mean.generate([prompt], scored)
+    (plain_alone,) = stories_mean.generate([plain], SamplingParams(temperature=0.0, max_tokens=6))
     engine.add("scored", prompt, SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2))
+    engine.add("plain", plain, SamplingParams(temperature=0.0, max_tokens=6))
     engine.add("emb", other, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
-    first = {u.rid: u for u in engine.step()}  # both are prefilled in this one step
-    assert set(first) == {"scored", "emb"}
+    read = []
+    forward = engine.runner.eager.forward
+
+    def spy(flat):
+        read.append(flat.every_row_read)
+        return forward(flat)
+
+    monkeypatch.setattr(engine.runner.eager, "forward", spy)
+    first = {u.rid: u for u in engine.step()}  # all three are prefilled in this one step
+    assert set(first) == {"scored", "plain", "emb"} and read == [False]
     assert np.abs(first["emb"].embedding - ref_other).max() < 1e-5
     lp = first["scored"].prompt_logprobs
     assert np.allclose(lp.logprobs[1:], [e["logprob"] for e in alone.prompt_logprobs[1:]], atol=1e-5)
     engine.add("emb-long", long, SamplingParams(max_tokens=1, temperature=0.0), embed=True)
-    tokens, vector = list(first["scored"].token_ids), None
+    tokens = {rid: list(first[rid].token_ids) for rid in ("scored", "plain")}
+    vector = None
     while engine.has_work():
         for update in engine.step():
-            if update.rid == "scored":
-                tokens += update.token_ids
+            if update.rid in tokens:
+                tokens[update.rid] += update.token_ids
             elif update.embedding is not None:
                 vector = update.embedding
-    assert tokens == alone.token_ids
+    assert tokens == {"scored": alone.token_ids, "plain": plain_alone.token_ids}
     assert vector is not None and np.abs(vector - ref_long).max() < 1e-5
 
 
