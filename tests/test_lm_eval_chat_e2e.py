@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeserve.local_cluster import LocalCluster
+from tests.test_openai_e2e import LM_EVAL_SEEDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -73,10 +74,7 @@ def test_lm_eval_local_chat_completions_equals_hf(checkpoint: Path, cluster: Loc
         "task_manager": TaskManager(include_path=str(tmp_path)),
         "apply_chat_template": True,
         "log_samples": True,
-        "random_seed": 0,
-        "numpy_random_seed": 0,
-        "torch_random_seed": 0,
-        "fewshot_random_seed": 0,
+        **LM_EVAL_SEEDS,
     }
     served = lm_eval.simple_evaluate(
         model="local-chat-completions",

@@ -191,6 +191,10 @@ def write_tasks(directory: Path) -> None:
         )
 
 
+# Every seed lm-eval's simple_evaluate takes, fixed: the served and the local run draw alike.
+LM_EVAL_SEEDS = {"random_seed": 0, "numpy_random_seed": 0, "torch_random_seed": 0, "fewshot_random_seed": 0}
+
+
 def test_lm_eval_local_completions_equals_hf(stories_dir, cluster, tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
@@ -201,10 +205,7 @@ def test_lm_eval_local_completions_equals_hf(stories_dir, cluster, tmp_path):
         "tasks": ["stories_mc", "stories_gen"],
         "task_manager": tasks,
         "log_samples": True,
-        "random_seed": 0,
-        "numpy_random_seed": 0,
-        "torch_random_seed": 0,
-        "fewshot_random_seed": 0,
+        **LM_EVAL_SEEDS,
     }
     served = lm_eval.simple_evaluate(
         model="local-completions",
