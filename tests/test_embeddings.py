@@ -420,3 +420,14 @@ def test_openai_client_mean_pooled_embeddings(stories, stories_dir, tmp_path):
         assert many.usage.prompt_tokens == sum(map(len, ids))
         by_ids = client.embeddings.create(model="stories260K", input=ids, encoding_format="float")
         assert_close([np.asarray(d.embedding, dtype=np.float32) for d in by_ids.data], reference)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_a_prompt_whose_last_chunk_is_one_token_is_pooled(stories_dir, pooling):
+    # A 30-token prompt takes 30 of the step's 32 tokens, so the 3-token one runs 2 tokens, then its
+    # last alone: that one-token chunk is still a prompt chunk, its row pooled (not a decode row).
+    llm = LLM(stories_dir, max_num_seqs=8, max_model_len=256, device="cpu", max_num_batched_tokens=32,
+              pooling=pooling)
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(3, 512, size=n).tolist() for n in (30, 3)]
+    assert_close(llm.embed(ids), hf_embeddings(stories_dir, ids, pooling))

@@ -128,7 +128,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = seq.num_uncomputed
-            verifying = n == 1 and seq in proposals
+            verifying = n == 1 and seq in proposals and not seq.embed
             proposal = proposals[seq][: budget - 1] if verifying else []
             chunk = 1 + len(proposal) if n == 1 else min(n, budget)
             while not self.pool.grow(seq, seq.num_computed + chunk):
@@ -146,7 +146,7 @@ class Scheduler:
             if verifying:
                 batch.verify.append(seq)
                 batch.proposals.append(proposal)
-            elif n == 1:
+            elif n == 1 and not seq.embed:  # an embedding's last prompt token is a chunk: it is pooled
                 batch.decode.append(seq)
             else:
                 batch.prefill.append(seq)
