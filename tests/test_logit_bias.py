@@ -60,6 +60,11 @@ def test_a_batch_without_biases_samples_as_before_and_a_freed_slot_forgets_its_b
     sampler.set_request(0, plain[0], [1], [], [])
     sampler.set_request(1, plain[1], [1], [], [])
     assert sampler.sample(logits, slots, slots_t).tokens.tolist() == before
+    # A step where another row is biased adds every row's entries: the reused slot must add none.
+    ban = int(logits[1].argmax())
+    sampler.set_request(1, SamplingParams(temperature=0.0, logit_bias={ban: -100.0}), [1], [], [])
+    tokens = sampler.sample(logits, slots, slots_t).tokens.tolist()
+    assert tokens[0] == before[0] and tokens[1] != ban
 
 
 def test_many_biases_widen_the_buffers_for_every_row():

@@ -126,6 +126,7 @@ class Sampler:
         self._min_p = np.zeros(n, dtype=np.float32)
         self._penalized = np.zeros(n, dtype=bool)
         self._biased = np.zeros(n, dtype=bool)
+        self._bias_written = np.zeros(n, dtype=bool)  # the slot's device row holds nonzero biases
         self._logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs
         self._min_tokens = np.zeros(n, dtype=np.int64)
         self._generated = np.zeros(n, dtype=np.int64)
@@ -178,6 +179,9 @@ class Sampler:
         if biased:
             assert params.logit_bias is not None
             self._write_logit_bias(slot, params.logit_bias)
+        elif self._bias_written[slot]:  # the scatter-add reads every row of a step: clear a past bias
+            self.bias_values[slot].zero_()
+        self._bias_written[slot] = biased
 
         self._greedy[slot] = greedy
         self._top_k[slot] = top_k
