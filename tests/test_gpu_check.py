@@ -63,7 +63,8 @@ def test_help_documents_out_and_quick():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "--out" in proc.stdout and "gpu-check.json" in proc.stdout
-    assert "--quick" in proc.stdout and "environment, kernel and parity" in proc.stdout
+    assert "--quick" in proc.stdout and "environment, kernel, parity and serving" in proc.stdout
+    assert "--sections" in proc.stdout
 
 
 def test_thresholds_as_stated():
@@ -132,9 +133,9 @@ def test_sections_run_isolated_with_time_limits(capsys):
 
 
 def test_every_section_has_a_limit_and_quick_is_env_kernels_parity():
-    assert {s.name for s in SECTIONS if s.quick} == {"environment", "kernels", "parity"}
+    assert {s.name for s in SECTIONS if s.quick} == {"environment", "kernels", "parity", "serving"}
     assert sum(s.limit_s for s in SECTIONS if s.quick) <= 600 and all(s.limit_s > 0 for s in SECTIONS)
-    assert {s.name for s in SECTIONS if s.correctness} == {"kernels", "parity", "sync"}
+    assert {s.name for s in SECTIONS if s.correctness} == {"kernels", "parity", "serving", "sync"}
 
 
 def test_environment_and_ceilings_on_the_cpu():
@@ -246,3 +247,52 @@ def test_sync_section_drives_steady_decode_steps(tmp_path, proposer):
     assert counts == [1] * 4 and sync.one_sync_row(counts, proposer).passed
     assert running == [8] * 4
     assert engines[0].stats()["spec_verifications"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serving_section_on_the_cpu():
+    # `pipeserve up` on the CPU: SERVING, and the gRPC stream and the HTTP completion give the offline text.
+    from pipeserve.gpu_check import serving
+
+    ctx = Context("cpu", quick=True)
+    serving.run(ctx, startup_s=300.0)
+    rows = {r["data"]["name"]: r["data"] for r in ctx.emitted}
+    assert rows["serving_start_tiny"]["value"] > 0
+    for name in ("serving grpc stream equals offline LLM", "serving http completion equals offline LLM"):
+        assert rows[name]["passed"], rows[name]
+
+
+def test_sections_option_selects_in_order():
+    from pipeserve.gpu_check.cli import select_sections
+
+    assert [s.name for s in select_sections("speed,ceilings")] == ["ceilings", "speed"]
+    assert select_sections(None) == SECTIONS
+    with pytest.raises(SystemExit, match="no section nope"):
+        select_sections("kernels,nope")
+
+
+@pytest.mark.slow  # a process per section
+def test_sigterm_ends_the_run_and_keeps_the_report(tmp_path):
+    # `timeout` around gpu-check: the section in flight is killed and reported, later ones are not
+    # run, and the rows measured so far are written.
+    script = (
+        "import sys\n"
+        "from pipeserve.gpu_check.runner import Section, run_sections, stop_on_sigterm\n"
+        "stop_on_sigterm()\n"
+        f"sections = [Section('good', '{HERE}:good_section', 60, True, True),\n"
+        f"            Section('slow', '{HERE}:slow_section', 60, True, False),\n"
+        f"            Section('after', '{HERE}:good_section', 60, True, True)]\n"
+        "report = run_sections(sections, 'cpu', True, echo=lambda line: print(line, flush=True))\n"
+        f"report.write({str(tmp_path)!r})\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("gpu-check: good ok")
+    time.sleep(3)  # inside the slow section
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [(s["name"], s["status"]) for s in doc["sections"]] == [("good", "ok"), ("slow", "timeout")]
+    assert "SIGTERM" in doc["sections"][1]["reason"]
+    assert [r["name"] for r in doc["speed"]] == ["decode_b1_llama1b", "before the hang"]

@@ -5,7 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .runner import SECTIONS, run_sections
+from .runner import SECTIONS, Section, run_sections, stop_on_sigterm
+
+
+def select_sections(names: str | None) -> tuple[Section, ...]:
+    """The sections named (comma-separated), in their fixed order; every one when names is None."""
+    if names is None:
+        return SECTIONS
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = wanted - {s.name for s in SECTIONS}
+    if unknown:
+        raise SystemExit(f"pipeserve gpu-check: no section {', '.join(sorted(unknown))}; the sections are "
+                         f"{', '.join(s.name for s in SECTIONS)}")
+    return tuple(s for s in SECTIONS if s.name in wanted)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,17 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="gpu-check",
                         help="directory for gpu-check.json and gpu-check.md (the table as markdown)")
     parser.add_argument("--quick", action="store_true",
-                        help="only the environment, kernel and parity sections (about 2 minutes on an H100)")
+                        help="only the environment, kernel, parity and serving sections (about 2 minutes on "
+                             "an H100)")
+    parser.add_argument("--sections", default=None, metavar="NAME[,NAME...]",
+                        help="only these sections, in the order above (the speed rows' floors need "
+                             "ceilings: name it too); overrides --quick")
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    sections = select_sections(args.sections)
     if not torch.cuda.is_available():
         print(f"pipeserve gpu-check: no CUDA device on this host (torch {torch.__version__}, "
               f"CUDA {torch.version.cuda or 'none'}); run it on a GPU host", file=sys.stderr)
         return 2
-    report = run_sections(SECTIONS, "cuda", args.quick, echo=lambda line: print(line, flush=True))
+    stop_on_sigterm()  # a run cut short by `timeout` still writes the report of what ran
+    report = run_sections(sections, "cuda", args.quick and args.sections is None,
+                          echo=lambda line: print(line, flush=True))
     json_path, md_path = report.write(args.out)
     print(report.markdown())
     failed = report.failed

@@ -34,13 +34,17 @@ class Section:
 
 
 SECTIONS = (
-    Section("environment", "pipeserve.gpu_check.environment:environment", 60, True, False),
+    Section("environment", "pipeserve.gpu_check.environment:environment", 30, True, False),
     Section("ceilings", "pipeserve.gpu_check.environment:ceilings", 60, False, False),
     Section("kernels", "pipeserve.gpu_check.kernels:run", 240, True, True),
-    Section("parity", "pipeserve.gpu_check.parity:run", 300, True, True),
+    Section("parity", "pipeserve.gpu_check.parity:run", 240, True, True),
+    Section("serving", "pipeserve.gpu_check.serving:run", 90, True, True),
     Section("sync", "pipeserve.gpu_check.sync:run", 120, False, True),
     Section("speed", "pipeserve.gpu_check.speed:run", 300, False, False),
 )
+
+
+STOPPED = "stopped: the whole run was told to stop (SIGTERM)"
 
 
 @dataclass
@@ -67,6 +71,20 @@ class Context:
         self.emit("correctness" if isinstance(row, CorrectnessRow) else "speed", asdict(row))
 
 
+class Stopped(Exception):
+    """The whole run was told to stop (SIGTERM): the section in flight ends as a timeout, the rest
+    are not run, and the report of what ran is still written."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (`timeout`, a scheduler's limit) into Stopped in the parent."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Stopped()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _jsonable(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") else str(value)
 
@@ -79,6 +97,7 @@ def run_sections(sections: Iterable[Section], device: str, quick: bool,
         if quick and not section.quick:
             continue
         result, records = run_section(section, device, quick, report.ceilings)
+        stopped = result.reason == STOPPED
         for record in records:
             if record["kind"] != "error":
                 report.add(record)
@@ -87,6 +106,8 @@ def run_sections(sections: Iterable[Section], device: str, quick: bool,
             report.correctness.append(CorrectnessRow.check(f"{section.name} section", False, result.reason))
         tail = f": {result.reason}" if result.reason else ""
         echo(f"gpu-check: {section.name} {result.status} in {result.seconds:.1f} s{tail}")
+        if stopped:
+            break
     return report
 
 
@@ -100,17 +121,20 @@ def run_section(section: Section, device: str, quick: bool,
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "pipeserve.gpu_check.runner", json.dumps(spec)],
                                 start_new_session=True)
+        reason = f"over its {section.limit_s:.0f} s limit"
         try:
             rc = proc.wait(timeout=section.limit_s)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, Stopped) as exc:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
+            if isinstance(exc, Stopped):
+                reason = STOPPED
         seconds = time.perf_counter() - start
         emitted = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
     errors = [r["data"] for r in emitted if r["kind"] == "error"]
     if rc is None:
-        result = SectionResult(section.name, seconds, "timeout", f"over its {section.limit_s:.0f} s limit")
+        result = SectionResult(section.name, seconds, "timeout", reason)
     elif rc == 0:
         result = SectionResult(section.name, seconds, "ok")
     else:

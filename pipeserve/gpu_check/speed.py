@@ -6,15 +6,21 @@ weights drawn on the GPU (no checkpoint):
 - decode attention GB/s at batch 64 x 2,048 context with bf16, int8 and fp8 KV (% of copy rate);
 - W8A8 int8 / fp8 and W4A16 GEMMs at a decode (M=1) and a prefill (M=2048) shape, in microseconds,
   with torch.matmul bf16's time and the speedup over it in the detail;
-- decode tokens/s at batch 64 and 256 (Llama-3.2-1B shape);
-- CUDA-graph capture time (the engine's start with graphs minus without)."""
+- decode tokens/s at batch 64 and 256 (Llama-3.2-1B shape), and at batch 256 with 1,024 tokens of
+  context (Llama-3-8B shape) with its % of that step's floor (weights and the whole KV read once);
+- CUDA-graph capture time of every batch bucket up to 256 (the engine's start with graphs minus
+  without), for both shapes;
+- `pipeserve up` to SERVING for the 8B shape (random weights, the Triton cache warm from the rows
+  before it)."""
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,17 +46,24 @@ def weight_bytes(model: Any) -> int:
     return int(total if tied else total - (embed.numel() - embed.shape[1]) * embed.element_size())
 
 
-def engine(model_dir: str, graphs: bool, max_num_seqs: int) -> Any:
+# Per shape: the KV cache in GB (the 8B's holds 256 x 1,100 tokens at 128 KiB each) and the tokens
+# of context of the large-batch row (None: no such row).
+KV_GB = {"llama1b": 8.0, "llama8b": 38.0}
+LONG_CONTEXT = 1024
+
+
+def engine(model_dir: str, graphs: bool, max_num_seqs: int, kv_cache_gb: float = 8.0) -> Any:
     from pipeserve.engine import LLM
 
     # Random weights drawn on the device: the directory holds only config.json and a tokenizer.
     return LLM(model_dir, device="cuda", dtype="bfloat16", backend="triton", load_format="dummy",
-               step_executor="compiled" if graphs else "eager",
-               max_num_seqs=max_num_seqs, max_model_len=4096, kv_cache_gb=8.0).engine
+               step_executor="compiled" if graphs else "eager", max_num_batched_tokens=8192,
+               max_num_seqs=max_num_seqs, max_model_len=4096, kv_cache_gb=kv_cache_gb).engine
 
 
 def decode_seconds(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8, steps: int = 64) -> float:
-    """Seconds per steady-state decode step of `batch` requests."""
+    """Seconds per steady-state decode step of `batch` requests: timed after every prompt is in and
+    `warm` decode steps more."""
     from pipeserve.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
@@ -59,6 +72,8 @@ def decode_seconds(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8, st
         ids = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
         eng.add(f"speed-{batch}-{i}", ids, SamplingParams(max_tokens=warm + steps + 4, temperature=0.0,
                                                           ignore_eos=True))
+    while eng.scheduler.waiting or any(seq.num_output == 0 for seq in eng.scheduler.running):
+        eng.step()  # the prefills
     for _ in range(warm):
         eng.step()
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
@@ -73,19 +88,32 @@ def decode_seconds(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8, st
     return elapsed
 
 
+def free_device() -> None:
+    """Give an engine's device memory back before the next one (its objects may hold cycles)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def kv_bytes_per_token(eng: Any) -> int:
+    cfg = eng.model_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return int(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2)  # K and V, bf16
+
+
 def decode_rows(ctx: Context, tmp: str, copy_gbps: float | None) -> None:
     for shape in ("llama1b", "llama8b"):
         model_dir = write_shape_config(f"{tmp}/{shape}", shape)
         start = time.perf_counter()
-        eager_start = None
-        if shape == "llama1b":
-            eng = engine(model_dir, False, 256)
-            eager_start = time.perf_counter() - start
-            del eng
-            torch.cuda.empty_cache()
-            start = time.perf_counter()
-        eng = engine(model_dir, True, 256 if shape == "llama1b" else 1)
+        eng = engine(model_dir, False, 256, KV_GB[shape])
+        eager_start = time.perf_counter() - start
+        del eng
+        free_device()
+        start = time.perf_counter()
+        eng = engine(model_dir, True, 256, KV_GB[shape])
         graph_start = time.perf_counter() - start
+        ctx.row(SpeedRow(f"cuda_graph_capture_{shape}", round(graph_start - eager_start, 2), "s",
+                         detail=f"every bucket up to 256; start with graphs {graph_start:.1f} s, "
+                                f"without {eager_start:.1f} s"))
         nbytes = weight_bytes(eng.model)
         floor_ms = None if copy_gbps is None else nbytes / (copy_gbps * 1e9) * 1e3
         ms = decode_seconds(eng, 1) * 1e3
@@ -95,11 +123,30 @@ def decode_rows(ctx: Context, tmp: str, copy_gbps: float | None) -> None:
             for batch in (64, 256):
                 tok_s = batch / decode_seconds(eng, batch)
                 ctx.row(SpeedRow(f"decode_b{batch}_{shape}", round(tok_s, 1), "tokens/s"))
-            assert eager_start is not None
-            ctx.row(SpeedRow("cuda_graph_capture_llama1b", round(graph_start - eager_start, 2), "s",
-                             detail=f"start with graphs {graph_start:.1f} s, without {eager_start:.1f} s"))
+        else:
+            batch, steps = 256, 32
+            sec = decode_seconds(eng, batch, prompt_len=LONG_CONTEXT, warm=4, steps=steps)
+            # The step's floor: every weight byte and the KV of every row (at its mean context) read once.
+            kv = batch * (LONG_CONTEXT + 4 + steps / 2) * kv_bytes_per_token(eng)
+            floor = None if copy_gbps is None else (nbytes + kv) / (copy_gbps * 1e9)
+            ctx.row(SpeedRow(f"decode_b{batch}_ctx{LONG_CONTEXT}_{shape}", round(batch / sec, 1),
+                             "tokens/s", pct(floor, sec),
+                             f"{sec * 1e3:.2f} ms/step; {(nbytes + kv) / 1e9:.1f} GB a step"))
         del eng
-        torch.cuda.empty_cache()
+        free_device()
+
+
+def serving_start_row(ctx: Context, tmp: str) -> None:
+    """`pipeserve up` to SERVING for the 8B shape, random weights (the Triton cache warm by now)."""
+    from pipeserve.local_cluster import LocalCluster
+
+    model_dir = write_shape_config(f"{tmp}/llama8b", "llama8b")
+    start = time.perf_counter()
+    with LocalCluster(Path(tmp) / "serve-8b.log", model_dir, "--load-format", "dummy", "--dtype", "bfloat16",
+                      "--kv-cache-gb", "8", workers=1, device="cuda", startup=180.0):
+        seconds = time.perf_counter() - start
+    ctx.row(SpeedRow("serving_start_llama8b", round(seconds, 1), "s",
+                     detail="`pipeserve up` to SERVING, random bf16 weights, CUDA graphs up to 256"))
 
 
 def attention_rows(ctx: Context, copy_gbps: float | None) -> None:
@@ -169,6 +216,7 @@ def run(ctx: Context) -> None:
             "gemm": lambda: gemm_rows(ctx, copy_gbps, tflops),
             "decode attention": lambda: attention_rows(ctx, copy_gbps),
             "decode": lambda: decode_rows(ctx, tmp, copy_gbps),
+            "serving start": lambda: serving_start_row(ctx, tmp),
         }
         for name, part in parts.items():  # one failing part does not hide the others' rows
             try:
