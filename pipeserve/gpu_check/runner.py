@@ -41,6 +41,7 @@ SECTIONS = (
     Section("serving", "pipeserve.gpu_check.serving:run", 90, True, True),
     Section("sync", "pipeserve.gpu_check.sync:run", 120, False, True),
     Section("speed", "pipeserve.gpu_check.speed:run", 300, False, False),
+    Section("quant", "pipeserve.gpu_check.quant:run", 240, False, False),
 )
 
 
