@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from pipeserve.gpu_check import kernels, parity, speed, sync
+from pipeserve.gpu_check import kernels, parity, quant, speed, sync
 from pipeserve.gpu_check.environment import ceilings, environment
 from pipeserve.gpu_check.models import build_tiny_model
 from pipeserve.gpu_check.report import AGREEMENT, THRESHOLDS, CorrectnessRow, Report, SpeedRow
@@ -296,3 +296,115 @@ def test_sigterm_ends_the_run_and_keeps_the_report(tmp_path):
     assert [(s["name"], s["status"]) for s in doc["sections"]] == [("good", "ok"), ("slow", "timeout")]
     assert "SIGTERM" in doc["sections"][1]["reason"]
     assert [r["name"] for r in doc["speed"]] == ["decode_b1_llama1b", "before the hang"]
+
+
+def test_quant_rotation_counts():
+    assert quant.copies(33_554_432, 50 * 2**20) == 4  # 4096 x 4096 bf16 against an H100's L2
+    assert quant.copies(117_440_512, 50 * 2**20) == 1  # 4096 x 14336 bf16 is past it alone
+    assert quant.copies(1, 2**30) == quant.MAX_COPIES and quant.copies(10, 0) == 1
+    seen: list[int] = []
+    step = quant.rotating([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(5):
+        step()
+    assert seen == [0, 1, 2, 0, 1]
+
+
+def test_quant_kernel_rows_on_the_cpu():
+    # The section's parts at tiny shapes (Triton interpreted): every row present with a positive
+    # value, and every kernel's output within its bound of its baseline.
+    ctx = Context("cpu", quick=False, ceilings={"copy_gbps": 10.0, "bf16_tflops": 1.0})
+    plan, checks = quant.Plan.for_device(torch.device("cpu")), quant.Checks()
+    for part in (quant.attention_rows, quant.gemm_rows, quant.moe_rows, quant.norm_quant_rows):
+        part(ctx, plan, checks)
+    rows = {r["data"]["name"]: SpeedRow(**r["data"]) for r in ctx.emitted}
+    gemms = [f"quant_gemm_{k}_{n}x{kk}_m{m}" for n, kk in plan.gemm_shapes for m in plan.gemm_m
+             for k in ("fp8", "int8", "w4a16")]
+    moes = [f"quant_moe_tiny_{k}_t3" for k in ("bf16", "int8", "fp8")]
+    norms = [f"quant_rms_norm_quant_{q}_m{m}_h64" for m in plan.norm_m for q in ("int8", "fp8")]
+    attention = [f"quant_attention_{k}_b2_ctx64" for k in ("bf16", "int8", "fp8")]
+    assert list(rows) == attention + gemms + moes + norms
+    assert rows["quant_attention_bf16_b2_ctx64"].unit == "GB/s"
+    for name, row in rows.items():
+        assert row.value is not None and row.value >= 0 and row.pct_of_floor is not None, name
+        assert (row.unit == "x") == (name != "quant_attention_bf16_b2_ctx64"), name
+        assert " us" in row.detail and "error" in row.detail and "WRONG" not in row.detail, name
+    assert not checks.failed, checks.failed
+    assert len(checks.errors) == 3 + len(gemms) + len(moes) + 2 * len(norms)
+    assert "attention fp8" in checks.errors and "moe tiny fp8 t3" in checks.errors
+
+
+def test_quant_checks_name_a_wrong_kernel():
+    checks = quant.Checks()
+    assert checks.compare("good", torch.ones(3), torch.ones(3), "bf16") == "error 0.0e+00"
+    assert "WRONG" in checks.compare("bad", torch.zeros(3), torch.ones(3), "bf16")
+    assert "WRONG" in checks.compare("nan", torch.full((3,), math.nan), torch.ones(3), "fp8")
+    assert checks.failed == ["bad: error 1 > 0.01", "nan: error inf > 0.07"]
+
+
+def test_moe_loop_is_the_reference_moe():
+    from pipeserve.engine.backend import get_backend
+
+    g = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(7, 16, generator=g), torch.randn(7, 4, generator=g)
+    w13, w2 = torch.randn(4, 24, 16, generator=g) * 0.1, torch.randn(4, 16, 12, generator=g) * 0.1
+    for renormalize in (True, False):
+        want = get_backend("reference").fused_moe(x, logits, w13, w2, 2, renormalize)
+        torch.testing.assert_close(quant.moe_loop(x, logits, w13, w2, 2, renormalize), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("weights", ["w8a8-int8", "w8a8-fp8"])
+def test_dummy_weights_quantize_at_load(tmp_path, weights):
+    model_dir = build_tiny_model(str(tmp_path / "llama"), "llama")
+    os.remove(os.path.join(model_dir, "model.safetensors"))
+    from pipeserve.engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=16, load_format="dummy",
+              quantization=weights)
+    codes = dict(llm.engine.model.named_buffers())
+    dtype = torch.int8 if weights == "w8a8-int8" else torch.float8_e4m3fn
+    assert any(t.dtype == dtype for t in codes.values()), sorted(codes)[:8]
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_end_to_end_rows_and_the_time_budget(tmp_path):
+    # Two engines of the tiny model fit (their rows measured); then the fake clock jumps, and the
+    # modes left must be skipped rows, not engines started.
+    model_dir = build_tiny_model(str(tmp_path / "llama"), "llama")
+    now = [0.0]
+    built: list[str] = []
+
+    def clock() -> float:
+        return now[0]
+
+    ctx = Context("cpu", quick=False)
+    options = dict(device="cpu", dtype="float32", num_pages=64, max_num_seqs=4)
+    modes = [("none", "auto"), ("w8a8-int8", "int8"), ("w8a8-fp8", "auto"), ("none", "fp8")]
+
+    real_row = ctx.row
+
+    def row(r: SpeedRow) -> None:
+        real_row(r)
+        built.append(r.name)
+        if r.name == "quant_e2e_w8a8-int8_kvint8_b4":
+            now[0] = 100.0 - quant.END_TO_END_RESERVE_S + 1  # under the reserve from here on
+
+    ctx.row = row  # type: ignore[method-assign]
+    quant.end_to_end_rows(ctx, model_dir, 100.0, options, batches=(1, 4), warm=2, steps=2, modes=modes,
+                          clock=clock)
+    rows = [SpeedRow(**r["data"]) for r in ctx.emitted]
+    assert [r.name for r in rows] == [f"quant_e2e_{tag}_b{b}" for tag in
+                                      ("bf16_kvauto", "w8a8-int8_kvint8", "w8a8-fp8_kvauto", "bf16_kvfp8")
+                                      for b in (1, 4)]
+    measured, skipped = rows[:4], rows[4:]
+    assert all(r.value is not None and r.value > 0 and r.unit == "ms/step" for r in measured)
+    assert "1.00x bf16" in measured[0].detail and "x bf16 / auto KV" in measured[2].detail
+    assert all(r.value is None and r.detail.startswith("skipped for time") for r in skipped)
+
+
+def test_quant_section_limit_and_budget():
+    quant_section = next(s for s in SECTIONS if s.name == "quant")
+    assert (quant_section.limit_s, quant_section.quick, quant_section.correctness) == (240, False, False)
+    assert quant.BUDGET_S + 10 <= quant_section.limit_s

@@ -135,13 +135,14 @@ def attention_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
     for kv in (None, I8, FP8):
         name = "bf16" if kv is None else QNAME[kv]
         elem = 2 if kv is None else 1
-        one_pass = 2 * batch * ctx_len * hkv * d * elem + (0 if kv is None else 2 * batch * ctx_len * hkv * d // 8 * 2)
+        tokens = batch * ctx_len * hkv
+        one_pass = 2 * tokens * d * elem + (0 if kv is None else 2 * tokens * d // 8 * 2)  # + fp16 scales
         n = copies(one_pass, plan.l2_bytes)
         pool = n * per_pass
         # Each rotation reads its own pages of one pool: page tables, not caches, rotate.
         tables = torch.randperm(pool, device=dev).view(n, batch, -1).to(torch.int32)
         raw = torch.randn(2, pool, page, hkv, d, device=dev)
-        scales: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor | None] = {"k_scale": None, "v_scale": None}
         if kv is None:
             k, v = raw.to(plan.dtype)
         else:
@@ -149,11 +150,11 @@ def attention_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
             s = torch.rand(2, pool, page, hkv, d // 8, device=dev, dtype=torch.float16) / 64
             scales = {"k_scale": s[0], "v_scale": s[1]}
         del raw
-        calls = [partial(decode_attention, q, k, v, tables[i], lens, d**-0.5, max_seq_len=ctx_len, **scales)
-                 for i in range(n)]
+        calls = [partial(decode_attention, q, k, v, tables[i], lens, d**-0.5, max_seq_len=ctx_len,
+                         k_scale=scales["k_scale"], v_scale=scales["v_scale"]) for i in range(n)]
         out = calls[0]()
         want = ref.decode_attention(q[:checked], k, v, tables[0][:checked], lens[:checked], d**-0.5, None,
-                                    ctx_len, **scales)
+                                    ctx_len, k_scale=scales["k_scale"], v_scale=scales["v_scale"])
         check = checks.compare(f"attention {name}", out[:checked].float(), want.float(),
                                "bf16" if plan.dtype == BF16 else "fp32")
         sec = timed(rotating(calls), dev, plan.repeats)
@@ -188,11 +189,13 @@ def gemm_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
             "bf16": (w,), "fp8": quantize_per_channel(w, FP8), "int8": quantize_per_channel(w, I8),
             "w4a16": quantize_int4(w)}
         # Rotated weight copies per kernel: same values at other addresses.
-        weights = {name: [t] + [tuple(x.clone() for x in t) for _ in range(copies(nbytes(*t), plan.l2_bytes) - 1)]
+        weights = {name: [t] + [tuple(x.clone() for x in t)
+                                for _ in range(copies(nbytes(*t), plan.l2_bytes) - 1)]
                    for name, t in packed.items()}
         for m in plan.gemm_m:
             x = torch.randn(m, k, device=dev).to(plan.dtype)
-            base = timed(rotating([partial(torch.matmul, x, c[0].T) for c in weights["bf16"]]), dev, plan.repeats)
+            base = timed(rotating([partial(torch.matmul, x, c[0].T) for c in weights["bf16"]]), dev,
+                         plan.repeats)
             flop = 2 * m * n * k
             for name in ("fp8", "int8", "w4a16"):
                 args: tuple[torch.Tensor, ...]
@@ -221,7 +224,8 @@ def gemm_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
                     "quant (not counted: fused into RMSNorm in the engine)")
                 ctx.row(SpeedRow(
                     f"quant_gemm_{name}_{n}x{k}_m{m}", round(base / sec, 3), "x", pct(floor, sec),
-                    f"{fmt} {sec * 1e6:.1f} us ({moved / sec / 1e9:.0f} GB/s, {flop / sec / 1e12:.1f} TFLOP/s) "
+                    f"{fmt} {sec * 1e6:.1f} us ({moved / sec / 1e9:.0f} GB/s, "
+                    f"{flop / sec / 1e12:.1f} TFLOP/s) "
                     f"vs torch.matmul bf16 {base * 1e6:.1f} us ({flop / base / 1e12:.1f} TFLOP/s); "
                     f"{len(weights[name])} weight copies{quant}; {check}"))
             del x
@@ -276,25 +280,26 @@ def moe_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
             active = int(logits.float().topk(top_k, dim=-1).indices.unique().numel())
             want = moe_loop(x, logits, w13, w2, top_k, True)
             loop_s = timed(partial(moe_loop, x, logits, w13, w2, top_k, True), dev, plan.repeats)
-            kernels: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], str, int]] = {
-                "bf16": (partial(tri.fused_moe, x, logits, w13, w2, top_k, True), lambda: want, close,
+            # name: (the fused call, what it must equal, that precision, bytes per expert weight)
+            kernels: dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor, str, int]] = {
+                "bf16": (partial(tri.fused_moe, x, logits, w13, w2, top_k, True), want, close,
                          w13.element_size())}
-            for q, experts_q in quantized.items():
-                qargs = (x, logits, experts_q.w13, experts_q.w13_scale, experts_q.w2, experts_q.w2_scale, top_k,
-                         True)
-                kernels[QNAME[q]] = (partial(tri.fused_moe_w8a8, *qargs), partial(ref.fused_moe_w8a8, *qargs),
+            for q, eq in quantized.items():
+                qargs = (x, logits, eq.w13, eq.w13_scale, eq.w2, eq.w2_scale, top_k, True)
+                kernels[QNAME[q]] = (partial(tri.fused_moe_w8a8, *qargs), ref.fused_moe_w8a8(*qargs),
                                      QNAME[q], 1)
             for name, (fn, baseline, precision, elem) in kernels.items():
-                check = checks.compare(f"moe {shape} {name} t{tokens}", fn().float(), baseline().float(),
+                check = checks.compare(f"moe {shape} {name} t{tokens}", fn().float(), baseline.float(),
                                        precision)
                 sec = timed(fn, dev, plan.repeats)
                 read = active * 3 * hidden * inter * elem  # the routed experts' weights, read once
                 ctx.row(SpeedRow(
                     f"quant_moe_{shape}_{name}_t{tokens}", round(loop_s / sec, 3), "x",
                     pct(floor_s(read, copy_gbps and copy_gbps * 1e9), sec),
-                    f"fused {name} experts {sec * 1e6:.1f} us ({read / sec / 1e9:.0f} GB/s of {active} experts' "
-                    f"weights) vs torch.matmul loop over bf16 experts {loop_s * 1e6:.1f} us; {check}"))
-            del x, logits, want
+                    f"fused {name} experts {sec * 1e6:.1f} us ({read / sec / 1e9:.0f} GB/s of {active} "
+                    f"experts' weights) vs torch.matmul loop over bf16 experts {loop_s * 1e6:.1f} us; "
+                    f"{check}"))
+            del x, logits, want, kernels
         del w13, w2, quantized
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -311,7 +316,8 @@ def norm_quant_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
     weight = (1 + 0.1 * torch.randn(h, device=dev)).to(plan.dtype)
     elem = weight.element_size()
     for m in plan.norm_m:
-        xs = [torch.randn(m, h, device=dev).to(plan.dtype) for _ in range(copies(m * h * elem, plan.l2_bytes))]
+        xs = [torch.randn(m, h, device=dev).to(plan.dtype)
+              for _ in range(copies(m * h * elem, plan.l2_bytes))]
         normed = ref.rms_norm(xs[0].float(), weight.float(), eps)
         assert isinstance(normed, torch.Tensor)
         for q in (I8, FP8):
