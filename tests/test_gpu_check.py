@@ -369,6 +369,17 @@ def test_dummy_weights_quantize_at_load(tmp_path, weights):
     assert len(out[0].token_ids) == 3
 
 
+def test_end_to_end_skips_every_engine_under_the_reserve():
+    ctx = Context("cpu", quick=False)
+    quant.end_to_end_rows(ctx, "/nonexistent", 30.0, {}, clock=lambda: 0.0)  # no engine is built
+    rows = [SpeedRow(**r["data"]) for r in ctx.emitted]
+    assert len(rows) == 2 * len(quant.END_TO_END_MODES)
+    assert rows[0].name == "quant_e2e_bf16_kvauto_b1" and rows[-1].name == "quant_e2e_w8a8-fp8_kvfp8_b64"
+    assert all(r.value is None and r.detail.startswith("skipped for time: 30 s") for r in rows)
+
+
+@pytest.mark.slow  # four tiny engines on the CPU: about 15-25 s on a loaded 2-core host
+@pytest.mark.timeout(600)
 def test_end_to_end_rows_and_the_time_budget(tmp_path):
     # Two engines of the tiny model fit (their rows measured); then the fake clock jumps, and the
     # modes left must be skipped rows, not engines started.
@@ -402,6 +413,7 @@ def test_end_to_end_rows_and_the_time_budget(tmp_path):
     assert all(r.value is not None and r.value > 0 and r.unit == "ms/step" for r in measured)
     assert "1.00x bf16" in measured[0].detail and "x bf16 / auto KV" in measured[2].detail
     assert all(r.value is None and r.detail.startswith("skipped for time") for r in skipped)
+    print("\n".join(f"{r.name}: {r.value} {r.unit}; {r.detail}" for r in rows))
 
 
 def test_quant_section_limit_and_budget():
