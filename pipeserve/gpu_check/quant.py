@@ -67,7 +67,8 @@ class Plan:
     @classmethod
     def for_device(cls, device: torch.device) -> Plan:
         if device.type == "cuda":
-            return cls(device, BF16, 15, torch.cuda.get_device_properties(device).L2_cache_size,
+            l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20))
+            return cls(device, BF16, 15, l2,
                        (64, 2048, 32, 8, 128, 16), ((4096, 4096), (14336, 4096), (4096, 14336)),
                        (1, 16, 256, 4096),
                        (("mixtral", 4096, 14336, 8, 2), ("qwen3moe", 2048, 768, 128, 8)), (16, 64, 256),
