@@ -378,6 +378,17 @@ def test_end_to_end_skips_every_engine_under_the_reserve():
     assert all(r.value is None and r.detail.startswith("skipped for time: 30 s") for r in rows)
 
 
+def test_end_to_end_a_failing_engine_keeps_the_next():
+    ctx = Context("cpu", quick=False)
+    with pytest.raises(RuntimeError, match="bf16_kvauto: .*w8a8-int8_kvint8: "):
+        quant.end_to_end_rows(ctx, "/nonexistent", 1e9, dict(device="cpu"),
+                              modes=[("none", "auto"), ("w8a8-int8", "int8")])
+    rows = [SpeedRow(**r["data"]) for r in ctx.emitted]
+    assert [r.name for r in rows] == ["quant_e2e_bf16_kvauto_b1", "quant_e2e_bf16_kvauto_b64",
+                                      "quant_e2e_w8a8-int8_kvint8_b1", "quant_e2e_w8a8-int8_kvint8_b64"]
+    assert all(r.value is None and r.detail.startswith("failed: ") for r in rows)
+
+
 @pytest.mark.slow  # four tiny engines on the CPU: about 15-25 s on a loaded 2-core host
 @pytest.mark.timeout(600)
 def test_end_to_end_rows_and_the_time_budget(tmp_path):

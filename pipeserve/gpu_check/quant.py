@@ -23,6 +23,7 @@ CPU at tiny shapes under the Triton interpreter."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import tempfile
@@ -135,7 +136,7 @@ def attention_rows(ctx: Context, plan: Plan, checks: Checks) -> None:
     bf16_s: float | None = None
     for kv in (None, I8, FP8):
         name = "bf16" if kv is None else QNAME[kv]
-        elem = 2 if kv is None else 1
+        elem = plan.dtype.itemsize if kv is None else 1
         tokens = batch * ctx_len * hkv
         one_pass = 2 * tokens * d * elem + (0 if kv is None else 2 * tokens * d // 8 * 2)  # + fp16 scales
         n = copies(one_pass, plan.l2_bytes)
@@ -359,13 +360,11 @@ def end_to_end_rows(ctx: Context, model_dir: str, deadline: float, engine_option
                     clock: Callable[[], float] = time.monotonic) -> None:
     """Decode seconds per step for each (weights, kv) mode, one engine at a time; once under
     END_TO_END_RESERVE_S (or the last engine's time, if longer) remains before `deadline` (on
-    `clock`), the modes left become rows saying they were skipped."""
-    from pipeserve.engine import LLM
-
-    from .speed import decode_seconds
-
+    `clock`), the modes left become rows saying they were skipped. A mode that fails gets a row
+    saying why, the next one runs, and the failures are raised at the end."""
     base: dict[int, float] = {}
     last = 0.0
+    failed: list[str] = []
     for weights, kv in modes:
         tag = f"{'bf16' if weights == 'none' else weights}_kv{kv}"
         left = deadline - clock()
@@ -376,20 +375,47 @@ def end_to_end_rows(ctx: Context, model_dir: str, deadline: float, engine_option
                                         f"last engine took {last:.0f} s"))
             continue
         start = clock()
-        llm = LLM(model_dir, load_format="dummy", quantization=weights, kv_cache_dtype=kv, **engine_options)
-        built = clock() - start
-        eng = llm.engine
+        done: set[int] = set()
+        try:
+            end_to_end_mode(ctx, model_dir, engine_options, weights, kv, tag, batches, warm, steps,
+                            base, (weights, kv) == modes[0], done, clock)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            failed.append(f"{tag}: {reason}")
+            for batch in batches:
+                if batch not in done:
+                    ctx.row(SpeedRow(f"quant_e2e_{tag}_b{batch}", None, "ms/step",
+                                     detail=f"failed: {reason}"))
+        gc.collect()  # the engine and its CUDA graphs, before the next one takes their memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        last = clock() - start
+    if failed:
+        raise RuntimeError("; ".join(failed))
+
+
+def end_to_end_mode(ctx: Context, model_dir: str, engine_options: dict[str, Any], weights: str, kv: str,
+                    tag: str, batches: Sequence[int], warm: int, steps: int, base: dict[int, float],
+                    is_base: bool, done: set[int], clock: Callable[[], float]) -> None:
+    """One engine: its rows per batch (each batch in `done` once its row is out)."""
+    from pipeserve.engine import LLM
+
+    from .speed import decode_seconds
+
+    start = clock()
+    llm = LLM(model_dir, load_format="dummy", quantization=weights, kv_cache_dtype=kv, **engine_options)
+    built = clock() - start
+    try:
         for batch in batches:
-            sec = decode_seconds(eng, batch, warm=warm, steps=steps)
-            if (weights, kv) == modes[0]:
+            sec = decode_seconds(llm.engine, batch, warm=warm, steps=steps)
+            if is_base:
                 base[batch] = sec
             speedup = f"{base[batch] / sec:.2f}x bf16 / auto KV" if batch in base else "no bf16 baseline"
             ctx.row(SpeedRow(f"quant_e2e_{tag}_b{batch}", round(sec * 1e3, 3), "ms/step", None,
                              f"{speedup}; {batch / sec:.0f} tokens/s; engine built in {built:.1f} s"))
-        del llm, eng
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        last = clock() - start
+            done.add(batch)
+    finally:
+        llm.engine.close()
 
 
 def end_to_end(ctx: Context, tmp: str, deadline: float) -> None:
