@@ -47,7 +47,13 @@ def _on_test_device(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     import torch
+    from torch.utils import _device
 
+    # torch caches the factory functions its default device applies to on first use: built while a
+    # test had torch.empty patched (poisoned allocations), the cache would hold the patch, and the
+    # real torch.empty would allocate on the CPU in every later test. Build it now, unpatched.
+    _device._device_constructors.cache_clear()
+    _device._device_constructors()
     torch.set_default_device(TEST_DEVICE)
     try:
         yield

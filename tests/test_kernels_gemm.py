@@ -141,3 +141,30 @@ def test_fp8_launches_refuse_gpus_below_sm89(monkeypatch):
     common.check_fp8(FP8, torch.device("cpu"))  # the interpreter
     monkeypatch.setattr(common, "capability", lambda index: (9, 0))
     common.check_fp8(FP8, cuda)
+
+
+def test_int4_scale_never_rounds_below_the_group_range():
+    # A bf16 scale rounded down made (max - min) / scale exceed 15 codes: the group's extreme clipped,
+    # more than half a step off (about two seeds in three of these failed before).
+    for seed in range(24):
+        w = (torch.randn(16, 256, generator=torch.Generator().manual_seed(seed), device="cpu") * 0.02)
+        w = w.to(torch.bfloat16)
+        qw, scales, zeros = quantize_int4(w, 32)
+        deq = quant_formats.dequantize_4bit(qw, scales, zeros)
+        step = scales.float().T.repeat_interleave(32, 1)
+        assert ((deq - w.float()).abs() <= 0.5 * step * 1.01 + 1e-7).all(), seed
+
+
+def test_w4a16_tiles_lie_in_one_quantization_group():
+    # Autotuning on a GPU may only try K tiles that a group divides (the kernel reads one scale per
+    # tile); every group size has some, and the group is part of the tuning key.
+    for group in (32, 64, 128):
+        kept = gemm_w4a16.tiles_in_group(common.gemm_configs(gemm_w4a16.SHAPES), {"M": 1}, QGROUP=group)
+        assert kept and all(group % c.kwargs["BLOCK_K"] == 0 for c in kept)
+        assert any(c.kwargs["BLOCK_K"] == group or c.kwargs["BLOCK_K"] == 128 for c in kept)
+    assert gemm_w4a16.tiles_in_group(common.gemm_configs(gemm_w4a16.SHAPES), {}, QGROUP=32) == [
+        c for c in common.gemm_configs(gemm_w4a16.SHAPES) if c.kwargs["BLOCK_K"] == 32]
+    with pytest.raises(AssertionError, match="multiples of 32"):
+        a = torch.randn(1, 64)
+        qw, scales, zeros = quantize_int4(torch.randn(16, 64), 16)
+        gemm_w4a16.w4a16_gemm(a, qw, scales, zeros)

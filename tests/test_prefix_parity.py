@@ -31,8 +31,8 @@ def prompts_sharing(base: list[int], fresh: list[list[int]]) -> list[list[int]]:
 
 def case(vocab: int, seed: int = 1) -> tuple[list[int], list[list[int]]]:
     g = torch.Generator().manual_seed(seed)
-    base = torch.randint(3, vocab, (8 * PAGE + 2,), generator=g).tolist()
-    fresh = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 7, 13, 3, 5)]
+    base = torch.randint(3, vocab, (8 * PAGE + 2,), generator=g, device="cpu").tolist()
+    fresh = [torch.randint(3, vocab, (n,), generator=g, device="cpu").tolist() for n in (9, 7, 13, 3, 5)]
     return base, fresh
 
 

@@ -91,7 +91,8 @@ class StructuredOutputs:
         self._constrained = np.zeros(max_num_seqs, dtype=bool)  # per slot
         # The fill thread writes host rows; CUDA reads them through pinned memory, uploaded in `mask`.
         shape = (max_num_seqs, (vocab_size + 31) // 32)  # xgrammar's layout: 32 tokens per int32
-        self._bitmask_host = torch.full(shape, -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._bitmask_host = torch.full(shape, -1, dtype=torch.int32, device="cpu",
+                                       pin_memory=device.type == "cuda")
         on_cpu = device.type == "cpu"
         self._bitmask = (
             self._bitmask_host if on_cpu else torch.full(shape, -1, dtype=torch.int32, device=device)

@@ -38,6 +38,7 @@ class CudaGraphStep(PaddedStep):
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capturing: int | None = None  # the bucket prepare() is capturing
         self._pool: Any = None  # the graph memory pool every bucket shares
+        self.capture_seconds = 0.0  # prepare()'s time: every bucket captured
 
     def prepare(self, every_bucket: bool = False) -> None:
         """Every bucket, whatever every_bucket says: none may be captured while serving."""
@@ -48,8 +49,9 @@ class CudaGraphStep(PaddedStep):
             self.run_scratch(size)
         self._capturing = None
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.buckets), self.buckets[0],
-                 self.buckets[-1], time.perf_counter() - start)
+                 self.buckets[-1], self.capture_seconds)
 
     def execute(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         size = args[0].shape[0]

@@ -56,8 +56,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, dtype: t
             if not present:
                 continue
             shape = shapes[kind]
-            a = torch.zeros(len(modules) * max_rank, shape.d_in, dtype=torch.float32)
-            b = torch.zeros(len(modules) * max_rank, shape.d_out, dtype=torch.float32)
+            a = torch.zeros(len(modules) * max_rank, shape.d_in, dtype=torch.float32, device="cpu")
+            b = torch.zeros(len(modules) * max_rank, shape.d_out, dtype=torch.float32, device="cpu")
             for j, (module, offset, size) in enumerate(shape.subs):
                 if module not in present:
                     continue

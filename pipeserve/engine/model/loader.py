@@ -148,7 +148,7 @@ class StoredTensor:
         rows = (self.shape[0] if self.shape else 1) if stop is None else stop
         nbytes = (rows - start) * self.row_bytes
         raw = (buffer[:nbytes] if buffer is not None and buffer.numel() >= nbytes
-               else torch.empty(nbytes, dtype=torch.uint8))
+               else torch.empty(nbytes, dtype=torch.uint8, device="cpu"))
         self.file.seek(self.offset + start * self.row_bytes)
         if self.file.readinto(raw.numpy().data) != nbytes:
             raise ValueError(f"{self.file.name} is truncated")
@@ -269,7 +269,7 @@ def load_model(
 
 def _fill_from_checkpoint(units: _Materializer, cfg: ModelConfig, model_dir: str,
                           shard: ShardPlan | None) -> None:
-    buffer = torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8)  # reused for every read that fits
+    buffer = torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8, device="cpu")  # reused for every read that fits
     for path in checkpoint_files(model_dir):
         with open(path, "rb") as f:
             for name, stored in read_safetensors(f):

@@ -60,8 +60,8 @@ class StepSender:
         # header is written in place.
         self.headers: Turns[torch.Tensor] | None = None
         if group.device.type == "cuda":
-            self.headers = Turns([torch.zeros(HEADER, dtype=torch.int64, pin_memory=True) for _ in range(2)],
-                                 torch.cuda.Event)
+            pinned = [torch.zeros(HEADER, dtype=torch.int64, device="cpu", pin_memory=True) for _ in range(2)]
+            self.headers = Turns(pinned, torch.cuda.Event)
 
     def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         seq_of_page = self.seq_of_page

@@ -49,13 +49,21 @@ def quantize_per_tensor(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     return to_codes(w.float() * safe_inverse(scale), dtype), scale.expand(w.shape[0]).contiguous()
 
 
+def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 x stored as `dtype` without rounding down (a scale rounded down would make the group's
+    extremes overflow the 16 codes and clip), back in fp32."""
+    stored = x.to(dtype)
+    up = torch.nextafter(stored, torch.full_like(stored, float("inf")))
+    return torch.where(stored.float() < x, up, stored).float()
+
+
 def quantize_int4(w: torch.Tensor, group: int = W4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Linear weight [N, K] -> (qweight, scales [K // group, N] in w's dtype, zeros uint8 [K // group, N])."""
     n, k = w.shape
     wg = w.float().reshape(n, k // group, group)
     lo = wg.amin(-1).clamp(max=0.0)
     hi = wg.amax(-1).clamp(min=0.0)
-    scale = ((hi - lo) / 15).to(w.dtype).float()
+    scale = round_up_to(((hi - lo) / 15), w.dtype)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = torch.round(-lo / scale).clamp(0, 15)
     codes = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, 15).reshape(n, k)

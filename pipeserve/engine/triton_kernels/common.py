@@ -139,12 +139,18 @@ def gemm_configs(shapes: list[tuple[int, int, int, int, int]]) -> list[triton.Co
 GEMM_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})
 
 
-def gemm_autotune(shapes: list[tuple[int, int, int, int, int]], key: list[str]) -> Callable[[Any], Any]:
-    """Autotuning for a GEMM kernel with gemm_grid's launch grid: tile heights pruned by M, the
-    split-K output zeroed between trials."""
+def gemm_autotune(shapes: list[tuple[int, int, int, int, int]], key: list[str],
+                  prune: Callable[..., list[triton.Config]] | None = None) -> Callable[[Any], Any]:
+    """Autotuning for a GEMM kernel with gemm_grid's launch grid: tile heights pruned by M (and by
+    `prune`, when given, first), the split-K output zeroed between trials."""
+
+    def early_prune(configs: list[triton.Config], named_args: dict[str, Any],
+                    **kwargs: Any) -> list[triton.Config]:
+        return prune_by_m(prune(configs, named_args, **kwargs) if prune else configs, named_args, **kwargs)
+
     return autotune(gemm_configs(shapes), key=["M_BUCKET", "N", "K", "SPLIT_K", *key],
                     interpret_config=GEMM_INTERPRET_CONFIG,
-                    prune_configs_by={"early_config_prune": prune_by_m}, reset_to_zero=["c_ptr"])
+                    prune_configs_by={"early_config_prune": early_prune}, reset_to_zero=["c_ptr"])
 
 
 @triton.jit

@@ -227,8 +227,8 @@ def _moe_gemm_w4a16_kernel(a_ptr, qw_ptr, scale_ptr, zero_ptr, lut_ptr, c_ptr, w
                            stride_qk, stride_se, stride_sg, stride_cm, QGROUP: tl.constexpr,
                            NF4: tl.constexpr, ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr,
                            HALVES: tl.constexpr, MUL_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr):
+                           PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """_moe_gemm_kernel on 4-bit weights (gemm_w4a16.py's layout per expert), dequantized in the loop.
     K is the weights' padded depth, K_A the activations' own (the columns past it count as zeros)."""
     pid_m, pid_n = tile_ids(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -259,9 +259,9 @@ def _moe_gemm_w4a16_kernel(a_ptr, qw_ptr, scale_ptr, zero_ptr, lut_ptr, c_ptr, w
                 zero = tl.load(zero_ptr + expert * stride_se + g * stride_sg + cols).to(tl.float32)
                 w = (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
             if half == 0:
-                acc = tl.dot(a, w.to(COMPUTE), acc)
+                acc = tl.dot(a, w.to(COMPUTE), acc, input_precision=PRECISION)
             else:
-                acc_up = tl.dot(a, w.to(COMPUTE), acc_up)
+                acc_up = tl.dot(a, w.to(COMPUTE), acc_up, input_precision=PRECISION)
     _moe_epilogue(c_ptr, acc, acc_up, pairs, valid, rn, N, stride_cm, weights_ptr, SILU_MUL, MUL_WEIGHT)
 
 
@@ -379,7 +379,8 @@ def _w4a16_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
         QGROUP=group, NF4=zeros is None, ROWS_PER_A=rows_per_a, SILU_MUL=silu_mul,
         HALVES=2 if silu_mul else 1, MUL_WEIGHT=weights is not None, COMPUTE=compute,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
+        PRECISION=dot_precision(compute), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        GROUP_M=tiles.group_m,
     )  # fmt: skip
 
 

@@ -51,8 +51,9 @@ def to_codes(y, IS_INT8: tl.constexpr):
 
 @triton.jit
 def inverse(s):
-    """1 / s, 0 where s == 0 (an all-zero group quantizes to zeros)."""
-    return tl.where(s > 0, 1.0 / tl.where(s > 0, s, 1.0), 0.0)
+    """1 / s, 0 where s == 0 (an all-zero group quantizes to zeros). Correctly rounded, as torch's: a
+    GPU's plain fp32 `/` is approximate, and a code on a rounding boundary would land a step apart."""
+    return tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)
 
 
 def quant_outputs(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> QuantOut:
@@ -77,7 +78,7 @@ def _per_token_quant_kernel(
         offs = n0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < N, other=0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.max(amax, axis=0) / QMAX
+    scale = tl.math.div_rn(tl.max(amax, axis=0), QMAX)
     inv = inverse(scale)
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
