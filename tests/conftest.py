@@ -18,7 +18,11 @@ if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
+
+from pipeserve.config import EngineConfig  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # $PIPESERVE_SHARED, else a `shared` folder beside the checkout; exported so that the code under test
@@ -27,6 +31,13 @@ SHARED = pathlib.Path(os.environ.get("PIPESERVE_SHARED", REPO.parent / "shared")
 os.environ["PIPESERVE_SHARED"] = str(SHARED)
 STORIES = SHARED / "models" / "stories260K"
 TRACES = SHARED / "data" / "traces"
+
+
+@dataclasses.dataclass
+class SharedGpuEngineConfig(EngineConfig):
+    """EngineConfig with a 1 GB KV pool unless a test sizes it: for `device` tests on a GPU."""
+
+    kv_cache_gb: float | None = 1.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,7 +52,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _on_test_device(request: pytest.FixtureRequest) -> Iterator[None]:
+def _on_test_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A `device` test off the CPU creates its tensors there: torch's default device for the test."""
     if TEST_DEVICE == "cpu" or request.node.get_closest_marker("device") is None:
         yield
@@ -54,6 +65,11 @@ def _on_test_device(request: pytest.FixtureRequest) -> Iterator[None]:
     # real torch.empty would allocate on the CPU in every later test. Build it now, unpatched.
     _device._device_constructors.cache_clear()
     _device._device_constructors()
+    # Test engines share one GPU across the xdist workers: each sizes its KV pool explicitly, where
+    # the default (90% of the GPU) would leave the others nothing.
+    from pipeserve.engine import llm
+
+    monkeypatch.setattr(llm, "EngineConfig", SharedGpuEngineConfig)
     torch.set_default_device(TEST_DEVICE)
     try:
         yield

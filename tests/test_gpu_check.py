@@ -69,6 +69,7 @@ def test_help_documents_out_and_quick():
 
 def test_thresholds_as_stated():
     assert THRESHOLDS["fp32"] == 1e-4 and THRESHOLDS["tf32"] == 1e-3 and THRESHOLDS["bf16"] == 1e-2
+    assert THRESHOLDS["int8"] == 1e-2 and THRESHOLDS["int8 twice"] == 2e-2 and THRESHOLDS["fp8"] == 7e-2
     assert CorrectnessRow.measured("x", 9e-5, 1e-4).passed
     assert not CorrectnessRow.measured("x", 2e-4, 1e-4).passed
     assert not CorrectnessRow.measured("x", math.nan, 1e-4).passed  # poison never passes

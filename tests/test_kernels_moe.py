@@ -156,6 +156,7 @@ def test_quantized_fused_moe_matches_reference(method, experts, top_k, tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # compiles every MoE kernel variant: minutes beside other workers on a GPU host
 def test_quantize_model_quantizes_the_experts(tiny_model):
     from pipeserve.engine import LLM, SamplingParams
     from pipeserve.engine.model.moe import MoE

@@ -12,6 +12,7 @@ from pipeserve.engine.model.rope import rope_cache
 from pipeserve.engine.quantization.formats import QMAX
 from pipeserve.engine.triton_kernels import activation, norm, quantize, rope
 from tests.kernel_utils import (
+    DEVICE,
     INT8_POISON,
     REL_TOL,
     assert_close,
@@ -140,7 +141,7 @@ def test_rope_in_place(dtype, heads, head_dim, rot_dim, tokens):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    cos_sin = rope_cache(rot_dim, 128, 10000.0, scaling)
+    cos_sin = rope_cache(rot_dim, 128, 10000.0, scaling, device=DEVICE)
     # q and k as strided views of one fused qkv row, as the model produces them.
     qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)

@@ -14,6 +14,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine.backend import get_backend
 from pipeserve.engine.memory import GiB, MemoryPlan, kv_budget, kv_bytes_cuda, profile_step
 from pipeserve.engine.model.loader import load_model
+from pipeserve.startup import StartupError
 
 CPU = torch.device("cpu")
 
@@ -82,6 +83,19 @@ def test_cpu_and_explicit_sizes() -> None:
     assert probe.ran == 0  # an explicit size needs no profile
     kv, peak, why = kv_budget(EngineConfig(), probe, None)  # a tensor-parallel rank
     assert peak is None and why == "tensor parallel" and kv == int(72 * GiB) - 17 * GiB
+
+
+def test_no_memory_left_names_every_figure() -> None:
+    # Other processes on the GPU (60 GiB here) plus the weights and activations past the share: a
+    # start-up error that says where the memory went and which flags size the pool instead.
+    class Crowded(FakeProbe):
+        def non_torch(self) -> int:
+            return 60 * GiB
+
+    want = (r"no GPU memory left for the KV cache: --gpu-memory-utilization 0.9 of 80.00 GB is 72.00 GB, "
+            r".*weights \(16.00 GB\).*other processes.*--kv-cache-gb")
+    with pytest.raises(StartupError, match=want):
+        kv_budget(EngineConfig(gpu_memory_utilization=0.9), Crowded(), lambda: None)
 
 
 def test_utilization_is_range_checked() -> None:

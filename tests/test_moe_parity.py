@@ -29,7 +29,8 @@ def moe_case(tiny_model, tmp_path_factory):
             model_dir = tiny_model(kind)
             fused = write_fused_experts(model_dir, str(tmp_path_factory.mktemp(kind) / "fused"))
             g = torch.Generator().manual_seed(3)
-            prompts = [torch.randint(3, 320, (n,), generator=g, device="cpu").tolist() for n in (5, 17, 1, 11)]
+            prompts = [torch.randint(3, 320, (n,), generator=g, device="cpu").tolist()
+                       for n in (5, 17, 1, 11)]
             cases[kind] = (model_dir, fused, prompts, hf_greedy(model_dir, prompts, MAX_NEW))
         return cases[kind]
 

@@ -27,6 +27,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine.kv.metadata import AttentionMetadata
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.model.llama import LlamaForCausalLM
+from pipeserve.startup import StartupError
 
 CPU_KV_GB = 0.25
 GiB = 2**30
@@ -122,8 +123,16 @@ def kv_budget(config: EngineConfig, probe: MemoryProbe | None,
         return int(CPU_KV_GB * GiB), None, f"CPU: a fixed {CPU_KV_GB} GB pool unless --kv-cache-gb"
     peak = None if profile is None else probe.peak(profile)
     # Everything allocated so far (weights, RoPE tables, a draft model) is the engine's for good.
-    kv = kv_bytes_cuda(probe.total(), config.gpu_memory_utilization, probe.allocated(), peak or 0,
-                       probe.non_torch())
+    total, weights, other = probe.total(), probe.allocated(), probe.non_torch()
+    kv = kv_bytes_cuda(total, config.gpu_memory_utilization, weights, peak or 0, other)
+    if kv == 0:
+        raise StartupError(
+            f"no GPU memory left for the KV cache: --gpu-memory-utilization {config.gpu_memory_utilization} "
+            f"of {_size(total)} is {_size(int(total * config.gpu_memory_utilization))}, and the weights "
+            f"({_size(weights)}), the largest step's activations ({_size(peak or 0)}) and memory outside "
+            f"this engine's allocator ({_size(other)}: the CUDA context, other processes on this GPU) "
+            "take it all: free the GPU, raise --gpu-memory-utilization, or size the pool with "
+            "--kv-cache-gb / --num-pages")
     return kv, peak, "" if profile is not None else "tensor parallel"
 
 

@@ -321,7 +321,7 @@ def moe_cases(device: torch.device, sizes: Sizes, randn: Callable[..., torch.Ten
                 return out, getattr(ref, name)(x, logits, *weights, top_k, True)
 
             dkey = PRECISION[sizes.dtypes[0]]
-            precision = {"int8": "int8", "fp8": "fp8"}.get(method, dkey)
+            precision = {"int8": "int8 twice", "fp8": "fp8"}.get(method, dkey)
             cases.append(Case(f"fused_moe {method} {dkey} T={tokens}", precision, moe))
     return cases
 

@@ -20,6 +20,10 @@ THRESHOLDS: dict[str, float] = {
     "fp16": 1e-3,
     "bf16": 1e-2,
     "int8": 1e-2,
+    # A W8A8 MoE quantizes twice (its input, then the intermediate activation after SiLU-and-mul), and
+    # the second quantization sees bf16 values that two implementations may round differently: a code
+    # can land a step apart in each. Measured on an H100: 1.1e-2 to 1.4e-2.
+    "int8 twice": 2e-2,
     "fp8": 7e-2,
 }
 # Teacher-forced top-1 agreement of a quantized tiny random model with its unquantized run (a fraction):

@@ -177,7 +177,8 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rows = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)
     out = F.scaled_dot_product_attention(rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
                                          attn_mask=mask, scale=scale)
-    return out.view(batch, heads, dim).to(q.dtype)
+    # reshape: CUDA's attention kernels may return their output in another layout than the CPU's.
+    return out.reshape(batch, heads, dim).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

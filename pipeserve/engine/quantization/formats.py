@@ -56,7 +56,9 @@ def to_codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def per_row_quant(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, N] -> (codes [T, N] int8 / fp8, fp32 scale [T, 1]) with scale = max|row| / qmax."""
-    scale = x.float().abs().amax(-1, keepdim=True) / QMAX[dtype]
+    # Times the reciprocal, as the kernels do: bit-identical on every device (torch on CUDA divides a
+    # tensor by a scalar through its reciprocal, the CPU does not).
+    scale = x.float().abs().amax(-1, keepdim=True) * (1.0 / QMAX[dtype])
     return to_codes(x.float() * safe_inverse(scale), dtype), scale
 
 

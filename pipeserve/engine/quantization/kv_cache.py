@@ -35,7 +35,7 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, group: int = GROUP) -> tupl
     if d % group:
         raise ValueError(f"head_dim {d} is not a multiple of the KV quantization group {group}")
     xg = x.float().reshape(*x.shape[:-1], d // group, group)
-    scale = (xg.abs().amax(-1) / QMAX[dtype]).to(torch.float16)
+    scale = (xg.abs().amax(-1) * (1.0 / QMAX[dtype])).to(torch.float16)  # as per_row_quant
     return to_codes(xg * safe_inverse(scale)[..., None], dtype).flatten(-2), scale
 
 

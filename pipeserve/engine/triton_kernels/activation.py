@@ -53,7 +53,7 @@ def _silu_and_mul_quant_kernel(
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(silu_mul(x_ptr, row_ptr, offs, offs < N, N)))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), QMAX)
+    scale = tl.max(amax, axis=0) * (1.0 / QMAX)
     inv = inverse(scale)
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)

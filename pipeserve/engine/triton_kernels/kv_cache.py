@@ -95,7 +95,7 @@ def _store_rows(x_ptr, x_stride_h, cache, cache_ptr, scale_ptr, off, soff, h, h_
         NG: tl.constexpr = BLOCK_D // QGROUP
         xg = tl.reshape(x.to(tl.float32), (BLOCK_H, NG, QGROUP))
         # Round the scale to fp16 first: the stored scale is exactly the one quantized with.
-        s = tl.math.div_rn(tl.max(tl.abs(xg), axis=2), QMAX).to(tl.float16).to(tl.float32)
+        s = (tl.max(tl.abs(xg), axis=2) * (1.0 / QMAX)).to(tl.float16).to(tl.float32)
         x = tl.reshape(to_codes(xg * inverse(s)[:, :, None], IS_INT8), (BLOCK_H, BLOCK_D))
         g = tl.arange(0, NG)
         smask = h_mask[:, None] & (g < HEAD_DIM // QGROUP)[None, :]

@@ -54,7 +54,7 @@ def _rms_norm_kernel(
     y = (w * normed).to(OUT_DTYPE)
     if QUANT:
         yf = y.to(tl.float32)
-        scale = tl.math.div_rn(tl.max(tl.abs(yf), axis=0), QMAX)
+        scale = tl.max(tl.abs(yf), axis=0) * (1.0 / QMAX)
         tl.store(q_ptr + row * stride_q + offs, to_codes(yf * inverse(scale), IS_INT8), mask=mask)
         tl.store(scale_ptr + row, scale)
     else:
