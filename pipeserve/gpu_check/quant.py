@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .environment import timed
 from .kernels import dequant, rel_error
 from .report import THRESHOLDS, SpeedRow
-from .runner import Context
+from .runner import Context, run_parts
 from .speed import pct
 
 BF16, F32, I8, FP8 = torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn
@@ -434,7 +434,6 @@ def run(ctx: Context, budget_s: float = BUDGET_S) -> None:
         raise RuntimeError("the quant rows need CUDA")
     deadline = time.monotonic() + budget_s
     plan, checks = Plan.for_device(torch.device("cuda")), Checks()
-    failed = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-quant-") as tmp:
         parts: dict[str, Callable[[], None]] = {
             "decode attention": lambda: attention_rows(ctx, plan, checks),
@@ -443,12 +442,7 @@ def run(ctx: Context, budget_s: float = BUDGET_S) -> None:
             "rms_norm_quant": lambda: norm_quant_rows(ctx, plan, checks),
             "end to end": lambda: end_to_end(ctx, tmp, deadline),
         }
-        for name, part in parts.items():  # one failing part does not hide the others' rows
-            try:
-                part()
-            except Exception as exc:
-                failed.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
-            torch.cuda.empty_cache()
+        failed = run_parts(parts, torch.cuda.empty_cache)
     if checks.failed:
         failed.append("kernels off their baseline: " + ", ".join(checks.failed)[:300])
     if failed:

@@ -86,6 +86,20 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def run_parts(parts: dict[str, Callable[[], None]],
+              between: Callable[[], object] = lambda: None) -> list[str]:
+    """Run a section's parts in turn, `between` after each; a failing part does not hide the others'
+    rows: the one-line reasons of those that failed."""
+    failed = []
+    for name, part in parts.items():
+        try:
+            part()
+        except Exception as exc:
+            failed.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
+        between()
+    return failed
+
+
 def _jsonable(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") else str(value)
 

@@ -28,7 +28,7 @@ import torch
 from .environment import timed
 from .models import write_shape_config
 from .report import SpeedRow
-from .runner import Context
+from .runner import Context, run_parts
 
 BF16 = torch.bfloat16
 
@@ -210,7 +210,6 @@ def run(ctx: Context) -> None:
     if ctx.device != "cuda":
         raise RuntimeError("the speed rows need CUDA")
     copy_gbps, tflops = ctx.ceilings.get("copy_gbps"), ctx.ceilings.get("bf16_tflops")
-    failed = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-speed-") as tmp:
         parts: dict[str, Callable[[], None]] = {
             "gemm": lambda: gemm_rows(ctx, copy_gbps, tflops),
@@ -218,11 +217,6 @@ def run(ctx: Context) -> None:
             "decode": lambda: decode_rows(ctx, tmp, copy_gbps),
             "serving start": lambda: serving_start_row(ctx, tmp),
         }
-        for name, part in parts.items():  # one failing part does not hide the others' rows
-            try:
-                part()
-            except Exception as exc:
-                failed.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
-            torch.cuda.empty_cache()
+        failed = run_parts(parts, torch.cuda.empty_cache)
     if failed:
         raise RuntimeError("; ".join(failed))
