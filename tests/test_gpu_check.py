@@ -432,3 +432,25 @@ def test_quant_section_limit_and_budget():
     quant_section = next(s for s in SECTIONS if s.name == "quant")
     assert (quant_section.limit_s, quant_section.quick, quant_section.correctness) == (240, False, False)
     assert quant.BUDGET_S + 10 <= quant_section.limit_s
+
+
+def test_profile_rows_on_the_cpu(tmp_path):
+    # The profile section's code on a tiny CPU engine: a device-time row, then the ops by time, each
+    # with its share and calls per step.
+    from pipeserve.engine import LLM
+    from pipeserve.gpu_check import profile
+
+    model_dir = build_tiny_model(str(tmp_path / "llama"), "llama")
+    llm = LLM(model_dir, device="cpu", dtype="float32", num_pages=32, step_executor="eager")
+    prof = profile.profile_steps(llm.engine, warm=1, steps=3, prompt_len=5)
+    assert prof.wall_ms > 0 and prof.device_ms > 0 and prof.kernels
+    times = [k.us_per_step for k in prof.kernels]
+    assert times == sorted(times, reverse=True)
+    assert not llm.engine.has_work()
+    ctx = Context("cpu", quick=False)
+    profile.profile_rows(ctx, "tiny_b1_eager", prof, top=3)
+    rows = [r["data"] for r in ctx.emitted]
+    names = ["profile_tiny_b1_eager"] + [f"profile_tiny_b1_eager_0{i}" for i in (1, 2, 3)]
+    assert [r["name"] for r in rows] == names
+    assert rows[0]["unit"] == "ms/step" and "busy" in rows[0]["detail"]
+    assert all(r["unit"] == "us/step" and "x/step" in r["detail"] for r in rows[1:])

@@ -48,25 +48,57 @@ def driver_version() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of fn over `repeats` runs after one warm-up (CUDA events on a GPU)."""
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 8) -> float:
+    """Median seconds of one call of fn over `repeats` timings, after a warm-up call (which compiles
+    and autotunes). On a GPU each timing is `inner` calls replayed from one CUDA graph between two
+    events: the device's time alone, as in the engine's captured steps. Timing single launches would
+    add the host's launch of each kernel (tens of microseconds for a Triton kernel launched from
+    Python, more than a small kernel runs). What a graph cannot capture (a host readback) is timed as
+    `inner` calls launched back to back between the events instead."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
+    if device.type != "cuda":
+        import time
 
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    replay = _captured(fn, inner)
+    if replay is None:
+
+        def replay() -> None:
+            for _ in range(inner):
+                fn()
+
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
     return statistics.median(times)
+
+
+def _captured(fn: Callable[[], object], inner: int) -> Callable[[], object] | None:
+    """A CUDA graph of `inner` calls of fn (its replay), None when fn cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm on a side stream first, as capture needs (allocator, library handles)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except RuntimeError:  # a host sync inside fn: not capturable
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
 
 
 def copy_gbps(device: torch.device, nbytes: int, repeats: int = 20) -> float:

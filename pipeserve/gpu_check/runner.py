@@ -42,6 +42,7 @@ SECTIONS = (
     Section("sync", "pipeserve.gpu_check.sync:run", 120, False, True),
     Section("speed", "pipeserve.gpu_check.speed:run", 300, False, False),
     Section("quant", "pipeserve.gpu_check.quant:run", 240, False, False),
+    Section("profile", "pipeserve.gpu_check.profile:run", 150, False, False),
 )
 
 
