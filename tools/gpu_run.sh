@@ -3,7 +3,7 @@
 # everything written under one folder and packed into OUT/gpu-run.tar.gz (a summary printed last):
 #
 #   tools/gpu_run.sh OUT [--wheels DIR] [--correctness SECTIONS] [--tests FILES] [--speed SECTIONS]
-#                        [--budget SECONDS]
+#                        [--budget SECONDS] [--shared DIR]
 #
 # 1. the wheels in DIR (Python 3.12, manylinux x86-64; default .whl) installed into a private folder:
 #    the runtime dependencies the host lacks;
@@ -13,6 +13,8 @@
 # 3. then alone, so nothing else runs on the GPU while it times: the speed sections in one gpu-check
 #    (default ceilings,speed), stopped (SIGTERM: it writes what it measured) when the whole run
 #    reaches its budget (default 540 s). "none" skips a part.
+# --shared DIR: the test assets (models/stories260K, data/traces) for the tests that use them, e.g. a
+# git-ignored copy carried with the checkout (they skip without it).
 set -u
 OUT=${1:?usage: tools/gpu_run.sh OUT [--wheels DIR] [--correctness S] [--tests FILES] [--speed S]}
 shift
@@ -31,6 +33,7 @@ while [ $# -gt 0 ]; do
     --tests) TESTS=$2 ;;
     --speed) SPEED=$2 ;;
     --budget) BUDGET=$2 ;;
+    --shared) export PIPESERVE_SHARED; PIPESERVE_SHARED=$(cd "$2" && pwd) ;;
     *) echo "gpu_run: unknown option $1" >&2; exit 2 ;;
   esac
   shift 2

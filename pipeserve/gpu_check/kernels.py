@@ -249,8 +249,8 @@ def kernel_cases(device: torch.device, seed: int = 0) -> list[Case]:
             for op in ("per_token_quant", "rms_norm_quant", "silu_and_mul_quant"):
                 cases.append(Case(f"{op} {key} -> {qkey}", qkey, partial(quant, op)))
 
-        # Weight-only 4-bit GEMMs: the same packed weights on both sides; fp32 activations take tf32
-        # dots (the kernel's tl.dot default).
+        # Weight-only 4-bit GEMMs: the same packed weights on both sides; fp32 activations take exact
+        # (ieee) dots, bounded as tf32 all the same.
         for m in sizes.gemm_m:
             for fmt in ("int4", "nf4"):
                 def w4(m: int = m, fmt: str = fmt, dtype: torch.dtype = dtype) -> Pair:
