@@ -182,3 +182,16 @@ def test_pointwise_ops_match_the_reference(dtype):
     A.apply_rope(qkv[:, :4], qkv[:, 4:], positions, cos_sin)
     reference.apply_rope(want[:, :4], want[:, 4:], positions, cos_sin)
     torch.testing.assert_close(qkv, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keys", [127, 128, 300])  # below, at and above two causal blocks
+def test_long_causal_prompts_attend_in_query_blocks(keys):
+    # A whole prompt of 128+ tokens runs as query blocks against the keys up to each block's end:
+    # the same numbers as causal attention over the whole prompt, GQA heads grouped.
+    gen = seeded(3)
+    q = torch.randn(1, keys, 6, 64, generator=gen)
+    k, v = torch.randn(1, keys, 2, 64, generator=gen), torch.randn(1, keys, 2, 64, generator=gen)
+    out = A._sdpa(q, k, v, None, 0.125)
+    assert out.shape == q.shape
+    want = naive_attention(q[0], k[0], v[0], 0.125, 0)
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)

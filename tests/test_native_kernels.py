@@ -158,3 +158,54 @@ def test_portable_kernels_match_the_reference(portable_lib, monkeypatch, dtype):
         b = torch.randn(n, generator=gen)
         got = native.packed_linear(x, native.pack_weight(w), b, n)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_row_kernels_match_the_reference(threads, monkeypatch):
+    # RMSNorm (with a residual add), SiLU-and-mul and RoPE over strided rows, as the per-op path's
+    # prefill chunks call them: the native row kernels (every call taken, counted), within fp32
+    # rounding of the reference.
+    calls = {"rms_norm": 0, "silu_and_mul": 0, "apply_rope": 0}
+    for name in calls:
+        real = getattr(native, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(native, name, counted)
+    gen = seeded(21)
+    rows, hidden = 37, 96
+    wide = torch.randn(rows, hidden + 8, generator=gen)
+    x, resid_in = wide[:, :hidden], torch.randn(rows, hidden, generator=gen)  # x's rows strided
+    w = torch.rand(hidden, generator=gen) + 0.5
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    got, got_resid = cpu.rms_norm(x, w, 1e-5, resid_in)
+    want, want_resid = reference.rms_norm(x, w, 1e-5, resid_in)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(got_resid, want_resid) and got_resid.data_ptr() != x.data_ptr()
+    gate_up = (torch.randn(rows, 2 * 48 + 4, generator=gen) * 6)[:, : 2 * 48]  # strided, both signs large
+    assert not gate_up.is_contiguous()
+    want_act = reference.silu_and_mul(gate_up)
+    torch.testing.assert_close(cpu.silu_and_mul(gate_up), want_act, rtol=1e-5, atol=1e-6)
+    from pipeserve.engine.model.rope import rope_cache
+
+    hq, hkv, dim, rot = 6, 2, 16, 8  # partial rotary: the last 8 channels of each head untouched
+    table = rope_cache(rot, 64, 10000.0, None)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * dim, generator=gen)
+    positions = torch.randint(0, 64, (rows,), generator=gen)
+    q, k = qkv[:, : hq * dim].view(rows, hq, dim), qkv[:, hq * dim : (hq + hkv) * dim].view(rows, hkv, dim)
+    want_q, want_k = q.clone(), k.clone()
+    reference.apply_rope(want_q, want_k, positions, table)
+    v_before = qkv[:, (hq + hkv) * dim :].clone()
+    cpu.apply_rope(q, k, positions, table)
+    torch.testing.assert_close(q, want_q, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(k, want_k, rtol=2e-6, atol=2e-6)
+    assert torch.equal(qkv[:, (hq + hkv) * dim :], v_before)
+    assert calls == {"rms_norm": 2, "silu_and_mul": 1, "apply_rope": 1}  # q and k in one pass
+
+
+def test_row_kernels_leave_other_dtypes_to_torch():
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert not native.supports_rows(x) and native.supports_rows(x.float())
+    torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x))

@@ -109,6 +109,9 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
 _MIN_HEAD_DIM, _PAD_MIN_KEYS = 16, 128
 
 
+_CAUSAL_BLOCK = 64  # query rows per SDPA call over a long causal prompt
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D] in fp32; causal when mask is None.
@@ -117,9 +120,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     dim = q.shape[-1]
     if q.device.type == "cpu" and dim < _MIN_HEAD_DIM and k.shape[1] >= _PAD_MIN_KEYS:
         q, k, v = (F.pad(x, (0, _MIN_HEAD_DIM - dim)) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=True)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    length = q.shape[1]
+    if mask is None and q.device.type == "cpu" and length >= 2 * _CAUSAL_BLOCK and k.shape[1] == length:
+        # Causal over a long prompt: query blocks, each against the keys up to its end with a mask.
+        # The flash kernel's own causal path runs ~1.4x slower on this CPU (a 512-token prompt, 12
+        # heads of 64: 6.9 against 4.9 ms, one thread).
+        out = torch.empty(qt.shape[:-1] + (vt.shape[-1],), dtype=torch.float32, device=q.device)
+        pos = torch.arange(length, device=q.device)
+        for lo in range(0, length, _CAUSAL_BLOCK):
+            hi = min(length, lo + _CAUSAL_BLOCK)
+            out[:, :, lo:hi] = F.scaled_dot_product_attention(
+                qt[:, :, lo:hi], kt[:, :, :hi], vt[:, :, :hi], attn_mask=pos[None, :hi] <= pos[lo:hi, None],
+                scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=True)
     return out.transpose(1, 2)[..., :dim]
 
 
@@ -224,6 +240,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """reference.rms_norm, with torch's fused kernel where it does the same arithmetic (fp32)."""
     if not (x.dtype == torch.float32 and weight.dtype == torch.float32):
         return reference.rms_norm(x, weight, eps, residual)
+    if x.dim() == 2 and native.supports_rows(x, weight, residual) and weight.is_contiguous():
+        return native.rms_norm(x, weight, eps, residual)  # one pass per row instead of five
     if residual is not None:
         x = x + residual
     out = F.rms_norm(x, weight.shape, weight, eps)
@@ -266,6 +284,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
     if q.shape[0] == 0:
         return
+    if native.supports_rows(q, k, cos_sin_cache) and cos_sin_cache.is_contiguous() and all(
+            native.rows_packed(x) for x in (q, k)):
+        joint = _heads_together(q, k)  # one pass over both when k's heads follow q's
+        for x in (q, k) if joint is None else (joint,):
+            native.apply_rope(x, positions, cos_sin_cache)
+        return
     # Memos and pointer checks are host-side; under the compiler, which fuses the ops anyway, no.
     compiling = torch.compiler.is_compiling()
     if compiling:
@@ -289,7 +313,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """reference.silu_and_mul with one temporary, not two."""
+    """reference.silu_and_mul with one temporary, not two (natively: none, one pass)."""
+    if x.dim() == 2 and native.supports_rows(x):
+        return native.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 

@@ -40,7 +40,8 @@ from pipeserve.config import cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "decode_step.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "decode_step.cpp",
+                                          "rowwise.cpp"))
 HEADERS = (CSRC / "vec_math.h",)
 PANEL = 16  # output columns per panel of a packed weight (packed_gemm.cpp's kLanes)
 # The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
@@ -127,6 +128,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
                                           i64, ptr, i32, ptr, ptr, i32]
     lib.pipeserve_decode_step.restype = None
+    lib.pipeserve_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i64, i64, i32]
+    lib.pipeserve_rms_norm_rows.restype = None
+    lib.pipeserve_silu_and_mul_rows.argtypes = [ptr, i64, ptr, i64, i64, i32]
+    lib.pipeserve_silu_and_mul_rows.restype = None
+    lib.pipeserve_rope_rows.argtypes = [ptr, i64, i32, i32, ptr, i64, ptr, i64, i32, i32]
+    lib.pipeserve_rope_rows.restype = None
     return lib
 
 
@@ -146,7 +153,7 @@ def isa() -> str:
     return f"fp32 products on {fp32}, bf16 products on {bf16}"
 
 
-def _rows_packed(x: torch.Tensor) -> bool:
+def rows_packed(x: torch.Tensor) -> bool:
     """[T, H, D] whose rows may be strided but whose heads and channels are packed."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
@@ -161,7 +168,7 @@ def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    k_scale: torch.Tensor | None) -> bool:
     return (k.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
             and k.dtype == k_cache.dtype == v.dtype and k_cache.is_contiguous()
-            and _rows_packed(k) and _rows_packed(v) and available())
+            and rows_packed(k) and rows_packed(v) and available())
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -216,7 +223,7 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lib = _lib
     assert lib is not None
     qf = q if q.dtype == torch.float32 else q.float()
-    if not _rows_packed(qf):
+    if not rows_packed(qf):
         qf = qf.contiguous()
     batch, heads, dim = qf.shape
     out = torch.empty((batch, heads, dim), dtype=torch.float32)
@@ -235,7 +242,7 @@ def _store_impl(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     lib = _lib
     assert lib is not None
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
-    k, v = (x if _rows_packed(x) else x.contiguous() for x in (k, v))
+    k, v = (x if rows_packed(x) else x.contiguous() for x in (k, v))
     assert slots.is_contiguous()
     lib.pipeserve_store_kv(k.element_size(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
                            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
@@ -293,3 +300,52 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) 
 def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
       slot_mapping: torch.Tensor) -> None:
     return None
+
+
+# Row-wise kernels for the per-op path (rowwise.cpp): eager steps only, fp32 rows packed in their last
+# dimension. Under the compiler the torch ops stay (Inductor fuses them itself).
+def supports_rows(*tensors: torch.Tensor | None) -> bool:
+    """Whether the row-wise kernels take these tensors: fp32 on the CPU, channels contiguous, not
+    compiling, the library built."""
+    return (not torch.compiler.is_compiling()
+            and all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1)
+                    for t in tensors)
+            and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of rows x [T, n] (after residual is added: then (normed, x + residual)). Call when
+    supports_rows(x, weight, residual) and x, residual are 2-D, weight contiguous."""
+    lib = _lib
+    assert lib is not None and x.dim() == 2 and weight.is_contiguous()
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    resid = None if residual is None else torch.empty((rows, n), dtype=torch.float32)
+    lib.pipeserve_rms_norm_rows(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                                0 if residual is None else residual.stride(0), weight.data_ptr(), eps,
+                                out.data_ptr(), None if resid is None else resid.data_ptr(), rows, n,
+                                torch.get_num_threads())
+    return out if resid is None else (out, resid)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :inter]) * x[:, inter:] of rows x [T, 2 * inter]. Call when supports_rows(x), x 2-D."""
+    lib = _lib
+    assert lib is not None and x.dim() == 2
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=torch.float32)
+    lib.pipeserve_silu_and_mul_rows(x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter,
+                                    torch.get_num_threads())
+    return out
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotate-half RoPE of x [T, H, D] in place (rows strided, heads packed), row t at positions[t] of
+    the table [max_pos, rot_dim] (cos then sin). Call when supports_rows(x, cos_sin_cache)."""
+    lib = _lib
+    assert lib is not None and rows_packed(x) and cos_sin_cache.is_contiguous()
+    pos = positions.long().contiguous()  # no copy when already int64 and contiguous
+    lib.pipeserve_rope_rows(x.data_ptr(), x.stride(0), x.shape[1], x.shape[2], cos_sin_cache.data_ptr(),
+                            cos_sin_cache.stride(0), pos.data_ptr(), x.shape[0], cos_sin_cache.shape[1],
+                            torch.get_num_threads())

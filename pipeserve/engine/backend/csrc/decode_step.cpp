@@ -48,15 +48,8 @@ inline T* field(const int64_t* layer, LayerField f) {
   return reinterpret_cast<T*>(layer[f]);
 }
 
-// out = x / rms(x) * w over n channels (x and out may alias), as HF: the scale, then the weight.
-inline void rms_norm(const float* x, const float* __restrict w, float eps, float* out, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
-}
+using pipeserve::rms_norm;
+using pipeserve::rope;
 
 // resid += add (when add is set), then out = rms_norm(resid): the pre-norm of the next sublayer.
 void add_norm(float* __restrict resid, const float* __restrict add, const float* w, float eps,
@@ -72,37 +65,11 @@ void add_norm(float* __restrict resid, const float* __restrict add, const float*
   }
 }
 
-// Rotate-half rotary embedding of `heads` heads of head_dim at x (in place), at one position:
-// table row [rot_dim] holds cos in its first half and sin in its second.
-inline void rope(float* x, int heads, int head_dim, const float* row, int rot_dim) {
-  const int half = rot_dim / 2;
-  const float* cos = row;
-  const float* sin = row + half;
-  for (int h = 0; h < heads; ++h) {
-    float* __restrict a = x + static_cast<int64_t>(h) * head_dim;
-    float* __restrict b = a + half;
-#pragma omp simd
-    for (int i = 0; i < half; ++i) {
-      const float x1 = a[i], x2 = b[i];
-      a[i] = x1 * cos[i] - x2 * sin[i];
-      b[i] = x2 * cos[i] + x1 * sin[i];
-    }
-  }
-}
-
-// out[r] = silu(gate) * up for rows [gate | up] of 2 * inter; silu(g) = g * sigmoid(g), with the
-// exponential of -|g| only (no overflow either side).
+// out[r] = silu(gate) * up for rows [gate | up] of 2 * inter.
 void silu_and_mul(const float* __restrict gate_up, float* __restrict out, int64_t rows, int64_t inter) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * 2 * inter;
-    const float* u = g + inter;
-    float* o = out + r * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const float e = pipeserve::exp_nonpositive(-std::fabs(g[i]));
-      const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-      o[i] = g[i] * sig * u[i];
-    }
+    pipeserve::silu_mul(g, g + inter, out + r * inter, inter);
   }
 }
 

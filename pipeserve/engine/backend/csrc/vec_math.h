@@ -43,4 +43,43 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// out = x / rms(x) * w over n channels (x and out may alias), as HF: the scale, then the weight.
+inline void rms_norm(const float* x, const float* __restrict w, float eps, float* out, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// Rotate-half rotary embedding of `heads` heads of head_dim at x (in place), at one position:
+// table row [rot_dim] holds cos in its first half and sin in its second.
+inline void rope(float* x, int heads, int head_dim, const float* row, int rot_dim) {
+  const int half = rot_dim / 2;
+  const float* cos = row;
+  const float* sin = row + half;
+  for (int h = 0; h < heads; ++h) {
+    float* __restrict a = x + static_cast<int64_t>(h) * head_dim;
+    float* __restrict b = a + half;
+#pragma omp simd
+    for (int i = 0; i < half; ++i) {
+      const float x1 = a[i], x2 = b[i];
+      a[i] = x1 * cos[i] - x2 * sin[i];
+      b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+  }
+}
+
+// out = silu(gate) * up over n channels; silu(g) = g * sigmoid(g), with the exponential of -|g| only
+// (no overflow either side).
+inline void silu_mul(const float* __restrict g, const float* __restrict u, float* __restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    out[i] = g[i] * sig * u[i];
+  }
+}
+
 }  // namespace pipeserve
