@@ -242,10 +242,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> NormOut:
     """reference.rms_norm, with torch's fused kernel where it does the same arithmetic (fp32)."""
-    if not (x.dtype == torch.float32 and weight.dtype == torch.float32):
-        return reference.rms_norm(x, weight, eps, residual)
     if x.dim() == 2 and native.supports_rows(x, weight, residual) and weight.is_contiguous():
         return native.rms_norm(x, weight, eps, residual)  # one pass per row instead of five
+    if not (x.dtype == torch.float32 and weight.dtype == torch.float32):
+        return reference.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
     out = F.rms_norm(x, weight.shape, weight, eps)
@@ -288,8 +288,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q [T, Hq, D], k [T, Hkv, D], rotated in place at their positions (in fp32, as HF)."""
     if q.shape[0] == 0:
         return
-    if native.supports_rows(q, k, cos_sin_cache) and cos_sin_cache.is_contiguous() and all(
-            native.rows_packed(x) for x in (q, k)):
+    if (native.supports_rows(q, k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+            and all(native.rows_packed(x) for x in (q, k))):
         joint = _heads_together(q, k)  # one pass over both when k's heads follow q's
         for x in (q, k) if joint is None else (joint,):
             native.apply_rope(x, positions, cos_sin_cache)

@@ -128,11 +128,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
                                           i64, ptr, i32, ptr, ptr, i32]
     lib.pipeserve_decode_step.restype = None
-    lib.pipeserve_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i64, i64, i32]
+    lib.pipeserve_rms_norm_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i64, i64, i32]
     lib.pipeserve_rms_norm_rows.restype = None
-    lib.pipeserve_silu_and_mul_rows.argtypes = [ptr, i64, ptr, i64, i64, i32]
+    lib.pipeserve_silu_and_mul_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, i32]
     lib.pipeserve_silu_and_mul_rows.restype = None
-    lib.pipeserve_rope_rows.argtypes = [ptr, i64, i32, i32, ptr, i64, ptr, i64, i32, i32]
+    lib.pipeserve_rope_rows.argtypes = [i32, ptr, i64, i32, i32, ptr, i64, ptr, i64, i32, i32]
     lib.pipeserve_rope_rows.restype = None
     return lib
 
@@ -302,27 +302,31 @@ def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return None
 
 
-# Row-wise kernels for the per-op path (rowwise.cpp): eager steps only, fp32 rows packed in their last
-# dimension. Under the compiler the torch ops stay (Inductor fuses them itself).
-def supports_rows(*tensors: torch.Tensor | None) -> bool:
-    """Whether the row-wise kernels take these tensors: fp32 on the CPU, channels contiguous, not
-    compiling, the library built."""
-    return (not torch.compiler.is_compiling()
-            and all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1)
-                    for t in tensors)
+# Row-wise kernels for the per-op path (rowwise.cpp): eager steps only, fp32 or bf16 rows packed in
+# their last dimension. Under the compiler the torch ops stay (Inductor fuses them itself).
+ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports_rows(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether the row-wise kernels take these tensors: all of x's dtype (fp32 or bf16) on the CPU,
+    channels contiguous, not compiling, the library built."""
+    return (not torch.compiler.is_compiling() and x.dtype in ROW_DTYPES
+            and all(t is None or (t.dtype == x.dtype and t.device.type == "cpu" and t.stride(-1) == 1)
+                    for t in (x, *others))
             and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of rows x [T, n] (after residual is added: then (normed, x + residual)). Call when
-    supports_rows(x, weight, residual) and x, residual are 2-D, weight contiguous."""
+    """RMSNorm of rows x [T, n] (after residual is added: then (normed, x + residual)), in x's dtype.
+    Call when supports_rows(x, weight, residual) and x, residual are 2-D, weight contiguous."""
     lib = _lib
     assert lib is not None and x.dim() == 2 and weight.is_contiguous()
     rows, n = x.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
-    resid = None if residual is None else torch.empty((rows, n), dtype=torch.float32)
-    lib.pipeserve_rms_norm_rows(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+    out = torch.empty((rows, n), dtype=x.dtype)
+    resid = None if residual is None else torch.empty((rows, n), dtype=x.dtype)
+    lib.pipeserve_rms_norm_rows(ROW_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                None if residual is None else residual.data_ptr(),
                                 0 if residual is None else residual.stride(0), weight.data_ptr(), eps,
                                 out.data_ptr(), None if resid is None else resid.data_ptr(), rows, n,
                                 torch.get_num_threads())
@@ -330,22 +334,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :inter]) * x[:, inter:] of rows x [T, 2 * inter]. Call when supports_rows(x), x 2-D."""
+    """silu(x[:, :inter]) * x[:, inter:] of rows x [T, 2 * inter], in x's dtype. Call when
+    supports_rows(x), x 2-D."""
     lib = _lib
     assert lib is not None and x.dim() == 2
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=torch.float32)
-    lib.pipeserve_silu_and_mul_rows(x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter,
-                                    torch.get_num_threads())
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    lib.pipeserve_silu_and_mul_rows(ROW_DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), rows,
+                                    inter, torch.get_num_threads())
     return out
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Rotate-half RoPE of x [T, H, D] in place (rows strided, heads packed), row t at positions[t] of
-    the table [max_pos, rot_dim] (cos then sin). Call when supports_rows(x, cos_sin_cache)."""
+    the fp32 table [max_pos, rot_dim] (cos then sin). Call when supports_rows(x) and rows_packed(x)."""
     lib = _lib
     assert lib is not None and rows_packed(x) and cos_sin_cache.is_contiguous()
+    assert cos_sin_cache.dtype == torch.float32
     pos = positions.long().contiguous()  # no copy when already int64 and contiguous
-    lib.pipeserve_rope_rows(x.data_ptr(), x.stride(0), x.shape[1], x.shape[2], cos_sin_cache.data_ptr(),
-                            cos_sin_cache.stride(0), pos.data_ptr(), x.shape[0], cos_sin_cache.shape[1],
-                            torch.get_num_threads())
+    lib.pipeserve_rope_rows(ROW_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.shape[1], x.shape[2],
+                            cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), pos.data_ptr(), x.shape[0],
+                            cos_sin_cache.shape[1], torch.get_num_threads())

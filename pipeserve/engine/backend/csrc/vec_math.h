@@ -71,9 +71,17 @@ inline void rope(float* x, int heads, int head_dim, const float* row, int rot_di
   }
 }
 
-// out = silu(gate) * up over n channels; silu(g) = g * sigmoid(g), with the exponential of -|g| only
-// (no overflow either side).
+// out = silu(gate) * up over n channels (silu(gate) alone when up is null); silu(g) = g * sigmoid(g),
+// with the exponential of -|g| only (no overflow either side).
 inline void silu_mul(const float* __restrict g, const float* __restrict u, float* __restrict out, int64_t n) {
+  if (u == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = exp_nonpositive(-std::fabs(g[i]));
+      out[i] = g[i] * (g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
+    }
+    return;
+  }
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float e = exp_nonpositive(-std::fabs(g[i]));
