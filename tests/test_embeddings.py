@@ -265,6 +265,7 @@ def test_no_embed_normalize_returns_the_raw_hidden_state(stories_dir):
     assert np.abs(vector - raw).max() < 1e-4 and abs(float(np.linalg.norm(vector)) - 1.0) > 1e-3
 
 
+@pytest.mark.slow  # a process group of two ranks
 def test_tensor_parallel_embeddings_equal_one_rank(stories, stories_dir):
     """Under tensor parallelism rank 0 reads the vectors out of the full hidden state it holds after
     the last all-reduce; the other ranks run the same step (their logits pass included)."""
@@ -393,6 +394,7 @@ def test_mean_pooling_without_normalisation_is_the_average(stories_dir):
     assert np.abs(vector - raw).max() < 1e-4
 
 
+@pytest.mark.slow  # a process group of two ranks
 def test_tensor_parallel_mean_pooling_equals_hugging_face(stories_dir):
     tp = LLM(stories_dir, device="cpu", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32,
              max_model_len=256, pooling="mean")

@@ -16,6 +16,8 @@ import pytest
 from pipeserve.local_cluster import LocalCluster, scrape
 from tests.lora_adapters import ALL_LINEAR, ATTENTION, build_adapter, hf_greedy
 
+pytestmark = pytest.mark.slow  # `pipeserve up` pipelines
+
 N = 8
 PROMPTS = [[1, 43, 107, 61, 78, 30], [1, 5, 9, 200, 17, 33, 64, 12]]
 

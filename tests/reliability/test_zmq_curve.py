@@ -56,6 +56,7 @@ def complete(cluster: LocalCluster, n: int) -> None:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.slow  # a whole pipeline over tcp://
 def test_tcp_pipeline_serves_and_refuses_rogues(tcp_cluster: LocalCluster) -> None:
     addrs = addresses(tcp_cluster)
     assert all(value.startswith("tcp://127.0.0.1:") for value in addrs.values()), addrs
