@@ -214,10 +214,18 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
     for (int d = 0; d < D; ++d) oh[g * D + d] = _mm512_reduce_add_ps(acc[g][d]) * inv[g];
 }
 
-// decode_head for an fp32 cache with AVX-512 and head_dim a multiple of 16: the group's queries and
-// output accumulators stay in registers for the whole row.
-template <int D>
-void decode_head_avx512(const float* __restrict qh, const float* __restrict k_cache, const float* __restrict v_cache,
+// 16 cache values as fp32: an fp32 cache's as they are, a bf16 cache's widened (bf16 is fp32's top
+// half: zero-extend and shift, no rounding).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// decode_head for an fp32 or bf16 cache with AVX-512 and head_dim a multiple of 16: the group's queries
+// and output accumulators stay in registers for the whole row.
+template <typename T, int D>
+void decode_head_avx512(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
                         const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
                         int group, int start, int len, float scale, float* __restrict oh,
                         std::vector<float>& scores) {
@@ -233,10 +241,12 @@ void decode_head_avx512(const float* __restrict qh, const float* __restrict k_ca
       for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qh + (g0 + g) * D + c * 16);
     float mx[2] = {-FLT_MAX, -FLT_MAX};
     for (int t = start; t < len; ++t) {
-      const float* k = k_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+      const T* k = k_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
       for (int g = 0; g < gn; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(k + c * 16), acc);
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
         const float x = _mm512_reduce_add_ps(acc) * scale;
         sc[static_cast<size_t>(g0 + g) * n + (t - start)] = x;
         mx[g] = std::max(mx[g], x);
@@ -252,10 +262,12 @@ void decode_head_avx512(const float* __restrict qh, const float* __restrict k_ca
     for (int g = 0; g < 2; ++g)
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int t = start; t < len; ++t) {
-      const float* v = v_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+      const T* v = v_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
       for (int g = 0; g < gn; ++g) {
         const __m512 p = _mm512_set1_ps(sc[static_cast<size_t>(g0 + g) * n + (t - start)]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * 16), acc[g][c]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
       }
     }
     for (int g = 0; g < gn; ++g) {
@@ -302,8 +314,8 @@ void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T
         continue;
       }
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, float> && D >= 32 && D % 16 == 0) {
-        decode_head_avx512<D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
+      if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, bf16>) && D >= 32 && D % 16 == 0) {
+        decode_head_avx512<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
                               k_cache + static_cast<int64_t>(h) * head_dim,
                               v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride, page_stride,
                               token_stride, page_size, group, start, len, scale, oh, scores);
