@@ -64,11 +64,16 @@ def naive_attention(q, k, v, scale, q_start):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("keys", [20, 200])  # below and above the padding threshold
-def test_sdpa_pads_small_head_dim_exactly(keys):
+@pytest.mark.parametrize(("keys", "heads", "dim"), [
+    (20, 4, 8), (200, 4, 8),  # a small head dim below and above the padding threshold
+    (127, 6, 64), (128, 6, 64), (300, 6, 64),  # below, at and above two causal query blocks
+])
+def test_sdpa_matches_causal_attention(keys, heads, dim):
+    # Small head dims are padded exactly; a whole prompt of 128+ tokens runs as query blocks against
+    # the keys up to each block's end: the same numbers as causal attention, GQA heads grouped.
     gen = seeded(1)
-    q = torch.randn(1, keys, 4, 8, generator=gen)
-    k, v = torch.randn(1, keys, 2, 8, generator=gen), torch.randn(1, keys, 2, 8, generator=gen)
+    q = torch.randn(1, keys, heads, dim, generator=gen)
+    k, v = torch.randn(1, keys, 2, dim, generator=gen), torch.randn(1, keys, 2, dim, generator=gen)
     out = A._sdpa(q, k, v, None, 0.3)
     assert out.shape == q.shape
     want = naive_attention(q[0], k[0], v[0], 0.3, 0)
@@ -182,16 +187,3 @@ def test_pointwise_ops_match_the_reference(dtype):
     A.apply_rope(qkv[:, :4], qkv[:, 4:], positions, cos_sin)
     reference.apply_rope(want[:, :4], want[:, 4:], positions, cos_sin)
     torch.testing.assert_close(qkv, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
-
-
-@pytest.mark.parametrize("keys", [127, 128, 300])  # below, at and above two causal blocks
-def test_long_causal_prompts_attend_in_query_blocks(keys):
-    # A whole prompt of 128+ tokens runs as query blocks against the keys up to each block's end:
-    # the same numbers as causal attention over the whole prompt, GQA heads grouped.
-    gen = seeded(3)
-    q = torch.randn(1, keys, 6, 64, generator=gen)
-    k, v = torch.randn(1, keys, 2, 64, generator=gen), torch.randn(1, keys, 2, 64, generator=gen)
-    out = A._sdpa(q, k, v, None, 0.125)
-    assert out.shape == q.shape
-    want = naive_attention(q[0], k[0], v[0], 0.125, 0)
-    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)

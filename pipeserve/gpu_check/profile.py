@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -45,30 +44,16 @@ class StepProfile:
 
 def profile_steps(eng: Any, warm: int = 4, steps: int = 8, prompt_len: int = 32) -> StepProfile:
     """Profile `steps` steady batch-1 decode steps of `eng` (one request, its prompt already in)."""
-    from pipeserve.sampling_params import SamplingParams
+    from .speed import drain, steady_decode, step_seconds
 
     cuda = eng.device.type == "cuda"
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, eng.model_config.vocab_size, (prompt_len,), generator=gen, device="cpu")
-    params = SamplingParams(max_tokens=warm + steps + 4, temperature=0.0, ignore_eos=True)
-    eng.add("profile", ids.tolist(), params)
-    while eng.scheduler.waiting or any(seq.num_output == 0 for seq in eng.scheduler.running):
-        eng.step()
-    for _ in range(warm):
-        eng.step()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = steady_decode(eng, 1, prompt_len, warm, steps)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    sync()
     with torch.profiler.profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        sync()
-        wall = (time.perf_counter() - start) / steps
-    while eng.has_work():
-        eng.step()
+        wall = step_seconds(eng, steps, sync)
+    drain(eng)
     kernels = []
     for event in prof.key_averages():
         if cuda and event.device_type != DeviceType.CUDA:

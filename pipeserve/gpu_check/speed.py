@@ -61,30 +61,47 @@ def engine(model_dir: str, graphs: bool, max_num_seqs: int, kv_cache_gb: float =
                max_num_seqs=max_num_seqs, max_model_len=4096, kv_cache_gb=kv_cache_gb).engine
 
 
-def decode_seconds(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8, steps: int = 64) -> float:
-    """Seconds per steady-state decode step of `batch` requests: timed after every prompt is in and
-    `warm` decode steps more."""
+def steady_decode(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8,
+                  steps: int = 64) -> Callable[[], None]:
+    """Add `batch` requests with room for `warm + steps` more tokens, run their prefills and `warm`
+    decode steps: the engine is in steady decode. Returns the device's sync (a no-op on the CPU)."""
     from pipeserve.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     vocab = eng.model_config.vocab_size
     for i in range(batch):
-        ids = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        ids = torch.randint(3, vocab, (prompt_len,), generator=g, device="cpu").tolist()
         eng.add(f"speed-{batch}-{i}", ids, SamplingParams(max_tokens=warm + steps + 4, temperature=0.0,
                                                           ignore_eos=True))
     while eng.scheduler.waiting or any(seq.num_output == 0 for seq in eng.scheduler.running):
         eng.step()  # the prefills
     for _ in range(warm):
         eng.step()
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    return sync
+
+
+def step_seconds(eng: Any, steps: int, sync: Callable[[], None]) -> float:
+    """Seconds per step over `steps` steps, the device synced at both ends."""
     sync()
     start = time.perf_counter()
     for _ in range(steps):
         eng.step()
     sync()
-    elapsed = (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps
+
+
+def drain(eng: Any) -> None:
     while eng.has_work():
         eng.step()
+
+
+def decode_seconds(eng: Any, batch: int, prompt_len: int = 32, warm: int = 8, steps: int = 64) -> float:
+    """Seconds per steady-state decode step of `batch` requests: timed after every prompt is in and
+    `warm` decode steps more."""
+    sync = steady_decode(eng, batch, prompt_len, warm, steps)
+    elapsed = step_seconds(eng, steps, sync)
+    drain(eng)
     return elapsed
 
 
