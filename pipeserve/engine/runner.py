@@ -174,7 +174,8 @@ class ForwardRunner:
         """Logits [R, V] of flat's sample rows (None: no row samples)."""
         self.buffers.begin()
         executor = self.executor if self.executor.covers(flat) else self.eager
-        self._index_lora(flat)
+        if executor is self.eager:  # the native step reads each row's adapter slot itself
+            self._index_lora(flat)
         return executor.run(flat)
 
     def _index_lora(self, flat: FlatBatch) -> None:

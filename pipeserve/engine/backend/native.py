@@ -1,9 +1,9 @@
 """The CPU backend's native kernels, built once per source and host with the C++ compiler and loaded
 through ctypes: the paged KV store and decode attention (csrc/paged_attention.cpp), the product
 with an fp32 or bf16 weight packed at load time (csrc/packed_gemm.cpp; fp32 accumulation), and a
-whole step of a dense fp32 or bf16 model built from them (csrc/decode_step.cpp, driven by
-engine/executor/native.py). Which instructions the products use follows from the host's flags at
-build time (`isa()`, logged when the library loads).
+whole step of a dense fp32 or bf16 model built from them, LoRA adapters included (csrc/decode_step.cpp,
+driven by engine/executor/native.py). Which instructions the products use follows from the host's
+flags at build time (`isa()`, logged when the library loads).
 
 Decode attention in torch must first copy every row's pages into one tensor (index_select) and then
 run SDPA over it with a mask; the native kernel reads each key and value once, straight from its
@@ -126,7 +126,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_isa.argtypes = []
     lib.pipeserve_isa.restype = i32
     lib.pipeserve_decode_step.argtypes = [ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
-                                          i64, ptr, i32, ptr, ptr, i32]
+                                          i64, ptr, i32, ptr, ptr, ptr, ptr, i32]
     lib.pipeserve_decode_step.restype = None
     lib.pipeserve_rms_norm_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i64, i64, i32]
     lib.pipeserve_rms_norm_rows.restype = None

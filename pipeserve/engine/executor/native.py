@@ -23,6 +23,12 @@ as many rows as the measured table says oneDNN's GEMM wins at for most of the mo
 
 Linear layers that backend/cpu_linear.py packed are used as they are; smaller ones (left unpacked
 there, where a call of their own would cost more than packing gains) are packed here, once.
+
+LoRA adapters (engine/lora): where the model's linear layers are wrapped by LoRALinear, the step
+reads the base layers' weights and the slot table's own tensors (the addresses of its A and B per
+layer and kind, and each slot's kind mask): a swap between steps writes them in place, and the next
+step reads the new adapter; nothing is copied per step. Each step passes every row's adapter slot
+(the manager's request -> slot array gathered by the rows' requests, one int32 each).
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from torch import nn
 from pipeserve.engine.backend import native
 from pipeserve.engine.backend.cpu_linear import CpuLinear, gemm_rows
 from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.lora.layer import LoRALinear
+from pipeserve.engine.lora.layout import KINDS
+from pipeserve.engine.lora.manager import LoRAManager
 from pipeserve.engine.model.llama import MLP, NATIVE_STEP, DecoderLayer, LlamaForCausalLM
 
 from .base import NATIVE
@@ -49,10 +58,10 @@ from .padded import select_rows
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # decode_step.cpp's kCacheDtype codes
 # One layer's entries in the table the C++ step reads, in decode_step.cpp's LayerField order.
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache",
-                "window")
+                "window", *(f"lora_{kind}_{f}" for kind in KINDS for f in ("a", "b")))
 # The model's sizes, in decode_step.cpp's Dim order.
 DIMS = ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "layers", "rot_dim", "page_size",
-        "weight_dtype", "cache_dtype")
+        "weight_dtype", "cache_dtype", "lora_rank", "lora_slots")
 # Rows a native step takes at least, so that merged steps (decode rows beside a short prompt or a
 # chunk of one) run native too; a longer chunk runs eager, where prefill attention reads each page
 # once per chunk instead of once per row (docs/engine.md has the measurements).
@@ -65,10 +74,26 @@ def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
     return cast(list[DecoderLayer], list(model.layers))
 
 
+def _base(m: nn.Module) -> nn.Module:
+    """A linear layer without its LoRA wrapper."""
+    return m.base if isinstance(m, LoRALinear) else m
+
+
 def _linears(model: LlamaForCausalLM) -> list[nn.Module]:
-    return [m for layer in _layers(model) if isinstance(layer.mlp, MLP)
+    """The dense layers' linear layers (their base layers, where LoRA wraps them)."""
+    return [_base(m) for layer in _layers(model) if isinstance(layer.mlp, MLP)
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                       layer.mlp.down_proj)]
+
+
+def _adapted(model: LlamaForCausalLM) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def lora_manager(model: LlamaForCausalLM) -> LoRAManager | None:
+    """The adapters' manager, where the model's linear layers apply LoRA adapters."""
+    adapted = _adapted(model)
+    return adapted[0].context.manager if adapted else None
 
 
 def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
@@ -93,6 +118,10 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
         return "a linear layer is quantized or sharded"
     if model.lm_head is not None and type(model.lm_head) not in (nn.Linear, CpuLinear):
         return "the LM head is quantized or sharded"
+    weight_dtype = model.embed_tokens.weight.dtype
+    if any(t.dtype != weight_dtype or t.device.type != "cpu" or not t.is_contiguous()
+           for m in _adapted(model) for t in (m.a, m.b)):
+        return "the LoRA slot table is not contiguous CPU memory of the weights' dtype"
     group = cfg.num_heads // cfg.num_kv_heads
     if cfg.head_dim % 2 or model.cos_sin.shape[-1] > cfg.head_dim or group > native.MAX_GROUP:
         return "the attention's shape is outside the native kernels"
@@ -124,31 +153,41 @@ class NativeStep:
         self.model = model
         self._packed: list[torch.Tensor] = []  # packed or converted here: kept alive with the step
         self.dtype = model.embed_tokens.weight.dtype
+        self.lora = lora_manager(model)
         caches = pool.layer_views()
         rows = []
         for layer, cache in zip(_layers(model), caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP)
+            # The slot table's tensors themselves (the LoRALinear's buffers): swaps write them in place.
+            lora: dict[str, torch.Tensor | None] = {}
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if isinstance(m, LoRALinear):
+                    lora |= {f"lora_{m.kind}_a": m.a, f"lora_{m.kind}_b": m.b}
             entries = {
                 "input_norm": self._keep(_f32(layer.input_layernorm.weight)),
                 "qkv": self._panels(attn.qkv_proj),
-                "qkv_bias": self._keep(_f32(attn.qkv_proj.bias)),
+                "qkv_bias": self._keep(_f32(cast(torch.Tensor | None, _base(attn.qkv_proj).bias))),
                 "o": self._panels(attn.o_proj),
                 "post_norm": self._keep(_f32(layer.post_attention_layernorm.weight)),
                 "gate_up": self._panels(mlp.gate_up_proj),
                 "down": self._panels(mlp.down_proj),
                 "k_cache": cache.k,
                 "v_cache": cache.v,
+                **lora,
             }
             window = attn.sliding_window or 0
-            rows.append([_address(entries.get(name)) for name in LAYER_FIELDS[:-1]] + [window])
+            rows.append([window if name == "window" else _address(entries.get(name))
+                         for name in LAYER_FIELDS])
         self.layers = torch.tensor(rows, dtype=torch.int64)
         assert pool.kv is not None
         sizes = {"hidden": cfg.hidden_size, "q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                  "head_dim": cfg.head_dim, "inter": cfg.intermediate_size, "layers": cfg.num_layers,
                  "rot_dim": model.cos_sin.shape[-1], "page_size": pool.page_size,
                  "weight_dtype": int(self.dtype == torch.bfloat16),
-                 "cache_dtype": CACHE_DTYPES[pool.kv.dtype]}
+                 "cache_dtype": CACHE_DTYPES[pool.kv.dtype],
+                 "lora_rank": 0 if self.lora is None else self.lora.max_rank,
+                 "lora_slots": 0 if self.lora is None else self.lora.table.num_slots}
         self.dims = torch.tensor([sizes[name] for name in DIMS], dtype=torch.int64)
         self.hidden = torch.empty(max_rows, cfg.hidden_size)  # the final norm's output
         self.seconds = 0.0  # spent inside the native call (a profiler sees no operator there)
@@ -158,6 +197,9 @@ class NativeStep:
         # runs after the step.
         head = self._head_panels(model)
         self.logits = None if head is None else torch.empty(max_rows, cfg.vocab_size)
+        self.lora_rows = np.empty(max_rows, np.int32)  # each row's adapter slot, refilled every step
+        kinds = None if self.lora is None else self.lora.table.kind_bits
+        self._lora_kinds = ctypes.c_void_p(_address(kinds))  # each slot's kinds, rewritten in place on swaps
         # Fixed for the step's life: converted to ctypes once, not per call.
         self._fixed = (
             *(ctypes.c_void_p(_address(t)) for t in (
@@ -191,6 +233,7 @@ class NativeStep:
 
     def _panels(self, linear: nn.Module) -> torch.Tensor:
         """The layer's weight in the packed layout: CpuLinear's own, or packed here."""
+        linear = _base(linear)
         if isinstance(linear, CpuLinear):
             return linear.packed
         assert isinstance(linear, nn.Linear)
@@ -199,20 +242,29 @@ class NativeStep:
         return packed
 
     def __call__(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                 block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
+                 block_tables: np.ndarray, seq_lens: np.ndarray,
+                 row_requests: np.ndarray | None = None) -> torch.Tensor:
         """Logits [n, V] of n rows, from host arrays (on the CPU the step reads them where they
-        lie: nothing is staged): ids, positions and slots, block tables [n, W] and lengths."""
+        lie: nothing is staged): ids, positions and slots, block tables [n, W] and lengths;
+        row_requests: each row's request slot, whose adapter the row applies (with LoRA)."""
         lib = native._lib
         assert lib is not None
         ids, pos, slots = (np.ascontiguousarray(a, dtype=np.int64)
                            for a in (input_ids, positions, slot_mapping))
         tables, lens = (np.ascontiguousarray(a, dtype=np.int32) for a in (block_tables, seq_lens))
         n = ids.shape[0]
+        lora_rows = None
+        if self.lora is not None and row_requests is not None:
+            rows = self.lora_rows[:n]
+            rows[:] = self.lora.request_slots[row_requests]
+            if (rows >= 0).any():
+                lora_rows = rows.ctypes.data
         dims, layers, embed, norm, rope, eps, scale, head, vocab, hidden, logits = self._fixed
         start = time.perf_counter()
         lib.pipeserve_decode_step(dims, eps, scale, layers, embed, norm, rope, head, vocab, ids.ctypes.data,
                                   pos.ctypes.data, slots.ctypes.data, tables.ctypes.data, tables.shape[1],
-                                  lens.ctypes.data, n, hidden, logits, torch.get_num_threads())
+                                  lens.ctypes.data, n, lora_rows, self._lora_kinds, hidden, logits,
+                                  torch.get_num_threads())
         self.seconds += time.perf_counter() - start
         if self.logits is not None:
             return self.logits[:n]
@@ -249,5 +301,5 @@ class NativeExecutor:
             ids = ids.copy()
             ids[flat.device_ids.rows] = flat.device_ids.values.numpy()
         logits = self.step(ids, flat.positions, flat.slot_mapping,
-                           self.pool.block_table[flat.row_slots], flat.positions + 1)
+                           self.pool.block_table[flat.row_slots], flat.positions + 1, flat.row_slots)
         return select_rows(logits, flat, self.buffers)

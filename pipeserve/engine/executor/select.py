@@ -33,7 +33,7 @@ class StepPlan:
     whole_graph: bool = True  # the forward pass traces as one graph (Inductor)
     max_cuda_graph_batch: int = 256
     tensor_parallel: bool = False  # a tensor-parallel forward exchanges the step plan: eager
-    lora: bool = False  # LoRA adapters are applied (pipeserve/engine/lora): only eager steps apply them
+    lora: bool = False  # LoRA adapters are applied (pipeserve/engine/lora): by eager and native steps only
 
 
 def compiled_mode(backend: Backend, device: torch.device) -> tuple[str | None, str]:
@@ -46,6 +46,11 @@ def compiled_mode(backend: Backend, device: torch.device) -> tuple[str | None, s
     return mode, ""
 
 
+def _native_why(model: LlamaForCausalLM) -> str:
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    return f"dense {dtype} {model.config.architecture}, {torch.get_num_threads()} threads"
+
+
 def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPool,
            device: torch.device) -> tuple[str, str]:
     """(mode, why): the executor for this model, device and request. ValueError when an explicit
@@ -56,11 +61,16 @@ def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPo
         if plan.requested != "auto":
             raise ValueError(f"--step-executor {plan.requested}: tensor-parallel steps run eager")
         return EAGER, "tensor-parallel steps send their plan to the other ranks"
-    if plan.lora:  # the native step has no adapters; compiled steps would freeze the step's index
-        if plan.requested != "auto":
-            raise ValueError(f"--step-executor {plan.requested}: with --enable-lora steps run eager")
-        return EAGER, "LoRA adapters are applied by eager steps only (not by the native or compiled ones)"
     no_native = unsupported(model, pool) if device.type == "cpu" else f"not on {device.type}"
+    if plan.lora:  # compiled steps would freeze the step's row -> adapter index
+        if plan.requested == "compiled":
+            raise ValueError("--step-executor compiled: with --enable-lora steps run native or eager")
+        if plan.requested == NATIVE and no_native is not None:
+            raise ValueError(f"--step-executor native: {no_native}")
+        if no_native is None:
+            why = "requested" if plan.requested == NATIVE else _native_why(model)
+            return NATIVE, f"{why}, LoRA adapters in the step"
+        return EAGER, f"LoRA adapters are applied by native and eager steps only (native step: {no_native})"
     compiled, no_compiled = compiled_mode(backend, device)
     if plan.requested == NATIVE:
         if no_native is not None:
@@ -71,8 +81,7 @@ def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPo
             raise ValueError(f"--step-executor compiled: {no_compiled}")
         return compiled, "requested"
     if no_native is None:
-        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-        return NATIVE, f"dense {dtype} {model.config.architecture}, {torch.get_num_threads()} threads"
+        return NATIVE, _native_why(model)
     if compiled is not None:
         return compiled, f"native step: {no_native}"
     return EAGER, no_compiled

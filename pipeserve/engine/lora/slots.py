@@ -2,7 +2,8 @@
 max_loras adapters, allocated once at start ([S, in, n * R], A stored transposed, and [S, n * R, out]:
 a captured CUDA graph would read them at fixed addresses). Loading an adapter into a slot copies its
 host tensors in place; the kinds it does not target are zeroed, so a stale adapter never leaks into
-a row."""
+a row. `kind_bits` (int32 [S], bit i: KINDS[i] targeted) says the same per slot to the native CPU
+step, which skips the kinds a slot's adapter leaves alone."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class SlotTable:
                     torch.zeros(num_slots, n, shape.d_out, dtype=dtype, device=device),
                 )
         self.kinds: list[frozenset[str]] = [frozenset()] * num_slots  # what each slot's adapter targets
+        self.kind_bits = torch.zeros(num_slots, dtype=torch.int32)  # host memory: read by the native step
         self.ids = [0] * num_slots  # the adapter id in each slot (0: none)
 
     def load(self, slot: int, adapter: HostAdapter) -> None:
@@ -44,6 +46,7 @@ class SlotTable:
                 a[slot].copy_(factors[0], non_blocking=True)
                 b[slot].copy_(factors[1], non_blocking=True)
         self.kinds[slot] = adapter.kinds
+        self.kind_bits[slot] = sum(1 << KINDS.index(kind) for kind in adapter.kinds)
         self.ids[slot] = adapter.request.lora_int_id
 
     @property
