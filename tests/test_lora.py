@@ -1,12 +1,12 @@
 """Batched multi-LoRA serving, offline (pipeserve/engine/lora): greedy tokens identical to Hugging Face
 PEFT's with the same random adapters (stories260K and tiny Llama / Qwen2 / Mistral, rank 8 and 16,
-attention-only and all-linear), steps mixing adapters and the base, more adapters than slots, the
+attention-only and all-linear; through the native CPU step and the eager one), steps mixing adapters
+and the base, more adapters than slots, the
 adapter directory's validation, prefix caching keyed by adapter, speculative decoding with adapters."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 
@@ -50,22 +50,28 @@ def stories_adapters(stories_dir: str, tmp_path_factory: pytest.TempPathFactory)
     return reference(stories_dir, tmp, specs)
 
 
+@pytest.mark.parametrize("executor", ["native", "eager"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_matches_peft_tiny_models(kind: str, tiny_model, tmp_path) -> None:
+def test_matches_peft_tiny_models(kind: str, executor: str, tiny_model, tmp_path) -> None:
     model_dir = tiny_model(kind)
     specs = [(8, ALL_LINEAR, False), (16, ATTENTION, False)]
     requests, refs, base = reference(model_dir, str(tmp_path), specs)
-    llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=64)
+    llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=64,
+              step_executor=executor)
+    assert llm.engine.runner.executor.mode == executor
     for request, ref in zip(requests, refs, strict=True):
         assert tokens(llm, PROMPTS, request) == ref, request.lora_name
     assert refs[0] != base and refs[1] != base  # the adapters matter
     assert tokens(llm, PROMPTS) == base
 
 
-def test_matches_peft_stories(stories_dir: str, stories_adapters) -> None:
+@pytest.mark.parametrize("executor", ["native", "eager"])
+def test_matches_peft_stories(executor: str, stories_dir: str, stories_adapters) -> None:
     """rank 8 attention-only, rank 16 all-linear, rsLoRA, an MLP+o_proj subset: each alone."""
     requests, refs, base = stories_adapters
-    llm = LLM(stories_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=128)
+    llm = LLM(stories_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=128,
+              step_executor=executor)
+    assert llm.engine.runner.executor.mode == executor
     for request, ref in zip(requests, refs, strict=True):
         assert ref != base, request.lora_name
         assert tokens(llm, PROMPTS, request) == ref, request.lora_name
@@ -77,6 +83,7 @@ def test_one_step_mixes_three_adapters_and_the_base(stories_dir: str, stories_ad
     gets the tokens of its request alone."""
     requests, refs, base = stories_adapters
     llm = LLM(stories_dir, enable_lora=True, max_loras=4, max_lora_rank=16, num_pages=256)
+    assert llm.engine.runner.executor.mode == "native"  # the CPU's step, adapters in it
     prompts, loras, expected = [], [], []
     for j, p in enumerate(PROMPTS):
         for i, request in enumerate([*requests[:3], None]):
@@ -95,6 +102,7 @@ def test_more_adapters_than_slots(stories_dir: str, stories_adapters) -> None:
     requests that find no slot wait without holding back the base requests, and swaps are counted."""
     requests, refs, base = stories_adapters
     llm = LLM(stories_dir, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4, num_pages=256)
+    assert llm.engine.runner.executor.mode == "native"
     prompts, loras, expected = [], [], []
     for j, p in enumerate(PROMPTS):
         for i, request in enumerate([*requests, None]):
@@ -139,14 +147,6 @@ def test_speculative_decoding_verifies_with_the_adapter(stories_dir: str, storie
               speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
     assert tokens(llm, PROMPTS, requests[1]) == refs[1]
     assert llm.engine.stats()["spec_verifications"] > 0
-
-
-def test_lora_steps_run_eager_and_say_why(stories_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="pipeserve.engine.executor.select"):
-        LLM(stories_dir, enable_lora=True, num_pages=16)
-    assert "step (model): eager (LoRA adapters" in caplog.text
-    with pytest.raises(ValueError, match="enable-lora|enable_lora"):
-        LLM(stories_dir, enable_lora=True, num_pages=16, step_executor="native")
 
 
 def test_refused_combinations() -> None:

@@ -28,7 +28,7 @@ from pipeserve.engine.executor import (
     StepPlan,
     select_executor,
 )
-from pipeserve.engine.executor.base import EAGER
+from pipeserve.engine.executor.base import EAGER, NATIVE
 from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.lora.rows import LoRAContext, buffer_shapes
@@ -174,7 +174,7 @@ class ForwardRunner:
         """Logits [R, V] of flat's sample rows (None: no row samples)."""
         self.buffers.begin()
         executor = self.executor if self.executor.covers(flat) else self.eager
-        if executor is self.eager:  # the native step reads each row's adapter slot itself
+        if executor.mode != NATIVE:  # the native step reads each row's adapter slot itself
             self._index_lora(flat)
         return executor.run(flat)
 
