@@ -133,14 +133,23 @@ struct LoraRows {
 };
 
 // y[r] += (x[r] A) B for the C rows of one block (C <= kLoraBlock), A [in, n] and B [n, out] one
-// slot's factors. Both products keep their accumulators in registers: the shrink takes 16 columns of
-// A per pass (8 or fewer at the edge), the expand kLoraTile output columns, for every row at once,
-// so each element of A and B is loaded once per block.
+// slot's factors. Both products keep their accumulators in registers: the shrink takes up to 48
+// columns of A per pass, the expand kLoraTile output columns, for every row at once, so each element
+// of A and B is loaded once per block. A slot's factors come from memory (the base weights stream
+// through the caches between layers), so the next block's, at next_a / next_b (same shapes; null:
+// none), are requested line by line as the same offsets of this block's are read.
+template <typename T>
+inline void prefetch(const T* p, int count) {
+  constexpr int per_line = 64 / sizeof(T);
+  for (int k = 0; k < count; k += per_line) __builtin_prefetch(p + k, 0, 2);
+}
+
 template <int C, int W, typename T>
 inline void shrink_cols(const float* const* xs, const T* __restrict a, int64_t in, int64_t n, int64_t j0,
-                        float* t) {
+                        float* t, const T* next_a) {
   float acc[C][W] = {};
   for (int64_t i = 0; i < in; ++i) {
+    if (next_a != nullptr) prefetch(next_a + i * n + j0, W);
     const T* __restrict ai = a + i * n + j0;
     for (int c = 0; c < C; ++c) {
       const float xi = xs[c][i];
@@ -154,11 +163,12 @@ inline void shrink_cols(const float* const* xs, const T* __restrict a, int64_t i
 
 template <int C, int W, typename T>
 inline void expand_cols(const float* t, int64_t n, const T* __restrict b, int64_t out, int64_t o0,
-                        float* const* ys) {
+                        float* const* ys, const T* next_b) {
   float acc[C][W];
   for (int c = 0; c < C; ++c)
     for (int l = 0; l < W; ++l) acc[c][l] = ys[c][o0 + l];
   for (int64_t j = 0; j < n; ++j) {
+    if (next_b != nullptr) prefetch(next_b + j * out + o0, W);
     bool zero = true;  // ranks below the table's, sub-projections the adapter leaves alone
     for (int c = 0; c < C; ++c) zero = zero && t[c * n + j] == 0.0f;
     if (zero) continue;
@@ -175,33 +185,34 @@ inline void expand_cols(const float* t, int64_t n, const T* __restrict b, int64_
 
 template <int C, typename T>
 void lora_rows(const float* const* xs, const T* a, const T* b, float* const* ys, int64_t in, int64_t n,
-               int64_t out, float* t) {
+               int64_t out, float* t, const T* next_a, const T* next_b) {
   // Up to 48 columns a pass (a fused qkv of rank 16): most shapes read A once, as it lies.
   int64_t j = 0;
-  for (; j + 48 <= n; j += 48) shrink_cols<C, 48>(xs, a, in, n, j, t);
+  for (; j + 48 <= n; j += 48) shrink_cols<C, 48>(xs, a, in, n, j, t, next_a);
   if (n - j >= 32) {
-    shrink_cols<C, 32>(xs, a, in, n, j, t);
+    shrink_cols<C, 32>(xs, a, in, n, j, t, next_a);
     j += 32;
   }
   if (n - j >= 24) {
-    shrink_cols<C, 24>(xs, a, in, n, j, t);
+    shrink_cols<C, 24>(xs, a, in, n, j, t, next_a);
     j += 24;
   }
   if (n - j >= 16) {
-    shrink_cols<C, 16>(xs, a, in, n, j, t);
+    shrink_cols<C, 16>(xs, a, in, n, j, t, next_a);
     j += 16;
   }
-  for (; j + 8 <= n; j += 8) shrink_cols<C, 8>(xs, a, in, n, j, t);
-  for (; j < n; ++j) shrink_cols<C, 1>(xs, a, in, n, j, t);
+  for (; j + 8 <= n; j += 8) shrink_cols<C, 8>(xs, a, in, n, j, t, next_a);
+  for (; j < n; ++j) shrink_cols<C, 1>(xs, a, in, n, j, t, next_a);
   int64_t o = 0;
-  for (; o + kLoraTile <= out; o += kLoraTile) expand_cols<C, kLoraTile>(t, n, b, out, o, ys);
-  for (; o + 16 <= out; o += 16) expand_cols<C, 16>(t, n, b, out, o, ys);
-  for (; o < out; ++o) expand_cols<C, 1>(t, n, b, out, o, ys);
+  for (; o + kLoraTile <= out; o += kLoraTile) expand_cols<C, kLoraTile>(t, n, b, out, o, ys, next_b);
+  for (; o + 16 <= out; o += 16) expand_cols<C, 16>(t, n, b, out, o, ys, next_b);
+  for (; o < out; ++o) expand_cols<C, 1>(t, n, b, out, o, ys, next_b);
 }
 
 template <typename T>
 void lora_block(const float* x, int64_t x_stride, const T* a, const T* b, float* y, int64_t y_stride,
-                const int32_t* rows, int count, int64_t in, int64_t n, int64_t out) {
+                const int32_t* rows, int count, int64_t in, int64_t n, int64_t out, const T* next_a,
+                const T* next_b) {
   static thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < kLoraBlock * n) scratch.resize(kLoraBlock * n);
   const float* xs[kLoraBlock];
@@ -212,11 +223,20 @@ void lora_block(const float* x, int64_t x_stride, const T* a, const T* b, float*
   }
   float* t = scratch.data();  // [count, n] the shrunk rows
   switch (count) {
-    case 1: lora_rows<1>(xs, a, b, ys, in, n, out, t); break;
-    case 2: lora_rows<2>(xs, a, b, ys, in, n, out, t); break;
-    case 3: lora_rows<3>(xs, a, b, ys, in, n, out, t); break;
-    default: lora_rows<4>(xs, a, b, ys, in, n, out, t); break;
+    case 1: lora_rows<1>(xs, a, b, ys, in, n, out, t, next_a, next_b); break;
+    case 2: lora_rows<2>(xs, a, b, ys, in, n, out, t, next_a, next_b); break;
+    case 3: lora_rows<3>(xs, a, b, ys, in, n, out, t, next_a, next_b); break;
+    default: lora_rows<4>(xs, a, b, ys, in, n, out, t, next_a, next_b); break;
   }
+}
+
+// One block against slot `slot` of the tables a [S, in, n] and b [S, n, out]; next: the slot whose
+// factors to fetch meanwhile (-1: none).
+template <typename T>
+void run_block(const T* a, const T* b, const float* x, int64_t x_stride, float* y, int64_t y_stride,
+               const int32_t* rows, int count, int64_t in, int64_t n, int64_t out, int64_t slot, int64_t next) {
+  lora_block(x, x_stride, a + slot * in * n, b + slot * n * out, y, y_stride, rows, count, in, n, out,
+             next < 0 ? nullptr : a + next * in * n, next < 0 ? nullptr : b + next * n * out);
 }
 
 // The adapters' deltas of one linear kind of a layer into y, for the blocks whose slot targets it.
@@ -233,14 +253,19 @@ void add_lora(bool bf16, const int64_t* layer, LoraKind kind, int64_t rank, cons
     if (!(slot_kinds[blk.slot] >> kind & 1)) continue;
     const int32_t* rows = lora.order.data() + blk.begin;
     const int count = blk.end - blk.begin;
+    // The next block's slot, when it is another one this kind applies to: its factors are fetched
+    // meanwhile.
+    int64_t next = -1;
+    if (k + 1 < blocks) {
+      const int32_t s = lora.blocks[k + 1].slot;
+      if (s != blk.slot && (slot_kinds[s] >> kind & 1)) next = s;
+    }
     if (bf16)
-      lora_block(x, x_stride, reinterpret_cast<const uint16_t*>(a_addr) + blk.slot * in * n,
-                 reinterpret_cast<const uint16_t*>(b_addr) + blk.slot * n * out, y, y_stride, rows, count, in, n,
-                 out);
+      run_block(reinterpret_cast<const uint16_t*>(a_addr), reinterpret_cast<const uint16_t*>(b_addr), x, x_stride, y,
+                y_stride, rows, count, in, n, out, blk.slot, next);
     else
-      lora_block(x, x_stride, reinterpret_cast<const float*>(a_addr) + blk.slot * in * n,
-                 reinterpret_cast<const float*>(b_addr) + blk.slot * n * out, y, y_stride, rows, count, in, n,
-                 out);
+      run_block(reinterpret_cast<const float*>(a_addr), reinterpret_cast<const float*>(b_addr), x, x_stride, y,
+                y_stride, rows, count, in, n, out, blk.slot, next);
   }
 }
 
