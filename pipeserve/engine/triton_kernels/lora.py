@@ -65,14 +65,18 @@ def _bgmv_expand_kernel(xa, b, y, slots, N, OUT, stride_xa, stride_bs, stride_bn
 
 
 @triton.jit
+def _segment_tile(bounds, seg_slots, BLOCK_M: tl.constexpr):
+    """(slot, first row, end) of this program's tile: segment program_id(0), tile program_id(1)."""
+    g = tl.program_id(0)
+    first = tl.load(bounds + g) + tl.program_id(1) * BLOCK_M
+    return tl.load(seg_slots + g).to(tl.int64), first, tl.load(bounds + g + 1)
+
+
+@triton.jit
 def _sgmv_shrink_kernel(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as, stride_ak, stride_o,
                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    g = tl.program_id(0)
-    s = tl.load(seg_slots + g).to(tl.int64)
-    start = tl.load(bounds + g)
-    end = tl.load(bounds + g + 1)
-    first = start + tl.program_id(1) * BLOCK_M
+    s, first, end = _segment_tile(bounds, seg_slots, BLOCK_M)
     if (s >= 0) & (first < end):
         rows = first + tl.arange(0, BLOCK_M)
         n = tl.arange(0, BLOCK_N)
@@ -92,11 +96,7 @@ def _sgmv_shrink_kernel(x, a, out, bounds, seg_slots, K, N, stride_x, stride_as,
 def _sgmv_expand_kernel(xa, b, y, bounds, seg_slots, N, OUT, stride_xa, stride_bs, stride_bn, stride_y,
                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
-    g = tl.program_id(0)
-    s = tl.load(seg_slots + g).to(tl.int64)
-    start = tl.load(bounds + g)
-    end = tl.load(bounds + g + 1)
-    first = start + tl.program_id(1) * BLOCK_M
+    s, first, end = _segment_tile(bounds, seg_slots, BLOCK_M)
     if (s >= 0) & (first < end):
         rows = first + tl.arange(0, BLOCK_M)
         n = tl.arange(0, BLOCK_N)
