@@ -222,58 +222,159 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// decode_head for an fp32 or bf16 cache with AVX-512 and head_dim a multiple of 16: the group's queries
-// and output accumulators stay in registers for the whole row.
+// Row t's cache entry for tokens start, start+1, ... in turn: the page table is read once per page,
+// not a division per token. The next page is looked up only when a token of it is asked for, so a
+// row ending on a page boundary never reads past its table.
+template <typename T>
+class TokenCursor {
+ public:
+  TokenCursor(const T* cache, const int32_t* table, int64_t page_stride, int64_t token_stride, int page_size,
+              int start)
+      : cache_(cache), table_(table), page_stride_(page_stride), token_stride_(token_stride),
+        page_size_(page_size), page_(start / page_size), in_page_(start % page_size),
+        row_(cache + table[page_] * page_stride + in_page_ * token_stride) {}
+  const T* next() {
+    if (in_page_ == page_size_) {
+      in_page_ = 0;
+      row_ = cache_ + table_[++page_] * page_stride_;
+    }
+    const T* row = row_;
+    row_ += token_stride_;
+    ++in_page_;
+    return row;
+  }
+
+ private:
+  const T* cache_;
+  const int32_t* table_;
+  int64_t page_stride_, token_stride_;
+  int page_size_, page_, in_page_;
+  const T* row_;
+};
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: 16 dot products finished by one
+// transpose-and-add tree (15 adds, 30 shuffles) instead of 16 horizontal reductions, whose dependent
+// shuffle chains bound the key loop.
+inline __m512 sum_pairs(__m512 a, __m512 b) {  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+inline __m512 sum_quads(__m512 a, __m512 b) {  // per 128-bit lane: the 4 vectors' partial sums
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+inline __m512 sum_lanes(__m512 a, __m512 b) {  // adjacent 128-bit lanes added: a's two pairs, then b's
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[4];
+  for (int i = 0; i < 4; ++i)
+    w[i] = sum_quads(sum_pairs(v[4 * i], v[4 * i + 1]), sum_pairs(v[4 * i + 2], v[4 * i + 3]));
+  return sum_lanes(sum_lanes(w[0], w[1]), sum_lanes(w[2], w[3]));
+}
+
+// The scores of G query heads (registers for the whole row) against keys [start, len), 16 keys at a
+// time: each key row is loaded once for the G heads, each head's 16 dot products finished together.
+// sc: head 0's score row (n apiece); m gets each head's maximum.
+template <typename T, int D, int G>
+void scores_avx512(const float* __restrict qh, TokenCursor<T> keys, int start, int len, float scale,
+                   float* __restrict sc, float* __restrict m) {
+  constexpr int C = D / 16;  // 16-float chunks per head
+  const int n = len - start;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + c * 16), _mm512_set1_ps(scale));
+  __m512 mx[G];
+  for (int g = 0; g < G; ++g) mx[g] = _mm512_set1_ps(-FLT_MAX);
+  alignas(64) __m512 part[G][16];
+  for (int t0 = start; t0 < len; t0 += 16) {
+    const int count = std::min(16, len - t0);
+    for (int j = 0; j < count; ++j) {
+      const T* k = keys.next();
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        part[g][j] = acc;
+      }
+    }
+    for (int j = count; j < 16; ++j)
+      for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = reduce16(part[g]);
+      mx[g] = _mm512_mask_max_ps(mx[g], mask, mx[g], s);
+      _mm512_mask_storeu_ps(sc + static_cast<size_t>(g) * n + (t0 - start), mask, s);
+    }
+  }
+  for (int g = 0; g < G; ++g) m[g] = _mm512_reduce_max_ps(mx[g]);
+}
+
+// out[g] = inv[g] * sum_t p[g][t] v_t for G heads, each value row loaded once for the G heads and the
+// accumulators in registers for the whole row.
+template <typename T, int D, int G>
+void values_avx512(const float* __restrict p, TokenCursor<T> values, int start, int len,
+                   const float* __restrict inv, float* __restrict oh) {
+  constexpr int C = D / 16;
+  const int n = len - start;
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int i = 0; i < n; ++i) {
+    const T* v = values.next();
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[static_cast<size_t>(g) * n + i]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 w = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + g * D + c * 16, _mm512_mul_ps(acc[g][c], w));
+  }
+}
+
+// f(std::integral_constant<int, count>) for a runtime count in [1, H]: the head loops above get a
+// compile-time trip count, so their queries and accumulators stay in registers.
+template <int H, typename F>
+inline void with_heads(int count, F&& f) {
+  if constexpr (H > 1) {
+    if (count < H) {
+      with_heads<H - 1>(count, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, H>{});
+}
+
+// decode_head for an fp32 or bf16 cache with AVX-512 and head_dim a multiple of 16: the group's query
+// heads in passes of up to H (16 registers of queries or accumulators), keys and values read once
+// per pass.
 template <typename T, int D>
 void decode_head_avx512(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
                         const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
                         int group, int start, int len, float scale, float* __restrict oh,
                         std::vector<float>& scores) {
-  constexpr int C = D / 16;  // 16-float chunks per head
+  constexpr int H = D >= 256 ? 1 : 256 / D;
   const int n = len - start;
   scores.resize(static_cast<size_t>(group) * n);
   float* __restrict sc = scores.data();
-  float m[kMaxGroup];
-  for (int g0 = 0; g0 < group; g0 += 2) {  // two query heads at a time: 2 * C registers of queries
-    const int gn = std::min(2, group - g0);
-    __m512 qv[2][C];
-    for (int g = 0; g < gn; ++g)
-      for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qh + (g0 + g) * D + c * 16);
-    float mx[2] = {-FLT_MAX, -FLT_MAX};
-    for (int t = start; t < len; ++t) {
-      const T* k = k_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
-      for (int g = 0; g < gn; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        const float x = _mm512_reduce_add_ps(acc) * scale;
-        sc[static_cast<size_t>(g0 + g) * n + (t - start)] = x;
-        mx[g] = std::max(mx[g], x);
-      }
-    }
-    for (int g = 0; g < gn; ++g) m[g0 + g] = mx[g];
+  float m[kMaxGroup], inv[kMaxGroup];
+  for (int g0 = 0; g0 < group; g0 += H) {
+    with_heads<H>(std::min(H, group - g0), [&](auto heads) {
+      scores_avx512<T, D, decltype(heads)::value>(
+          qh + g0 * D, TokenCursor<T>(k_cache, table, page_stride, token_stride, page_size, start), start, len,
+          scale, sc + static_cast<size_t>(g0) * n, m + g0);
+    });
   }
-  float inv[kMaxGroup];
   softmax_rows(sc, group, n, m, inv);
-  for (int g0 = 0; g0 < group; g0 += 2) {
-    const int gn = std::min(2, group - g0);
-    __m512 acc[2][C];
-    for (int g = 0; g < 2; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int t = start; t < len; ++t) {
-      const T* v = v_cache + table[t / page_size] * page_stride + (t % page_size) * token_stride;
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
-      for (int g = 0; g < gn; ++g) {
-        const __m512 p = _mm512_set1_ps(sc[static_cast<size_t>(g0 + g) * n + (t - start)]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-      }
-    }
-    for (int g = 0; g < gn; ++g) {
-      const __m512 w = _mm512_set1_ps(inv[g0 + g]);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + (g0 + g) * D + c * 16, _mm512_mul_ps(acc[g][c], w));
-    }
+  for (int g0 = 0; g0 < group; g0 += H) {
+    with_heads<H>(std::min(H, group - g0), [&](auto heads) {
+      values_avx512<T, D, decltype(heads)::value>(
+          sc + static_cast<size_t>(g0) * n, TokenCursor<T>(v_cache, table, page_stride, token_stride, page_size, start),
+          start, len, inv + g0, oh + g0 * D);
+    });
   }
 }
 #endif
