@@ -222,21 +222,30 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Row t's cache entry for tokens start, start+1, ... in turn: the page table is read once per page,
-// not a division per token. The next page is looked up only when a token of it is asked for, so a
-// row ending on a page boundary never reads past its table.
+// A row's cache entries for tokens start, start+1, ... in turn: the page table is read once per
+// page, not a division per token. While it walks a page it prefetches the same rows of the next one
+// (pages are scattered, so the hardware's stride prefetcher restarts at every page); a page past the
+// row's last token is never looked up, so the walk never reads past its table.
 template <typename T>
 class TokenCursor {
  public:
   TokenCursor(const T* cache, const int32_t* table, int64_t page_stride, int64_t token_stride, int page_size,
-              int start)
+              int start, int len, int row_elems)
       : cache_(cache), table_(table), page_stride_(page_stride), token_stride_(token_stride),
-        page_size_(page_size), page_(start / page_size), in_page_(start % page_size),
-        row_(cache + table[page_] * page_stride + in_page_ * token_stride) {}
+        page_size_(page_size), last_page_((len - 1) / page_size), page_(start / page_size),
+        in_page_(start % page_size), row_(cache + table[page_] * page_stride + in_page_ * token_stride),
+        row_bytes_(static_cast<size_t>(row_elems) * sizeof(T)) {
+    aim_ahead();
+  }
   const T* next() {
     if (in_page_ == page_size_) {
       in_page_ = 0;
       row_ = cache_ + table_[++page_] * page_stride_;
+      aim_ahead();
+    }
+    if (ahead_ != nullptr) {
+      for (size_t b = 0; b < row_bytes_; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead_) + b, _MM_HINT_T0);
+      ahead_ += token_stride_;
     }
     const T* row = row_;
     row_ += token_stride_;
@@ -245,11 +254,16 @@ class TokenCursor {
   }
 
  private:
+  void aim_ahead() {
+    ahead_ = page_ < last_page_ ? cache_ + table_[page_ + 1] * page_stride_ + in_page_ * token_stride_ : nullptr;
+  }
   const T* cache_;
   const int32_t* table_;
   int64_t page_stride_, token_stride_;
-  int page_size_, page_, in_page_;
+  int page_size_, last_page_, page_, in_page_;
   const T* row_;
+  size_t row_bytes_;
+  const T* ahead_ = nullptr;
 };
 
 // Lane j of the result = the sum of v[j]'s 16 lanes: 16 dot products finished by one
@@ -364,7 +378,7 @@ void decode_head_avx512(const float* __restrict qh, const T* __restrict k_cache,
   for (int g0 = 0; g0 < group; g0 += H) {
     with_heads<H>(std::min(H, group - g0), [&](auto heads) {
       scores_avx512<T, D, decltype(heads)::value>(
-          qh + g0 * D, TokenCursor<T>(k_cache, table, page_stride, token_stride, page_size, start), start, len,
+          qh + g0 * D, TokenCursor<T>(k_cache, table, page_stride, token_stride, page_size, start, len, D), start, len,
           scale, sc + static_cast<size_t>(g0) * n, m + g0);
     });
   }
@@ -372,7 +386,7 @@ void decode_head_avx512(const float* __restrict qh, const T* __restrict k_cache,
   for (int g0 = 0; g0 < group; g0 += H) {
     with_heads<H>(std::min(H, group - g0), [&](auto heads) {
       values_avx512<T, D, decltype(heads)::value>(
-          sc + static_cast<size_t>(g0) * n, TokenCursor<T>(v_cache, table, page_stride, token_stride, page_size, start),
+          sc + static_cast<size_t>(g0) * n, TokenCursor<T>(v_cache, table, page_stride, token_stride, page_size, start, len, D),
           start, len, inv + g0, oh + g0 * D);
     });
   }
