@@ -80,6 +80,18 @@ def test_sdpa_matches_causal_attention(keys, heads, dim):
     torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("keys", [20, 300])
+def test_sdpa_bf16_is_causal_attention_in_bf16(keys):
+    # bf16 prompts take the flash kernel's own causal path in bf16 (fp32 accumulation inside it).
+    gen = seeded(1)
+    q = torch.randn(1, keys, 6, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(1, keys, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    out = A._sdpa(q, k, v, None, 0.3)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    want = naive_attention(q[0], k[0], v[0], 0.3, 0)
+    torch.testing.assert_close(out[0].double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_prefill_on_fresh_kv_equals_reading_pages():
     """Whole prompts take their K/V from the step's rows, a continued chunk reads its pages: same
     numbers as reading everything back from the cache."""
