@@ -25,3 +25,16 @@ def test_bench_cpu_ops_writes_both_tables(tmp_path) -> None:
     assert all(r["f_linear_us"] > 0 and r["native_us"] > 0 for r in data["linear"])
     assert len(data["decode_attention"]) == len(cpu_ops.ATTENTION)
     assert all(r["native_us"] > 0 and r["torch_us"] > 0 for r in data["decode_attention"])
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler")
+def test_bench_cpu_ops_runs_only_the_ops_named(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    cpu_ops.add_arguments(parser)
+    args = parser.parse_args(["--ops", "attention", "--repeats", "1", "--json", str(tmp_path / "ops.json")])
+    assert cpu_ops.main(args) == 0
+    data = json.loads((tmp_path / "ops.json").read_text())
+    assert data["linear"] == [] and {r["dtype"] for r in data["decode_attention"]} == {"float32", "bfloat16"}
+    assert "linear:" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--ops"):
+        cpu_ops.main(parser.parse_args(["--ops", "gemm"]))

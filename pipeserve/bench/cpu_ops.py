@@ -6,9 +6,11 @@ thread, alternated, medians:
   count, on the ~18M Llama's weight shapes by default, each over copies of the weight totalling 64
   MB (a model's weights are not in the core's caches when its step reaches them);
 - decode attention: the native kernel (pipeserve/engine/backend/native.py) vs the torch path (pages
-  gathered, one masked SDPA call), on stories260K's and the ~18M Llama's head shapes by default.
+  gathered, one masked SDPA call), on stories260K's, the ~18M and ~76M Llamas' and an 8B's head
+  shapes, fp32 and bf16 caches.
 
     pipeserve bench cpu-ops --json ops.json
+    pipeserve bench cpu-ops --ops attention
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import torch.nn.functional as F
 
 from pipeserve.bench.report import machine_info, print_table, write_json
 
-# (rows, KV heads, query heads per KV head, head_dim, keys) of decode attention calls.
-ATTENTION = ((1, 4, 2, 64, 150), (32, 4, 2, 64, 140), (64, 4, 2, 8, 165), (8, 8, 4, 128, 1000))
+# (rows, KV heads, query heads per KV head, head_dim, keys, cache dtype) of decode attention calls.
+ATTENTION = ((1, 4, 2, 64, 150, torch.float32), (32, 4, 2, 64, 140, torch.float32),
+             (64, 4, 2, 8, 165, torch.float32), (8, 8, 4, 128, 1000, torch.float32),
+             (64, 4, 3, 64, 256, torch.float32), (64, 4, 3, 64, 256, torch.bfloat16),
+             (8, 8, 4, 128, 1000, torch.bfloat16))
+OPS = ("linear", "attention")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated NxK weight shapes")
     parser.add_argument("--rows", default="1,3,4,5,8,16,32,64,128,256", help="comma-separated row counts")
     parser.add_argument("--repeats", type=int, default=5, help="alternated rounds (medians reported)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 
@@ -85,13 +92,13 @@ def decode_attention(repeats: int) -> list[dict[str, Any]]:
     from pipeserve.engine.backend import cpu, native
 
     out = []
-    for batch, hkv, group, dim, keys in ATTENTION:
+    for batch, hkv, group, dim, keys, dtype in ATTENTION:
         page = 16
         pages = batch * -(-keys // page)
-        k_cache, v_cache = torch.randn(pages + 1, page, hkv, dim), torch.randn(pages + 1, page, hkv, dim)
+        k_cache, v_cache = (torch.randn(pages + 1, page, hkv, dim).to(dtype) for _ in range(2))
         tables = torch.randperm(pages, dtype=torch.int32).view(batch, -1)
         lens = torch.full((batch,), keys, dtype=torch.int32)
-        q = torch.randn(batch, hkv * group, dim)
+        q = torch.randn(batch, hkv * group, dim).to(dtype)
         args = (q, k_cache, v_cache, tables, lens, dim**-0.5)
 
         def torch_path(args: tuple[Any, ...] = args) -> torch.Tensor:
@@ -103,7 +110,8 @@ def decode_attention(repeats: int) -> list[dict[str, Any]]:
 
         fast, slow = _alternate(kernel, torch_path, repeats)
         out.append({"rows": batch, "kv_heads": hkv, "group": group, "head_dim": dim, "keys": keys,
-                    "native_us": fast, "torch_us": slow, "speedup": slow / fast})
+                    "dtype": str(dtype).removeprefix("torch."), "native_us": fast, "torch_us": slow,
+                    "speedup": slow / fast})
     return out
 
 
@@ -115,20 +123,25 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     shapes = [(int(a), int(b)) for a, b in (s.split("x") for s in args.linear_shapes.split(","))]
     rows = [int(r) for r in args.rows.split(",")]
+    ops = args.ops.split(",")
+    if unknown := set(ops) - set(OPS):
+        raise SystemExit(f"bench cpu-ops: --ops takes {', '.join(OPS)}, not {', '.join(sorted(unknown))}")
     results: dict[str, Any] = {"loadavg_before": open("/proc/loadavg").read().split()[:3]}
     with torch.inference_mode():
-        results["linear"] = linear_rows(shapes, rows, args.repeats)
-        results["decode_attention"] = decode_attention(args.repeats)
+        results["linear"] = linear_rows(shapes, rows, args.repeats) if "linear" in ops else []
+        results["decode_attention"] = decode_attention(args.repeats) if "attention" in ops else []
     results |= {"machine": machine_info(), "loadavg_after": open("/proc/loadavg").read().split()[:3],
                 "repeats": args.repeats}
-    print_table("linear: native packed product / F.linear (MKL) time, by rows (1 thread, cold weights)",
-                ["weight", *map(str, rows)],
-                [[f"{n}x{k}", *(r["native_over_f_linear"] for r in results["linear"]
-                                if (r["n"], r["k"]) == (n, k))] for n, k in shapes])
-    print_table("decode attention, µs per call (1 thread)",
-                ["rows", "kv heads x group", "head_dim", "keys", "native", "torch", "speedup"],
-                [[r["rows"], f"{r['kv_heads']}x{r['group']}", r["head_dim"], r["keys"], r["native_us"],
-                  r["torch_us"], r["speedup"]] for r in results["decode_attention"]])
+    if results["linear"]:
+        print_table("linear: native packed product / F.linear (MKL) time, by rows (1 thread, cold weights)",
+                    ["weight", *map(str, rows)],
+                    [[f"{n}x{k}", *(r["native_over_f_linear"] for r in results["linear"]
+                                    if (r["n"], r["k"]) == (n, k))] for n, k in shapes])
+    if results["decode_attention"]:
+        print_table("decode attention, µs per call (1 thread)",
+                    ["rows", "kv heads x group", "head_dim", "keys", "cache", "native", "torch", "speedup"],
+                    [[r["rows"], f"{r['kv_heads']}x{r['group']}", r["head_dim"], r["keys"], r["dtype"],
+                      r["native_us"], r["torch_us"], r["speedup"]] for r in results["decode_attention"]])
     if args.json:
         write_json(args.json, results)
     return 0
