@@ -3,8 +3,8 @@ its base layers are (the rank's delta weight is its shard of the full delta weig
 partial deltas sum to the full delta once), the slot writes travel with the step plan, and TP=2 gives
 the greedy tokens of TP=1 with the same random PEFT adapters (fp32, logprobs within 1e-4): a step
 mixing two adapters and the base, and more adapters than slots (swaps on every rank) through chunked
-prefill, mixed batches and preemption, on stories260K and on a tiny Llama whose one KV head both ranks
-share."""
+prefill, mixed batches and preemption, n-gram proposals verified with an adapter, on stories260K and
+on a tiny Llama whose one KV head both ranks share."""
 
 from __future__ import annotations
 
@@ -169,4 +169,20 @@ def test_tp2_shared_kv_head(tiny_model, tmp_path) -> None:
     requests = adapters(model_dir, str(tmp_path), [(8, ALL_LINEAR), (16, ["k_proj", "v_proj", "up_proj"])])
     prompts, loras = mix([*requests, None])
     _, tp = assert_same(model_dir, prompts, loras, max_loras=2, num_pages=64)
+    tp.engine.close()
+
+
+def test_tp2_verifies_ngram_proposals_with_the_adapter(stories_dir: str, tmp_path) -> None:
+    """Verification rows are gathered rows before the prefill chunks: the adapter's tokens, as without
+    speculation."""
+    (request,) = adapters(stories_dir, str(tmp_path), [(8, ALL_LINEAR)])
+    prompts = ["Once upon a time, there was a little girl. Once upon a time, there", "The cat sat. The cat"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    base = LLM(stories_dir, device="cpu", dtype="float32", step_executor="eager", enable_lora=True)
+    want = [o.token_ids for o in base.generate(prompts, params, lora_request=request)]
+    assert want != [o.token_ids for o in base.generate(prompts, params)]
+    tp = LLM(stories_dir, device="cpu", dtype="float32", tensor_parallel_size=2, enable_lora=True,
+             speculative_method="ngram", speculative_adaptive=False)
+    assert [o.token_ids for o in tp.generate(prompts, params, lora_request=request)] == want
+    assert tp.engine.stats()["spec_accepted_tokens"] > 0
     tp.engine.close()
