@@ -152,8 +152,6 @@ def test_speculative_decoding_verifies_with_the_adapter(stories_dir: str, storie
 def test_refused_combinations() -> None:
     from pipeserve.config import EngineConfig
 
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(enable_lora=True, quantization="w8a8-int8")
     with pytest.raises(ValueError, match="need enable_lora"):

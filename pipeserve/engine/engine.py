@@ -23,6 +23,8 @@ from pipeserve.engine.kv.predicted import PredictedPolicy
 from pipeserve.engine.lora import layer as lora_layer
 from pipeserve.engine.lora.manager import LoRAManager
 from pipeserve.engine.lora.rows import LoRAContext
+from pipeserve.engine.lora.shard import LoRAShard
+from pipeserve.engine.lora.tensor_parallel import AdapterSender
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model
 from pipeserve.engine.model.tensor_parallel import check_shardable
@@ -101,9 +103,9 @@ class Engine:
             assert config.max_cpu_loras is not None  # EngineConfig fills it in
             self.lora = LoRAManager(cfg=model_cfg, max_loras=config.max_loras,
                                     max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
-                                    max_num_seqs=config.max_num_seqs,
-                                    dtype=self.dtype, device=self.device)
-            lora_context = LoRAContext(self.lora)
+                                    max_num_seqs=config.max_num_seqs, dtype=self.dtype, device=self.device,
+                                    shard=None if tp is None else LoRAShard(model_cfg, tp.rank, tp.world))
+            lora_context = LoRAContext(self.lora.table, self.lora)
             lora_layer.attach(self.model, self.lora.table, lora_context, backend)
         spec_tokens = config.num_speculative_tokens if config.speculative_method != "none" else 0
         plan = StepPlan(
@@ -134,7 +136,8 @@ class Engine:
                  "L2-normalised" if config.embed_normalize else "not normalised (--no-embed-normalize)")
         if tp is not None:  # its steps run eager (StepPlan.tensor_parallel): each sends the step plan
             caches = self.pool.layers
-            send = StepSender(tp, caches[0].seq_of_page if caches else None).send
+            adapters = None if lora_context is None else AdapterSender(lora_context, tp.device)
+            send = StepSender(tp, caches[0].seq_of_page if caches else None, adapters).send
             for step in (self.runner.eager, self.runner.executor):
                 assert isinstance(step, EagerStep)
                 step.send_plan = send

@@ -86,7 +86,7 @@ class ForwardRunner:
             "sample_seq_lens": (i32, (max_tokens,)),
             "sample_offsets": (i64, (max_tokens,)),
             "patch_rows": (i64, (max_tokens,)),  # rows whose input ids are on the device (proposals)
-            **(buffer_shapes(max_tokens, max_num_seqs, lora.manager.table.num_slots) if lora else {}),
+            **(buffer_shapes(max_tokens, max_num_seqs, lora.table.num_slots) if lora else {}),
         })
         self.lora = lora
         self.eager = EagerStep(model=model, pool=pool, buffers=self.buffers, max_rows=max_tokens)
@@ -184,8 +184,7 @@ class ForwardRunner:
             return
         cu = flat.prefill_cu_q_lens
         chunks = int(np.searchsorted(cu, flat.num_verify_rows))  # verification chunks come first
-        self.lora.prepare(row_slots=flat.row_slots, num_gathered=flat.num_decode + flat.num_verify_rows,
-                          chunk_bounds=flat.num_decode + cu[chunks:], chunk_slots=flat.prefill_slots[chunks:],
+        self.lora.prepare(row_slots=flat.row_slots, chunk_bounds=flat.num_decode + cu[chunks:],
                           sample_rows=None if flat.every_row_read else flat.sample_rows,
                           stage=self.buffers.stage)
 

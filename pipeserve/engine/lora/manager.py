@@ -2,7 +2,8 @@
 validated, or refused); the scheduler admits it only when its adapter is in a slot or one can take
 it (`can_run`), and `acquire` swaps it in between steps: into a slot no running request uses, the
 least recently used first. Requests of an adapter that finds no slot wait, and the scheduler admits
-those behind them meanwhile."""
+those behind them meanwhile. Under tensor parallelism (rank 0) the slots written since the last step
+are kept for `take_loads`: the next step plan carries them, and every rank writes its shard."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pipeserve.lora import LoRAError, LoRARequest
 from pipeserve.model_config import ModelConfig
 
 from .host import HostCache
+from .shard import LoRAShard
 from .slots import SlotTable
 from .weights import HostAdapter, load_adapter
 
@@ -24,9 +26,13 @@ log = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, *, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 max_num_seqs: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_num_seqs: int, dtype: torch.dtype, device: torch.device,
+                 shard: LoRAShard | None = None) -> None:
+        """shard: rank 0's part of each adapter under tensor parallelism (None: no other ranks)."""
         self.cfg, self.max_rank, self.dtype = cfg, max_lora_rank, dtype
-        self.table = SlotTable(cfg, max_loras, max_lora_rank, dtype, device)
+        self.table = SlotTable(cfg, max_loras, max_lora_rank, dtype, device, shard)
+        self.sharded = shard is not None
+        self.loads: dict[int, HostAdapter] = {}  # slot -> the adapter written into it since the last step
         self.host = HostCache(max_cpu_loras, self._load)
         self.refs = [0] * max_loras  # running requests per slot
         self.last_used = [0] * max_loras  # the step clock of each slot's last acquire (LRU)
@@ -37,8 +43,9 @@ class LoRAManager:
         # Request slot (the runner's row of per-request state) -> its adapter's slot, -1 for none: the
         # step's row index is this array gathered by the rows' request slots.
         self.request_slots = np.full(max_num_seqs, -1, np.int64)
-        log.info("LoRA: %d slots of rank %d (%.1f MB on %s), %d adapters in host memory", max_loras,
-                 max_lora_rank, self.table.nbytes / 1e6, device, max_cpu_loras)
+        log.info("LoRA: %d slots of rank %d (%.1f MB on %s%s), %d adapters in host memory", max_loras,
+                 max_lora_rank, self.table.nbytes / 1e6, device, ", this rank's shard" if shard else "",
+                 max_cpu_loras)
 
     def _load(self, request: LoRARequest) -> HostAdapter:
         return load_adapter(request, self.cfg, self.max_rank, self.dtype)
@@ -73,7 +80,10 @@ class LoRAManager:
             old = self.table.ids[slot]
             if old:
                 del self.slot_of[old]
-            self.table.load(slot, self.host.get(key))
+            adapter = self.host.get(key)
+            self.table.load(slot, adapter)
+            if self.sharded:
+                self.loads[slot] = adapter
             self.slot_of[key] = slot
             self.swaps += 1
         self.refs[slot] += 1
@@ -87,6 +97,12 @@ class LoRAManager:
         if request is not None:
             self.refs[self.slot_of[request.lora_int_id]] -= 1
         self.request_slots[request_slot] = -1
+
+    def take_loads(self) -> list[tuple[int, HostAdapter]]:
+        """The (slot, adapter) writes since the last call (the last write of each slot), for the other
+        tensor-parallel ranks."""
+        loads, self.loads = sorted(self.loads.items()), {}
+        return loads
 
     # -- metrics ----------------------------------------------------------------------------------
     def running(self) -> Counter[str]:

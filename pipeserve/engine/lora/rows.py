@@ -11,8 +11,10 @@ import numpy as np
 import torch
 
 from pipeserve.engine.backend.lora_ops import LoRARows
+from pipeserve.engine.parallel.step_plan import AdapterIndex
 
 from .manager import LoRAManager
+from .slots import SlotTable
 
 Stage = Callable[[str, np.ndarray], torch.Tensor]
 
@@ -61,36 +63,43 @@ def _groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int,
 
 
 class LoRAContext:
-    """What the LoRA linear layers of one model read during a step (set by `prepare`)."""
+    """What the LoRA linear layers of one model read during a step (set by `prepare` on the engine's
+    rank, `index` on the other tensor-parallel ranks, which have no manager)."""
 
-    def __init__(self, manager: LoRAManager) -> None:
-        self.manager = manager
+    def __init__(self, table: SlotTable, manager: LoRAManager | None = None) -> None:
+        self.table, self.manager = table, manager
         self.full: LoRARows | None = None
         self.sample: LoRARows | None = None
         self.sampled = False  # the last layer keeps only the rows read out (its o_proj and MLP)
+        self.step: AdapterIndex | None = None  # the last step's index (None: no row had an adapter)
 
     def rows(self, last: bool) -> LoRARows | None:
         return self.sample if last and self.sampled else self.full
 
-    def prepare(self, *, row_slots: np.ndarray, num_gathered: int, chunk_bounds: np.ndarray,
-                chunk_slots: np.ndarray, sample_rows: np.ndarray | None, stage: Stage) -> None:
-        """The step's index. row_slots: each row's request slot; rows 0 .. num_gathered are gathered
-        rows (decode, verification), chunk_bounds [C + 1] / chunk_slots [C] the prefill chunks
-        after them (absolute row offsets, request slots); sample_rows: the rows the last layer keeps
-        (None: every row)."""
-        table = self.manager.request_slots
-        lora = table[row_slots]
-        self.sampled = sample_rows is not None
+    def prepare(self, *, row_slots: np.ndarray, chunk_bounds: np.ndarray, sample_rows: np.ndarray | None,
+                stage: Stage) -> None:
+        """The step's index. row_slots: each row's request slot; chunk_bounds [C + 1]: the prefill
+        chunks' absolute row bounds, the gathered rows (decode, verification) before them; sample_rows:
+        the rows the last layer keeps (None: every row)."""
+        assert self.manager is not None
+        lora = self.manager.request_slots[row_slots]
+        self.step = AdapterIndex(lora, chunk_bounds, sample_rows) if (lora >= 0).any() else None
+        self.index(self.step, stage)
+
+    def index(self, step: AdapterIndex | None, stage: Stage) -> None:
+        """The step's index from each row's adapter slot (None: no row has an adapter)."""
+        self.sampled = step is not None and step.sample_rows is not None
         self.full = self.sample = None
-        if not (lora >= 0).any():
+        if step is None:
             return
-        kinds = frozenset().union(*(self.manager.table.kinds[s] for s in np.unique(lora[lora >= 0])))
-        self.full = self._rows(lora, num_gathered, chunk_bounds, table[chunk_slots], kinds, stage, "")
+        lora, bounds, sample_rows = step.slots, step.chunk_bounds, step.sample_rows
+        kinds = frozenset().union(*(self.table.kinds[s] for s in np.unique(lora[lora >= 0])))
+        # A chunk's rows are one request's: its slot is its first row's.
+        self.full = self._rows(lora, int(bounds[0]), bounds, lora[bounds[:-1]], kinds, stage, "")
         if sample_rows is not None:
             sample = lora[sample_rows]
             if (sample >= 0).any():
-                self.sample = self._rows(sample, sample.size, chunk_bounds[:1], chunk_slots[:0], kinds, stage,
-                                         "sample_")
+                self.sample = self._rows(sample, sample.size, bounds[:1], bounds[:0], kinds, stage, "sample_")
 
     @staticmethod
     def _rows(lora: np.ndarray, num_gathered: int, bounds: np.ndarray, seg_slots: np.ndarray,

@@ -3,7 +3,8 @@ max_loras adapters, allocated once at start ([S, in, n * R], A stored transposed
 a captured CUDA graph would read them at fixed addresses). Loading an adapter into a slot copies its
 host tensors in place; the kinds it does not target are zeroed, so a stale adapter never leaks into
 a row. `kind_bits` (int32 [S], bit i: KINDS[i] targeted) says the same per slot to the native CPU
-step, which skips the kinds a slot's adapter leaves alone."""
+step, which skips the kinds a slot's adapter leaves alone. Under tensor parallelism each rank's table
+holds its shard of every adapter (shard.py), shaped like its base layers."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import torch
 from pipeserve.model_config import ModelConfig
 
 from .layout import KINDS, SUBS, dense_mlp_layers, fused_shapes
+from .shard import LoRAShard
 from .weights import HostAdapter
 
 
 class SlotTable:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_slots, self.max_rank = num_slots, max_rank
-        shapes = fused_shapes(cfg)
+                 device: torch.device, shard: LoRAShard | None = None) -> None:
+        """cfg: the checkpoint's; shard: this rank's part of each adapter (None: the whole)."""
+        self.num_slots, self.max_rank, self.shard = num_slots, max_rank, shard
+        shapes = fused_shapes(cfg if shard is None else shard.local)
         dense = dense_mlp_layers(cfg)
         self.tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(cfg.num_layers):
@@ -37,17 +40,26 @@ class SlotTable:
         self.ids = [0] * num_slots  # the adapter id in each slot (0: none)
 
     def load(self, slot: int, adapter: HostAdapter) -> None:
+        self.load_factors(slot, adapter.request.lora_int_id, adapter.factors)
+
+    def load_factors(self, slot: int, adapter_id: int,
+                     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """An adapter's full factors ((layer, kind) -> A^T, B, as weights.py lays them out) into `slot`
+        (this rank's shard of them)."""
         for key, (a, b) in self.tables.items():
-            factors = adapter.factors.get(key)
-            if factors is None:
+            pair = factors.get(key)
+            if pair is None:
                 a[slot].zero_()
                 b[slot].zero_()
+            elif self.shard is None:
+                a[slot].copy_(pair[0], non_blocking=True)
+                b[slot].copy_(pair[1], non_blocking=True)
             else:
-                a[slot].copy_(factors[0], non_blocking=True)
-                b[slot].copy_(factors[1], non_blocking=True)
-        self.kinds[slot] = adapter.kinds
-        self.kind_bits[slot] = sum(1 << KINDS.index(kind) for kind in adapter.kinds)
-        self.ids[slot] = adapter.request.lora_int_id
+                self.shard.copy(key[0], key[1], (a[slot], b[slot]), pair)
+        kinds = frozenset(kind for _, kind in factors)
+        self.kinds[slot] = kinds
+        self.kind_bits[slot] = sum(1 << KINDS.index(kind) for kind in kinds)
+        self.ids[slot] = adapter_id
 
     @property
     def nbytes(self) -> int:
