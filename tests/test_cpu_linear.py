@@ -25,6 +25,12 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _native_built() -> None:
+    # CpuLinear packs through the library: built here, not by whichever test happened to run first.
+    assert native.available()
+
+
 def test_only_large_plain_fp32_and_bf16_cpu_linears_are_swapped(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "table", lambda: cpu_gemm.Table("test", ()))  # packed only
     model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(512, 1024).to(torch.bfloat16), nn.Linear(64, 96),
@@ -80,9 +86,15 @@ def test_leading_dimensions_are_kept():
 
 
 @pytest.mark.slow  # compiles (Inductor or the library build)
-def test_compiled_op_matches_eager():
-    layer = C.CpuLinear(nn.Linear(512, 1024))
-    x = torch.randn(5, 512)
+@pytest.mark.parametrize(("dtype", "rows", "gemm_from"), [
+    (torch.float32, 5, None),  # the packed product
+    pytest.param(torch.bfloat16, 16, 8, marks=pytest.mark.skipif(not cpu_gemm.available(),
+                                                                 reason="torch without oneDNN")),  # the GEMM
+])
+def test_compiled_op_matches_eager(dtype, rows, gemm_from):
+    # Both products are opaque ops under Inductor (its own oneDNN lowering rejects a reordered weight).
+    layer = C.CpuLinear(nn.Linear(512, 1024).to(dtype), gemm_from=gemm_from)
+    x = torch.randn(rows, 512).to(dtype)
     with torch.inference_mode():
         want = torch.relu(layer(x))
         got = torch.compile(lambda t: torch.relu(layer(t)), fullgraph=True, dynamic=False)(x)

@@ -53,10 +53,30 @@ def reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of rows x [M, K] (the weight's dtype) with a weight from reorder(); bias [N] or None."""
+def _linear_impl(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
     return out
+
+
+def linear(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of rows x [M, K] (the weight's dtype) with a weight from reorder(); bias [N] or None.
+    Under the compiler an opaque op: Inductor's own lowering of the oneDNN linear expects a weight it
+    packed itself, not one already in oneDNN's layout."""
+    if torch.compiler.is_compiling():
+        out: torch.Tensor = torch.ops.pipeserve.onednn_linear(x, reordered, bias)
+        return out
+    return _linear_impl(x, reordered, bias)
+
+
+_OPS = torch.library.Library("pipeserve", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define("onednn_linear(Tensor x, Tensor reordered, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
+for _key in ("CPU", "MkldnnCPU"):  # a reordered weight is a MkldnnCPU tensor: the call dispatches there
+    _OPS.impl("onednn_linear", _linear_impl, _key)  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("pipeserve::onednn_linear")  # type: ignore[untyped-decorator]
+def _(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], reordered.shape[0]))
 
 
 @dataclass(frozen=True)
