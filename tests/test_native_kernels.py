@@ -210,6 +210,23 @@ def test_row_kernels_match_the_reference(threads, dtype, monkeypatch):
     assert calls == {"rms_norm": 2, "silu_and_mul": 1, "apply_rope": 1}  # q and k in one pass
 
 
+def test_bf16_rows_round_as_torch_at_the_edges():
+    # The residual sum's rounding to bf16, vectorized: bit for bit torch's, ties, denormals, infinities
+    # and NaN included, over a row length that leaves a partial vector.
+    assert native.available()
+    gen = seeded(22)
+    n = 37
+    x = torch.randn(4, n, generator=gen)
+    add = torch.randn(4, n, generator=gen)
+    x[0, :8] = torch.tensor([1e-39, -3e-40, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.0])
+    add[0, :8] = torch.tensor([2e-39, 1e-41, 1.0, 2.0, 0.0, -0.0, -0.0, 2.0**-8])  # 1 + 2^-8: a tie
+    x, add = x.bfloat16(), add.bfloat16()
+    w = torch.ones(n).bfloat16()
+    _, resid = native.rms_norm(x, w, 1e-5, add)
+    want = (x.float() + add.float()).bfloat16()
+    assert torch.equal(resid.view(torch.int16), want.view(torch.int16))
+
+
 def test_row_kernels_leave_other_dtypes_to_torch():
     x = torch.randn(4, 32, dtype=torch.float16)
     assert not native.supports_rows(x)

@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace pipeserve {
 
@@ -42,6 +45,29 @@ inline uint16_t float_to_bf16(float f) {
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
+
+#if defined(__AVX512F__)
+// 16 bf16 values (the first `mask` lanes) widened to fp32: bf16 is fp32's top half, so no rounding.
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask = 0xFFFF) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// float_to_bf16 of 16 lanes (the first `mask` stored): the same rounding bit for bit, denormals and
+// NaN included (AVX512-BF16's conversion treats denormal inputs as zero).
+inline void store_bf16x16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                            _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(r));
+}
+
+// The first n lanes, as a mask (n in [0, 16]).
+inline __mmask16 lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u); }
+#endif
 
 // out = x / rms(x) * w over n channels (x and out may alias), as HF: the scale, then the weight.
 inline void rms_norm(const float* x, const float* __restrict w, float eps, float* out, int64_t n) {
