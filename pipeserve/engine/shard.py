@@ -20,6 +20,7 @@ from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_st
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
 from pipeserve.engine.parallel.group import TPGroup
+from pipeserve.engine.quantization.linear import W8A8_DTYPES
 from pipeserve.engine.quantization.model import weight_bytes
 from pipeserve.model_config import ModelConfig
 from pipeserve.startup import phase
@@ -56,10 +57,17 @@ def load_shard(config: EngineConfig, group: TPGroup | None) -> Shard:
     max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
     quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
+    # LoRA adapters read the float input of the linears they wrap: W8A8 linears then quantize their
+    # own inputs instead of taking them quantized from the norms and the activation.
+    fuse_inputs = not config.enable_lora
+    if config.quantization in W8A8_DTYPES and not fuse_inputs:
+        log.info("%s with LoRA: each W8A8 linear quantizes its own input per token (not fused into the "
+                 "norms and the activation), the adapters read the float activations", config.quantization)
     with phase(f"loading {model_dir} on {device}{quantized}", log, slow=True):
         model, model_cfg = load_model(model_dir, backend, device, dtype, max_model_len, group,
                                       config.rope_scaling, quantization=config.quantization,
-                                      load_format=config.load_format, seed=config.seed)
+                                      load_format=config.load_format, seed=config.seed,
+                                      fuse_inputs=fuse_inputs)
     backend.prepare_model(model)
     return Shard(model, model_cfg, model_dir, backend, device, dtype, max_model_len)
 
