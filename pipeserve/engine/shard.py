@@ -16,7 +16,9 @@ from pipeserve.config import EngineConfig
 from pipeserve.demo import ensure_demo_model
 from pipeserve.engine.backend import Backend, get_backend, resolve_backend
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
-from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_step
+from pipeserve.engine.lora.shard import LoRAShard
+from pipeserve.engine.lora.slots import table_bytes
+from pipeserve.engine.memory import MemoryPlan, device_probe, kv_budget, profile_step
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
 from pipeserve.engine.parallel.group import TPGroup
@@ -86,8 +88,14 @@ def build_pool(config: EngineConfig, shard: Shard, group: TPGroup | None, draft_
         profile = None if group is not None else partial(
             profile_step, shard.model, shard.device, shard.dtype, config.page_size, config.kv_cache_dtype,
             shard.max_model_len, config.max_num_batched_tokens, config.max_num_seqs * (1 + spec_tokens))
-        probe = CudaProbe(shard.device) if shard.device.type == "cuda" else None
-        budget, activations, not_profiled = kv_budget(config, probe, profile)
+        probe = device_probe(shard.device)
+        # The LoRA slot table is allocated after the pool, for good: the budget leaves room for it.
+        reserved = 0
+        if config.enable_lora:
+            part = None if group is None else LoRAShard(shard.model_config, group.rank, group.world)
+            reserved = table_bytes(shard.model_config, config.max_loras, config.max_lora_rank, shard.dtype,
+                                   part)
+        budget, activations, not_profiled = kv_budget(config, probe, profile, reserved)
         num_pages = config.num_pages or budget // (per_page + draft_page_bytes)
         if group is not None:  # every rank holds the same pages
             num_pages = group.min_int(num_pages)
@@ -97,6 +105,6 @@ def build_pool(config: EngineConfig, shard: Shard, group: TPGroup | None, draft_
                       prefix_caching=config.prefix_caching)
         memory = MemoryPlan(weight_bytes(shard.model) + draft_weight_bytes, activations,
                             num_pages * (per_page + draft_page_bytes), num_pages, config.page_size,
-                            shard.max_model_len, not_profiled)
+                            shard.max_model_len, not_profiled, reserved)
         log.info("%s (%s KV)", memory.line(), config.kv_cache_dtype)
     return pool
