@@ -12,6 +12,7 @@ the adapter's factors in the activations' dtype.
   held-out text) against HF PEFT's float model with that adapter, within the perplexity gates the
   quantized base meets against the float base (tests/test_quant_accuracy.py).
 - The executor choice: the native CPU step runs no quantized model, so LoRA steps run eager, logged.
+- The Triton path (the interpreter here): quantized GEMMs and the LoRA kernels in whole steps.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ def _dequantized(module: nn.Module) -> tuple[torch.Tensor, torch.dtype | None]:
     quantized to (None: weight-only)."""
     base = module.base if isinstance(module, LoRALinear) else module
     if isinstance(base, W8A8Linear):
-        return base.weight.float() * base.weight_scale.float()[:, None], base.quant_dtype
+        return (base.weight.float() * base.weight_scale.float()[:, None]).cpu(), base.quant_dtype
     assert isinstance(base, W4A16Linear), type(base)
-    return base.packed().dequantize(), None
+    return base.packed().dequantize().cpu(), None
 
 
 def dequantized_reference(peft_model: Any, llm: LLM) -> Any:
@@ -250,3 +251,29 @@ def test_teacher_forced_perplexity_with_an_adapter_within_the_quantization_gate(
           f"{base:.4f} vs HF {hf_base:.4f} ({base_delta:+.2f}%), gate {GATES[method]}%")
     assert abs(theirs / hf_base - 1) > 0.01  # the adapter changes the model measurably
     assert delta <= GATES[method]
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.parametrize("method", ["w8a8-int8", "w4a16"])
+def test_triton_backend_adapters_over_quantized_weights(stories_dir: str, adapters, method: str) -> None:
+    """The Triton path (the interpreter on the CPU): the quantized GEMMs, then the LoRA shrink/expand
+    kernels, in whole engine steps mixing two adapters and the base; the dequantized PEFT reference's
+    tokens."""
+    from tests.conftest import TEST_DEVICE
+
+    llm = LLM(stories_dir, device=TEST_DEVICE, backend="triton", dtype="float32", quantization=method,
+              enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=32)
+    prompts, loras, expected = [], [], []
+    for j, (i, lora) in enumerate([(0, adapters[0][0]), (1, adapters[1][0]), (0, None)]):
+        peft_model = adapters[i][1]
+        ref = dequantized_reference(peft_model, llm)
+        if lora is None:
+            with ref.disable_adapter():
+                expected.append(hf_greedy(ref, PROMPTS[j:j + 1], 4)[0])
+        else:
+            expected.append(hf_greedy(ref, PROMPTS[j:j + 1], 4)[0])
+        prompts.append(PROMPTS[j])
+        loras.append(lora)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, lora_request=loras)] == expected
