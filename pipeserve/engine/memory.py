@@ -56,7 +56,7 @@ class MemoryPlan:
     page_size: int
     max_model_len: int
     not_profiled: str = ""  # why the activation peak was not measured
-    reserved: int = 0  # allocated after the pool, left out of its budget: the LoRA slot table
+    lora_table: int = 0  # the LoRA slot table's bytes (allocated after the pool, out of its budget)
 
     @property
     def max_concurrent_seqs(self) -> int:
@@ -66,7 +66,7 @@ class MemoryPlan:
     def line(self) -> str:
         act = (_size(self.activation_peak) if self.activation_peak is not None
                else f"not profiled ({self.not_profiled})")
-        lora = f"LoRA slot table {_size(self.reserved)}, " if self.reserved else ""
+        lora = f"LoRA slot table {_size(self.lora_table)}, " if self.lora_table else ""
         return (f"memory: weights {_size(self.weights)}, activation peak {act}, {lora}"
                 f"KV {_size(self.kv)} = {self.num_pages} pages of {self.page_size} tokens, "
                 f"at most {self.max_concurrent_seqs} concurrent sequences of {self.max_model_len} tokens")
