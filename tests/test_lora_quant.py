@@ -206,6 +206,22 @@ def test_fp8_adapter_logprobs_match_peft_on_the_dequantized_model(stories_dir: s
     assert exact >= 0.8 and float(diff.max()) < 1.0 and shift > 2.0
 
 
+@pytest.mark.parametrize("method", sorted(W8A8_DTYPES))
+def test_unfused_w8a8_inputs_give_the_fused_models_logprobs(stories_dir: str, method: str) -> None:
+    """Under --enable-lora each W8A8 linear quantizes its own float input; the codes are the fused
+    norm's and activation's, so the base model's log-probs are the engine's without LoRA."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    logprobs = []
+    for options in ({"enable_lora": True}, {"step_executor": "eager"}):
+        llm = LLM(stories_dir, device="cpu", quantization=method, num_pages=32, **options)
+        fused = type(llm.engine.model.layers[0].input_layernorm).__name__
+        assert fused == ("RMSNorm" if options.get("enable_lora") else "QuantRMSNorm")
+        outs = llm.generate(PROMPTS, params)
+        logprobs.append(torch.tensor([lp["logprob"] for o in outs for lp in (o.prompt_logprobs or [])[1:]
+                                      if lp is not None]))
+    torch.testing.assert_close(logprobs[0], logprobs[1], rtol=0, atol=1e-5)
+
+
 def _engine_perplexity(llm: LLM, seqs: list[list[int]], lora: LoRARequest | None) -> float:
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     outs = llm.generate(seqs, params, lora_request=lora)
