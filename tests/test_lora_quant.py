@@ -293,3 +293,22 @@ def test_triton_backend_adapters_over_quantized_weights(stories_dir: str, adapte
         loras.append(lora)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params, lora_request=loras)] == expected
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adapters_over_4bit_weights(tiny_model, tmp_path) -> None:
+    """TP=2 over W4A16 weights (each rank its shard of the 4-bit layers and of the adapters): the
+    tokens of TP=1 in steps mixing an adapter and the base (activations stay float, so the ranks'
+    partial sums are TP=1's products; W8A8's row-parallel input is quantized over each rank's slice,
+    which moves it by quantization error, as without adapters)."""
+    model_dir = tiny_model("llama")
+    build_adapter(model_dir, str(tmp_path / "a"), 8, ALL_LINEAR)
+    request = LoRARequest("a", 1, str(tmp_path / "a"))
+    prompts, loras = [[1, 5, 9, 13, 2, 7], [1, 40, 41], [1, 5, 9, 13, 2, 7]], [request, request, None]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(model_dir, device="cpu", dtype="float32", quantization="w4a16", tensor_parallel_size=tp,
+                  enable_lora=True, max_loras=2, step_executor="eager", num_pages=32)
+        runs.append(tokens(llm, prompts, loras))
+        llm.engine.close()
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][2]

@@ -119,12 +119,16 @@ def test_engine_logs_one_memory_line(stories_dir: str, caplog: pytest.LogCapture
 def test_the_lora_slot_table_comes_out_of_the_budget(stories_dir: str) -> None:
     """Its size, computed before it exists, is what the table takes; the CUDA share leaves room for
     it; the CPU's fixed pool and an explicit pool size are the pool's own."""
+    from pipeserve.engine.lora.shard import LoRAShard
     from pipeserve.engine.lora.slots import SlotTable, table_bytes
     from pipeserve.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(stories_dir)
     for dtype, slots, rank in ((torch.float32, 4, 16), (torch.bfloat16, 2, 8)):
         assert table_bytes(cfg, slots, rank, dtype) == SlotTable(cfg, slots, rank, dtype, CPU).nbytes > 0
+    part = LoRAShard(cfg, 1, 2)  # a tensor-parallel rank's table: its shard of each adapter
+    mine, whole = table_bytes(cfg, 4, 16, torch.float32, part), table_bytes(cfg, 4, 16, torch.float32)
+    assert mine == SlotTable(cfg, 4, 16, torch.float32, CPU, part).nbytes < whole
     lora = 70 * 2**20
     cuda = EngineConfig(gpu_memory_utilization=0.9)
     with_table = kv_budget(cuda, FakeProbe(), lambda: None, lora)[0]
