@@ -192,9 +192,6 @@ class EngineConfig:
         names = [lora_module(m)[0] for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names an adapter twice: {names}")
-        if self.enable_lora and self.quantization != "none":
-            raise ValueError(f"enable_lora with quantization {self.quantization} is not supported: LoRA "
-                             "serves unquantized base weights")
 
 
 def lora_module(spec: str) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """LoRA through `pipeserve up` (stories260K, --enable-lora): over HTTP (the OpenAI model field selects
-the adapter, /v1/models lists it with its parent, runtime load and unload) and gRPC (GenerateRequest.lora,
-ModelInfoResponse.loras): greedy tokens identical to Hugging Face PEFT's, unknown adapters 404 /
-NOT_FOUND, broken adapter directories a 400 naming the file or saying "rank", the metrics."""
+the adapter, in completions, chat and /v1/responses; /v1/models lists it with its parent; runtime load
+and unload) and gRPC (GenerateRequest.lora, ModelInfoResponse.loras): greedy tokens identical to Hugging
+Face PEFT's, unknown adapters 404 / NOT_FOUND, broken adapter directories a 400 naming the file or
+saying "rank", the metrics."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow  # `pipeserve up` pipelines
 
 N = 8
 PROMPTS = [[1, 43, 107, 61, 78, 30], [1, 5, 9, 200, 17, 33, 64, 12]]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,8 @@ def cluster(stories_dir: str, adapters, tmp_path_factory: pytest.TempPathFactory
         "16",
         "--num-pages",
         "256",
+        "--chat-template",  # messages requests (chat, /v1/responses): the user's text as the prompt
+        CHAT_TEMPLATE,
     ]
     with LocalCluster(log, stories_dir, *flags, workers=1, startup=180) as srv:
         yield srv
@@ -104,6 +108,40 @@ def test_unknown_adapter(cluster: LocalCluster) -> None:
     with pytest.raises(grpc.RpcError) as err:
         cluster.client.generate(PROMPTS[0], lora="nope", max_tokens=2)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
+
+
+def _responses_text(body: dict) -> str:
+    return "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def test_responses_api_selects_the_adapter(cluster: LocalCluster) -> None:
+    """/v1/responses names an adapter in `model` as chat completions does: the same greedy text as a
+    chat completion of the same message with that adapter (the base model's differs); streamed too;
+    an unknown name is a 404."""
+    url, text = cluster.http_url, "Once upon a time there was a little"
+    texts = {}
+    for model in ("sql", None):
+        body = {"input": text, "max_output_tokens": N, "temperature": 0} | ({"model": model} if model else {})
+        response = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == (model or cluster.client.model_info().name)
+        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": N, "temperature": 0}
+        chat |= {"model": model} if model else {}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert reply.status_code == 200, reply.text
+        texts[model] = _responses_text(response.json())
+        assert texts[model] == reply.json()["choices"][0]["message"]["content"]
+    assert texts["sql"] != texts[None]  # the adapter ran
+    stream = {"model": "sql", "input": text, "max_output_tokens": N, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/responses", json=stream, timeout=60) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    done = events[-1]["response"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete") and done["model"] == "sql"
+    assert _responses_text(done) == texts["sql"]
+    missing = httpx.post(f"{url}/v1/responses", json={"model": "nope", "input": text}, timeout=60)
+    assert missing.status_code == 404 and "nope" in missing.text
 
 
 def test_runtime_load_and_unload(cluster: LocalCluster, adapters) -> None:

@@ -114,3 +114,69 @@ def test_engine_logs_one_memory_line(stories_dir: str, caplog: pytest.LogCapture
     assert f"{engine.pool.num_pages} pages of 16 tokens" in lines[0]
     assert "not profiled (--kv-cache-gb given)" in lines[0]
     assert f"at most {engine.pool.num_pages // 32} concurrent sequences of 512 tokens" in lines[0]
+
+
+def test_the_lora_slot_table_comes_out_of_the_budget(stories_dir: str) -> None:
+    """Its size, computed before it exists, is what the table takes; the CUDA share leaves room for
+    it; the CPU's fixed pool and an explicit pool size are the pool's own."""
+    from pipeserve.engine.lora.shard import LoRAShard
+    from pipeserve.engine.lora.slots import SlotTable, table_bytes
+    from pipeserve.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(stories_dir)
+    for dtype, slots, rank in ((torch.float32, 4, 16), (torch.bfloat16, 2, 8)):
+        assert table_bytes(cfg, slots, rank, dtype) == SlotTable(cfg, slots, rank, dtype, CPU).nbytes > 0
+    part = LoRAShard(cfg, 1, 2)  # a tensor-parallel rank's table: its shard of each adapter
+    mine, whole = table_bytes(cfg, 4, 16, torch.float32, part), table_bytes(cfg, 4, 16, torch.float32)
+    assert mine == SlotTable(cfg, 4, 16, torch.float32, CPU, part).nbytes < whole
+    lora = 70 * 2**20
+    cuda = EngineConfig(gpu_memory_utilization=0.9)
+    with_table = kv_budget(cuda, FakeProbe(), lambda: None, lora)[0]
+    assert with_table == kv_budget(cuda, FakeProbe(), lambda: None)[0] - lora
+    assert kv_budget(EngineConfig(), None, None, lora)[0] == GiB // 4
+    assert kv_budget(EngineConfig(kv_cache_gb=1.0), FakeProbe(), None, lora)[0] == GiB
+    line = MemoryPlan(GiB, None, GiB, 10, 16, 32, "CPU", lora).line()
+    assert "LoRA slot table 70.0 MB, KV 1.00 GB" in line
+
+
+class SmallProbe(FakeProbe):
+    """A 1 GiB device with nothing else on it, whose activation peak is what the step allocates
+    (nothing a fake can see)."""
+
+    def total(self) -> int:
+        return GiB
+
+    def allocated(self) -> int:
+        return 0
+
+    def non_torch(self) -> int:
+        return 0
+
+    def peak(self, step: Callable[[], None]) -> int:
+        step()
+        return 0
+
+
+def test_engine_kv_pool_shrinks_by_the_lora_slot_table(stories_dir: str, caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed budget (--gpu-memory-utilization of a device, its allocator faked on the CPU): with
+    --enable-lora the KV pool holds the slot table's bytes fewer, and the memory line names it."""
+    from pipeserve.engine import shard
+    from pipeserve.engine.engine import Engine
+    from pipeserve.engine.kv.pool import kv_bytes_per_page
+
+    monkeypatch.setattr(shard, "device_probe", lambda device: SmallProbe())
+    options = {"model": stories_dir, "compile": False, "device": "cpu", "gpu_memory_utilization": 0.05,
+               "max_num_batched_tokens": 256}
+    with caplog.at_level(logging.INFO, logger="pipeserve.engine"):
+        plain = Engine(**options)
+        lora = Engine(**options, enable_lora=True, max_loras=4, max_lora_rank=16)
+    assert lora.lora is not None
+    table = lora.lora.table.nbytes
+    page = kv_bytes_per_page(plain.model_config, torch.float32, 16, "auto", plain.config.prefix_caching)
+    budget = int(GiB * 0.05)
+    assert plain.pool.num_pages == budget // page
+    assert lora.pool.num_pages == (budget - table) // page < plain.pool.num_pages
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")]
+    assert len(lines) == 2 and "LoRA" not in lines[0]
+    assert f"LoRA slot table {table / 2**20:.1f} MB" in lines[1]

@@ -6,8 +6,10 @@ context, NCCL, other processes on the GPU); the KV pool gets the rest. The activ
 measured, not estimated: with the allocator's cache emptied, a profile run of the largest step (a
 decode batch of the most rows a step can have, and a full prefill chunk of max_num_batched_tokens
 tokens, each with its logits and a softmax over them) on a throwaway pool, under the allocator's
-peak statistics. On the CPU the pool keeps its fixed size (`kv_cache_gb`, else CPU_KV_GB). Either
-way one line says what went where.
+peak statistics; what the engine allocates after the pool for good (the LoRA slot table, `reserved`,
+its size computed beforehand) comes out of that share too. On the CPU the pool keeps its fixed size
+(`kv_cache_gb`, else CPU_KV_GB), the slot table in host memory beside it. Either way one line says
+what went where.
 
 The arithmetic is pure (kv_bytes_cuda, MemoryPlan) and the profile step runs on any device, so the
 CPU tests run the code the CUDA path runs."""
@@ -54,6 +56,7 @@ class MemoryPlan:
     page_size: int
     max_model_len: int
     not_profiled: str = ""  # why the activation peak was not measured
+    lora_table: int = 0  # the LoRA slot table's bytes (allocated after the pool, out of its budget)
 
     @property
     def max_concurrent_seqs(self) -> int:
@@ -63,7 +66,8 @@ class MemoryPlan:
     def line(self) -> str:
         act = (_size(self.activation_peak) if self.activation_peak is not None
                else f"not profiled ({self.not_profiled})")
-        return (f"memory: weights {_size(self.weights)}, activation peak {act}, "
+        lora = f"LoRA slot table {_size(self.lora_table)}, " if self.lora_table else ""
+        return (f"memory: weights {_size(self.weights)}, activation peak {act}, {lora}"
                 f"KV {_size(self.kv)} = {self.num_pages} pages of {self.page_size} tokens, "
                 f"at most {self.max_concurrent_seqs} concurrent sequences of {self.max_model_len} tokens")
 
@@ -110,11 +114,17 @@ class CudaProbe:
         return peak
 
 
+def device_probe(device: torch.device) -> MemoryProbe | None:
+    """The allocator sizing reads on this device: CUDA's; None where the pool has a fixed size."""
+    return CudaProbe(device) if device.type == "cuda" else None
+
+
 def kv_budget(config: EngineConfig, probe: MemoryProbe | None,
-              profile: Callable[[], None] | None) -> tuple[int, int | None, str]:
+              profile: Callable[[], None] | None, reserved: int = 0) -> tuple[int, int | None, str]:
     """(bytes for the KV pool, the profiled activation peak or None, why it was not profiled).
     probe: the device's allocator (None on the CPU); profile: the largest step (None where it cannot
-    run alone, as on a tensor-parallel rank, whose forward is a collective of the group)."""
+    run alone, as on a tensor-parallel rank, whose forward is a collective of the group); reserved:
+    bytes the engine allocates after the pool, for good (the LoRA slot table)."""
     if config.num_pages is not None:  # the pool's size in pages: no budget to work out
         return 0, None, "--num-pages given"
     if config.kv_cache_gb is not None:
@@ -122,16 +132,18 @@ def kv_budget(config: EngineConfig, probe: MemoryProbe | None,
     if probe is None:
         return int(CPU_KV_GB * GiB), None, f"CPU: a fixed {CPU_KV_GB} GB pool unless --kv-cache-gb"
     peak = None if profile is None else probe.peak(profile)
-    # Everything allocated so far (weights, RoPE tables, a draft model) is the engine's for good.
-    total, weights, other = probe.total(), probe.allocated(), probe.non_torch()
+    # Everything allocated so far (weights, RoPE tables, a draft model) is the engine's for good, and
+    # so is what is allocated after the pool.
+    total, weights, other = probe.total(), probe.allocated() + reserved, probe.non_torch()
     kv = kv_bytes_cuda(total, config.gpu_memory_utilization, weights, peak or 0, other)
     if kv == 0:
+        lora = " with the LoRA slot table" if reserved else ""
         raise StartupError(
             f"no GPU memory left for the KV cache: --gpu-memory-utilization {config.gpu_memory_utilization} "
             f"of {_size(total)} is {_size(int(total * config.gpu_memory_utilization))}, and the weights "
-            f"({_size(weights)}), the largest step's activations ({_size(peak or 0)}) and memory outside "
-            f"this engine's allocator ({_size(other)}: the CUDA context, other processes on this GPU) "
-            "take it all: free the GPU, raise --gpu-memory-utilization, or size the pool with "
+            f"({_size(weights)}{lora}), the largest step's activations ({_size(peak or 0)}) and memory "
+            f"outside this engine's allocator ({_size(other)}: the CUDA context, other processes on this "
+            "GPU) take it all: free the GPU, raise --gpu-memory-utilization, or size the pool with "
             "--kv-cache-gb / --num-pages")
     return kv, peak, "" if profile is not None else "tensor parallel"
 

@@ -16,10 +16,13 @@ from pipeserve.config import EngineConfig
 from pipeserve.demo import ensure_demo_model
 from pipeserve.engine.backend import Backend, get_backend, resolve_backend
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
-from pipeserve.engine.memory import CudaProbe, MemoryPlan, kv_budget, profile_step
+from pipeserve.engine.lora.shard import LoRAShard
+from pipeserve.engine.lora.slots import table_bytes
+from pipeserve.engine.memory import MemoryPlan, device_probe, kv_budget, profile_step
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.engine.model.loader import load_model, resolve_dtype
 from pipeserve.engine.parallel.group import TPGroup
+from pipeserve.engine.quantization.linear import W8A8_DTYPES
 from pipeserve.engine.quantization.model import weight_bytes
 from pipeserve.model_config import ModelConfig
 from pipeserve.startup import phase
@@ -56,10 +59,17 @@ def load_shard(config: EngineConfig, group: TPGroup | None) -> Shard:
     max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                         model_cfg.max_position_embeddings)
     quantized = f", quantized {config.quantization}" if config.quantization != "none" else ""
+    # LoRA adapters read the float input of the linears they wrap: W8A8 linears then quantize their
+    # own inputs instead of taking them quantized from the norms and the activation.
+    fuse_inputs = not config.enable_lora
+    if config.quantization in W8A8_DTYPES and not fuse_inputs:
+        log.info("%s with LoRA: each W8A8 linear quantizes its own input per token (not fused into the "
+                 "norms and the activation), the adapters read the float activations", config.quantization)
     with phase(f"loading {model_dir} on {device}{quantized}", log, slow=True):
         model, model_cfg = load_model(model_dir, backend, device, dtype, max_model_len, group,
                                       config.rope_scaling, quantization=config.quantization,
-                                      load_format=config.load_format, seed=config.seed)
+                                      load_format=config.load_format, seed=config.seed,
+                                      fuse_inputs=fuse_inputs)
     backend.prepare_model(model)
     return Shard(model, model_cfg, model_dir, backend, device, dtype, max_model_len)
 
@@ -78,8 +88,14 @@ def build_pool(config: EngineConfig, shard: Shard, group: TPGroup | None, draft_
         profile = None if group is not None else partial(
             profile_step, shard.model, shard.device, shard.dtype, config.page_size, config.kv_cache_dtype,
             shard.max_model_len, config.max_num_batched_tokens, config.max_num_seqs * (1 + spec_tokens))
-        probe = CudaProbe(shard.device) if shard.device.type == "cuda" else None
-        budget, activations, not_profiled = kv_budget(config, probe, profile)
+        probe = device_probe(shard.device)
+        # The LoRA slot table is allocated after the pool, for good: the budget leaves room for it.
+        reserved = 0
+        if config.enable_lora:
+            part = None if group is None else LoRAShard(shard.model_config, group.rank, group.world)
+            reserved = table_bytes(shard.model_config, config.max_loras, config.max_lora_rank, shard.dtype,
+                                   part)
+        budget, activations, not_profiled = kv_budget(config, probe, profile, reserved)
         num_pages = config.num_pages or budget // (per_page + draft_page_bytes)
         if group is not None:  # every rank holds the same pages
             num_pages = group.min_int(num_pages)
@@ -89,6 +105,6 @@ def build_pool(config: EngineConfig, shard: Shard, group: TPGroup | None, draft_
                       prefix_caching=config.prefix_caching)
         memory = MemoryPlan(weight_bytes(shard.model) + draft_weight_bytes, activations,
                             num_pages * (per_page + draft_page_bytes), num_pages, config.page_size,
-                            shard.max_model_len, not_profiled)
+                            shard.max_model_len, not_profiled, reserved)
         log.info("%s (%s KV)", memory.line(), config.kv_cache_dtype)
     return pool

@@ -425,7 +425,7 @@ class OpenAIServer:
         self.core, self.config = core, config
         self.tokenizer_config = tokenizer  # what /tokenize and /detokenize load, on first use
         self._tokenizer: Any = None
-        self.responses = Responses(core, config, self._model)
+        self.responses = Responses(core, config, self._model_or_adapter)
         self.embeddings = Embeddings(core, self._model)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None

@@ -233,11 +233,14 @@ def _pending(item: dict[str, Any]) -> dict[str, Any]:
 class Responses:
     """The /v1/responses endpoint of one OpenAI front end."""
 
-    def __init__(self, core: Core, config: GatewayConfig, model: Callable[[str | None], str]) -> None:
+    def __init__(self, core: Core, config: GatewayConfig,
+                 model: Callable[[str | None], tuple[str, str]]) -> None:
+        """model: the body's model field -> (the model the response names, the LoRA adapter it runs:
+        "" for the base model), as the other OpenAI endpoints resolve it."""
         self.core, self.config, self.model = core, config, model
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
-        model = self.model(body.model)
+        model, lora = self.model(body.model)
         messages = messages_of(body)
         if not messages:
             raise HTTPError(400, "input must not be empty", "input")
@@ -257,7 +260,7 @@ class Responses:
         try:
             params = self.core.sampling(given, fit)
             (stream,) = await self.core.submit(params, messages, rid, fit_max_tokens=fit,
-                                               tools=plan.tools if plan else None)
+                                               tools=plan.tools if plan else None, lora=lora)
         except Refusal as refusal:
             raise from_refusal(refusal) from None
         turn = Turn(body, model, rid, stream, plan.output() if plan else None,

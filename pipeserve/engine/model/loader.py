@@ -189,8 +189,10 @@ class _Materializer:
     """Allocates each unit on the device in the serving dtype when first needed, counts what was
     written into each parameter, and quantizes a decoder layer once all of its weights are in."""
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, quantization: str, backend: Backend):
+    def __init__(self, model: LlamaForCausalLM, device: torch.device, quantization: str, backend: Backend,
+                 fuse_inputs: bool = True):
         self.model, self.device, self.quantization, self.backend = model, device, quantization, backend
+        self.fuse_inputs = fuse_inputs
         self.units = _units(model)
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.left: dict[str, int] = {}  # per unit: elements still to write
@@ -222,7 +224,7 @@ class _Materializer:
             layer = cast(DecoderLayer, self.units[unit])
             for pname, _ in layer.named_parameters(prefix=unit):
                 del self.params[pname]  # the float weights go with the modules quantization replaces
-            quantize_layer(layer, self.quantization, self.backend)
+            quantize_layer(layer, self.quantization, self.backend, fuse_inputs=self.fuse_inputs)
 
     def missing(self) -> list[str]:
         return [n for n, count in self.filled.items() if n in self.params and count != self.params[n].numel()]
@@ -231,12 +233,13 @@ class _Materializer:
 def load_model(
     model_dir: str, backend: Backend, device: torch.device, dtype: torch.dtype, max_positions: int,
     tp: TPGroup | None = None, rope_scaling: str | None = None, *, quantization: str = "none",
-    load_format: str = "auto", seed: int = 0,
+    load_format: str = "auto", seed: int = 0, fuse_inputs: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model and the checkpoint's config (rope_scaling: the --rope-scaling override); with `tp`,
     this rank's shard (its `config` is then the shard's, pipeserve/engine/model/tensor_parallel.py).
     quantization: applied layer by layer while loading. load_format: auto and safetensors read the
-    checkpoint; dummy makes random weights on the device (from `seed`)."""
+    checkpoint; dummy makes random weights on the device (from `seed`). fuse_inputs: W8A8 inputs
+    quantized by the norms and the activation that produce them (quantization/model.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     check_method(quantization)
@@ -246,7 +249,7 @@ def load_model(
         model = LlamaForCausalLM(cfg, backend) if tp is None else TensorParallelLlama(cfg, backend, tp)
     model.to(dtype)  # still on meta: no memory, and every unit is later allocated in this dtype
     model.init_rope(max_positions, device)
-    units = _Materializer(model, device, quantization, backend)
+    units = _Materializer(model, device, quantization, backend, fuse_inputs)
     if load_format == "dummy":
         _fill_random(units, device, seed)
     else:

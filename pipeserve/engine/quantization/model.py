@@ -13,7 +13,9 @@ What each method touches (embeddings, lm_head and norms always stay in the model
 - w4a16 / nf4: the same projections hold 4-bit weights (group 128, or K when K < 128); activations
   stay in float, so nothing else changes.
 `per_tensor=True` (W8A8 only) is the ablation: one scale per weight tensor and one dynamic scale per
-activation tensor, no fusion.
+activation tensor, no fusion. `fuse_inputs=False` (W8A8) keeps the norms and the activation in float
+and lets each W8A8 linear quantize its own input per token (the same codes, one more pass each): LoRA
+adapters wrap those linears and read the float activations, y = W8A8(x) + (x A^T) B.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ WEIGHT_ONLY = {"w4a16": "int4", "nf4": "nf4"}
 
 
 def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str | None = None, *,
-                   per_tensor: bool = False, o_proj: bool = False) -> LlamaForCausalLM:
+                   per_tensor: bool = False, o_proj: bool = False,
+                   fuse_inputs: bool = True) -> LlamaForCausalLM:
     """Quantize `model` in place with `method`; the quantized layers run on `backend` (by default
     the model's own)."""
     check_method(method, per_tensor)
@@ -51,7 +54,7 @@ def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str 
     elif isinstance(backend, str):
         backend = get_backend(backend)
     for layer in cast(list[DecoderLayer], model.layers):
-        quantize_layer(layer, method, backend, per_tensor=per_tensor, o_proj=o_proj)
+        quantize_layer(layer, method, backend, per_tensor=per_tensor, o_proj=o_proj, fuse_inputs=fuse_inputs)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()  # hand the float weights' memory back so the KV pool can take it
     log.info("quantized %s: %s%s%s, weights %.2f -> %.2f MiB", model.config.name, method,
@@ -68,7 +71,7 @@ def check_method(method: str, per_tensor: bool = False) -> None:
 
 
 def quantize_layer(layer: DecoderLayer, method: str, backend: Backend, *, per_tensor: bool = False,
-                   o_proj: bool = False) -> None:
+                   o_proj: bool = False, fuse_inputs: bool = True) -> None:
     """Quantize one decoder layer in place (the loader calls this as soon as a layer's float
     weights are all loaded, so the whole float model never exists at once)."""
     if method == "none":
@@ -88,7 +91,7 @@ def quantize_layer(layer: DecoderLayer, method: str, backend: Backend, *, per_te
     dtype = W8A8_DTYPES[method]
     for parent, name in names:
         setattr(parent, name, W8A8Linear(getattr(parent, name), dtype, backend, per_tensor))
-    if not per_tensor:
+    if fuse_inputs and not per_tensor:
         # The router and the experts read the post-attention norm's output in float: a sparse
         # layer's shared expert quantizes its own input.
         norms = ["input_layernorm"] + ([] if isinstance(layer.mlp, MoE) else ["post_attention_layernorm"])
