@@ -57,3 +57,17 @@ def test_bench_step_writes_figures_for_each_system_and_batch(tiny_model, tmp_pat
     assert result["reference"] == "pipeserve eager"
     assert result["floor_ms_per_step"] == result["weight_bytes"] / result["gemv_GBps"] / 1e6
     assert png_panels(tmp_path / "s.png") == 2  # end to end, decode steps
+
+
+def test_profile_of_steps_wider_than_the_native_step_counts_their_operators(tiny_model) -> None:
+    # A native executor's wider steps (from the row count where oneDNN's GEMM wins) run per op: their
+    # operators are profiled, not read off the native step's timer (which they never touch).
+    from pipeserve.engine import LLM
+    from pipeserve.engine.executor.native import NativeExecutor
+
+    llm = LLM(tiny_model("llama"), device="cpu", prefix_caching=False)
+    executor = llm.engine.runner.executor
+    assert isinstance(executor, NativeExecutor)
+    executor.max_rows = 1
+    profile = step.host_overhead_ms(llm, [[1, 5, 9], [1, 7, 8]], steps=2)
+    assert profile["compute_ms"] > 0 and profile["step_ms"] >= profile["host_ms"] >= 0
