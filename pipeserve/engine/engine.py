@@ -306,8 +306,9 @@ class Engine:
         # The draft's one-token rounds run on a step executor of its own, chosen for the draft (an
         # explicit choice for the model stands for its family: the draft may be another kind).
         requested = "eager" if self.runner.executor.mode == "eager" else "auto"
+        # It proposes without the adapters (verification applies them).
         draft_plan = replace(plan, requested=requested, max_rows=config.max_num_seqs, exact=(),
-                             whole_graph=not any(draft_cfg.moe_layers or ()))
+                             whole_graph=not any(draft_cfg.moe_layers or ()), lora=False)
         runner = ForwardRunner(model=model, pool=pool, backend=backend, device=self.device,
                                max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, plan=draft_plan,

@@ -28,7 +28,7 @@ from pipeserve.engine.executor import (
     StepPlan,
     select_executor,
 )
-from pipeserve.engine.executor.base import EAGER, NATIVE
+from pipeserve.engine.executor.base import EAGER
 from pipeserve.engine.executor.buffers import upload
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.lora.rows import LoRAContext, buffer_shapes
@@ -91,7 +91,8 @@ class ForwardRunner:
         self.lora = lora
         self.eager = EagerStep(model=model, pool=pool, buffers=self.buffers, max_rows=max_tokens)
         self.executor: StepExecutor = select_executor(plan, backend=backend, model=model, pool=pool,
-                                                      buffers=self.buffers, device=device, role=role)
+                                                      buffers=self.buffers, device=device, role=role,
+                                                      lora=lora)
 
     @property
     def exact_rows(self) -> int:
@@ -174,7 +175,7 @@ class ForwardRunner:
         """Logits [R, V] of flat's sample rows (None: no row samples)."""
         self.buffers.begin()
         executor = self.executor if self.executor.covers(flat) else self.eager
-        if executor.mode != NATIVE:  # the native step reads each row's adapter slot itself
+        if executor.mode == EAGER:  # the native and compiled steps read each row's adapter slot themselves
             self._index_lora(flat)
         return executor.run(flat)
 

@@ -123,6 +123,13 @@ class AddLoRA(Protocol):
         transposed) and b [S, N, out] (lora_ops.py: the rows' index and the torch path)."""
 
 
+class AddLoRASlots(Protocol):
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """add_lora with every row's slot read from slots [T] int32 on the device (-1: none): fixed
+        shapes and no host sync, what compiled steps trace or capture (lora_ops.add_lora_slots)."""
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -142,6 +149,7 @@ class Backend:
     fused_moe_w8a8: FusedMoEW8A8
     fused_moe_w4a16: FusedMoEW4A16
     add_lora: AddLoRA
+    add_lora_slots: AddLoRASlots
     # Its specifics (not ops): see the module docstring.
     prepare_model: Callable[[nn.Module], None] = field(default=lambda model: None)
     compiled_step: tuple[tuple[str, str], ...] = ()  # (device type, executor mode): hashable, as ops are

@@ -28,7 +28,7 @@ from pipeserve.engine.quantization.kv_cache import dequantize_kv
 from . import native, reference
 from .base import Backend, NormOut, NormQuantOut, QuantOut
 from .cpu_linear import use_cpu_linears
-from .lora_ops import add_lora  # noqa: F401 - an op of this backend (collected from vars())
+from .lora_ops import add_lora, add_lora_slots  # noqa: F401 - an op of this backend (collected from vars())
 from .step_memo import StepMemo
 
 _WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}

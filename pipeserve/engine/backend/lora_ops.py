@@ -14,6 +14,13 @@ times slower on the CPU). The group covers every row of the step unless padding 
 double the rows (a long prefill chunk beside a few decode rows): then it covers the gathered rows
 and each segment is two plain matmuls. The Triton backend runs the same index through its
 shrink/expand kernels (triton_kernels/lora.py).
+
+`add_lora_slots` is the fixed-shape form the compiled steps trace (Inductor) or capture (CUDA graphs):
+every row reads its own slot from a [T] index in a persistent buffer (-1: none, as padded rows are),
+with no grouping, no data-dependent shape and nothing read back to the host. Here each row's A and B
+are gathered and multiplied batched (BGMV's work in torch ops); Inductor compiles it into the step.
+On the CPU, at the compiled steps' sizes (up to 64 rows, ranks up to 16), that gather costs less than
+one masked product over every slot, whose cost grows with --max-loras.
 """
 
 from __future__ import annotations
@@ -79,3 +86,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         y[: rows.group_cover] += torch.bmm(xa, b_k).view(n_rows, -1).index_select(0, rows.group_back)
     for start, end, s in rows.segments:
         y[start:end].addmm_(x[start:end] @ a[s], b[s])
+
+
+def add_lora_slots(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """y [T, out] += (x[t] @ a[slots[t]]) @ b[slots[t]] for every row t whose slot is not -1; slots
+    [T] int32 on the device. Every row computes the same work whatever the slots hold (a row of slot
+    -1 reads slot 0, its product masked to zero), so the shapes and the ops are fixed per T."""
+    index = slots.clamp(min=0).long()
+    xa = torch.bmm(x.unsqueeze(1), a.index_select(0, index))  # [T, 1, N]
+    xa = xa * (slots >= 0).to(xa.dtype).view(-1, 1, 1)
+    y += torch.bmm(xa, b.index_select(0, index)).squeeze(1)

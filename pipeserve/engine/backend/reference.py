@@ -17,7 +17,7 @@ from pipeserve.engine.quantization.formats import dequantize_4bit, per_row_quant
 from pipeserve.engine.quantization.kv_cache import dequantize_kv, quantize_kv
 
 from .base import Backend, NormOut, NormQuantOut, QuantOut
-from .lora_ops import add_lora  # noqa: F401 - an op of this backend (collected from vars())
+from .lora_ops import add_lora, add_lora_slots  # noqa: F401 - an op of this backend (collected from vars())
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

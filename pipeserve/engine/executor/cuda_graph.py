@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.lora.rows import LoRAContext
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.startup import progress
 
@@ -32,9 +33,11 @@ class CudaGraphStep(PaddedStep):
     full_width = True
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, buffers: StepBuffers, max_rows: int,
-                 max_batch: int, exact: tuple[int, ...] = ()) -> None:
-        """max_batch: the largest bucket captured (--max-cuda-graph-batch)."""
-        super().__init__(model=model, pool=pool, buffers=buffers, top=min(max_rows, max_batch), exact=exact)
+                 max_batch: int, exact: tuple[int, ...] = (), lora: LoRAContext | None = None) -> None:
+        """max_batch: the largest bucket captured (--max-cuda-graph-batch). lora: the model's LoRA
+        layers' context (each row's slot is then a captured input: padded.py)."""
+        super().__init__(model=model, pool=pool, buffers=buffers, top=min(max_rows, max_batch), exact=exact,
+                         lora=lora)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capturing: int | None = None  # the bucket prepare() is capturing
         self._pool: Any = None  # the graph memory pool every bucket shares

@@ -17,6 +17,7 @@ import torch
 
 from pipeserve.config import cache_dir
 from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.lora.rows import LoRAContext
 from pipeserve.engine.model.llama import LlamaForCausalLM
 from pipeserve.startup import progress
 
@@ -57,11 +58,12 @@ class InductorStep(PaddedStep):
     mode = INDUCTOR
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, buffers: StepBuffers, max_rows: int,
-                 exact: tuple[int, ...] = (), whole_graph: bool = True) -> None:
+                 exact: tuple[int, ...] = (), whole_graph: bool = True,
+                 lora: LoRAContext | None = None) -> None:
         """whole_graph: the forward pass traces as one graph (dense, unquantized models do; the
-        expert dispatch of a mixture of experts breaks it)."""
+        expert dispatch of a mixture of experts breaks it). lora: the model's LoRA layers' context."""
         super().__init__(model=model, pool=pool, buffers=buffers, top=min(max_rows, MAX_INDUCTOR_BATCH),
-                         exact=exact)
+                         exact=exact, lora=lora)
         self.whole_graph = whole_graph
         self._steps: dict[int, StepFn] = {}
         use_cache_dir()

@@ -7,6 +7,11 @@ holds it. Its inputs are the runner's persistent buffers, refilled in place. Pad
 write only a scratch page reserved for them, and their logits are cut off before the sampler, so
 they never touch a request's cache or sampling state. Every layer stores all rows' K/V before any
 row attends, so a verification chunk's rows sharing one block table are causal by seq_len alone.
+
+With LoRA adapters (pipeserve/engine/lora) each row's adapter slot is one more staged input (`lora_slots`,
+-1 for no adapter and for padded rows): the forward pass hands it to the LoRA layers, which apply it
+with fixed shapes (the backend's add_lora_slots), so one compiled or captured bucket serves every mix
+of adapters, and swaps, which write the slot table in place, need no recompile.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from pipeserve.engine.kv.metadata import AttentionMetadata
 from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.lora.rows import LoRAContext
 from pipeserve.engine.model.llama import LlamaForCausalLM
 
 from .buffers import StepBuffers
@@ -28,6 +34,7 @@ _FORWARD = inspect.unwrap(LlamaForCausalLM.forward)
 _LOGITS = inspect.unwrap(LlamaForCausalLM.compute_logits)
 # The staged inputs of a padded step, in the order the compiled forward pass takes them.
 INPUTS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_seq_lens")
+LORA_INPUT = "lora_slots"  # after them, with LoRA adapters
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -53,11 +60,12 @@ class PaddedStep(ABC):
     full_width = False  # tables padded to the block table's whole width (a captured graph's shape)
 
     def __init__(self, *, model: LlamaForCausalLM, pool: KVPool, buffers: StepBuffers, top: int,
-                 exact: tuple[int, ...] = ()) -> None:
+                 exact: tuple[int, ...] = (), lora: LoRAContext | None = None) -> None:
         """top: the largest bucket. exact: row counts that get a bucket of their own (a batch-1
         verification step's 1 + j rows: padding them up to a power of two adds whole rows of
-        products, and on the CPU MKL's F.linear over 4 rows cost twice its 3)."""
-        self.model, self.pool, self.buffers = model, pool, buffers
+        products, and on the CPU MKL's F.linear over 4 rows cost twice its 3). lora: the context of
+        the model's LoRA layers, where it has them."""
+        self.model, self.pool, self.buffers, self.lora = model, pool, buffers, lora
         sizes = batch_buckets(top)
         self.buckets = tuple(sorted(set(sizes).union(n for n in exact if n < sizes[-1])))
         self.exact = tuple(n for n in exact if n <= self.buckets[-1])
@@ -73,8 +81,10 @@ class PaddedStep(ABC):
         return next(b for b in self.buckets if b >= n)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of a batch of decode rows; the gather width is the tables' page count."""
+                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of a batch of decode rows; the gather width is the tables' page count.
+        lora_slots: each row's adapter slot (with LoRA adapters)."""
         empty = block_tables[:0]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -90,7 +100,11 @@ class PaddedStep(ABC):
         )
         # The undecorated methods: Inductor cannot trace an inference_mode context inside the
         # compiled region (views of buffers fail), so the caller enters it outside.
+        if self.lora is not None:  # traced as the graph's input: the LoRA layers read it
+            self.lora.fixed = lora_slots
         hidden = _FORWARD(self.model, input_ids, positions, meta, self.pool.layer_views())
+        if self.lora is not None:  # eager steps after this one read their own index
+            self.lora.fixed = None
         logits: torch.Tensor = _LOGITS(self.model, hidden)
         return logits
 
@@ -121,6 +135,8 @@ class PaddedStep(ABC):
         arrays = self.pad(flat.input_ids, flat.positions, flat.slot_mapping, tables)
         ids = self.buffers.stage_ids(INPUTS[0], arrays[0], flat.device_ids)
         args = (ids, *(self.buffers.stage(name, a) for name, a in zip(INPUTS[1:], arrays[1:], strict=True)))
+        if self.lora is not None:
+            args += (self.buffers.stage(LORA_INPUT, self.lora.padded_slots(flat.row_slots, ids.shape[0])),)
         with torch.inference_mode():
             logits = self.execute(args)[:n]
         return select_rows(logits, flat, self.buffers)
@@ -133,6 +149,8 @@ class PaddedStep(ABC):
         tables = np.full((size, self.pool.max_pages_per_seq), self.scratch_page, np.int32)
         arrays = self.pad(zeros, zeros, slots, tables)
         args = tuple(self.buffers.stage(name, a) for name, a in zip(INPUTS, arrays, strict=True))
+        if self.lora is not None:  # no adapter: the same ops, each row's product masked
+            args += (self.buffers.stage(LORA_INPUT, np.full(size, -1, np.int32)),)
         with torch.inference_mode():
             self.execute(args)
 

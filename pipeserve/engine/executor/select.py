@@ -10,6 +10,7 @@ import torch
 
 from pipeserve.engine.backend import Backend, native
 from pipeserve.engine.kv.pool import KVPool
+from pipeserve.engine.lora.rows import LoRAContext
 from pipeserve.engine.model.llama import LlamaForCausalLM
 
 from .base import CUDA_GRAPH, EAGER, INDUCTOR, NATIVE, StepExecutor
@@ -33,7 +34,7 @@ class StepPlan:
     whole_graph: bool = True  # the forward pass traces as one graph (Inductor)
     max_cuda_graph_batch: int = 256
     tensor_parallel: bool = False  # a tensor-parallel forward exchanges the step plan: eager
-    lora: bool = False  # LoRA adapters are applied (pipeserve/engine/lora): by eager and native steps only
+    lora: bool = False  # LoRA adapters are applied (pipeserve/engine/lora): every executor's steps apply them
 
 
 def compiled_mode(backend: Backend, device: torch.device) -> tuple[str | None, str]:
@@ -62,45 +63,41 @@ def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPo
             raise ValueError(f"--step-executor {plan.requested}: tensor-parallel steps run eager")
         return EAGER, "tensor-parallel steps send their plan to the other ranks"
     no_native = unsupported(model, pool) if device.type == "cpu" else f"not on {device.type}"
-    if plan.lora:  # compiled steps would freeze the step's row -> adapter index
-        if plan.requested == "compiled":
-            raise ValueError("--step-executor compiled: with --enable-lora steps run native or eager")
-        if plan.requested == NATIVE and no_native is not None:
-            raise ValueError(f"--step-executor native: {no_native}")
-        if no_native is None:
-            why = "requested" if plan.requested == NATIVE else _native_why(model)
-            return NATIVE, f"{why}, LoRA adapters in the step"
-        return EAGER, f"LoRA adapters are applied by native and eager steps only (native step: {no_native})"
     compiled, no_compiled = compiled_mode(backend, device)
+    # The native step reads each row's adapter slot itself; compiled steps take it as an input.
+    lora = ", LoRA adapters in the step" if plan.lora else ""
     if plan.requested == NATIVE:
         if no_native is not None:
             raise ValueError(f"--step-executor native: {no_native}")
-        return NATIVE, "requested"
+        return NATIVE, "requested" + lora
     if plan.requested == "compiled":
         if compiled is None:
             raise ValueError(f"--step-executor compiled: {no_compiled}")
-        return compiled, "requested"
+        return compiled, "requested" + lora
     if no_native is None:
-        return NATIVE, _native_why(model)
+        return NATIVE, _native_why(model) + lora
     if compiled is not None:
-        return compiled, f"native step: {no_native}"
+        return compiled, f"native step: {no_native}{lora}"
     return EAGER, no_compiled
 
 
 def select_executor(plan: StepPlan, *, backend: Backend, model: LlamaForCausalLM, pool: KVPool,
-                    buffers: StepBuffers, device: torch.device, role: str = "model") -> StepExecutor:
+                    buffers: StepBuffers, device: torch.device, role: str = "model",
+                    lora: LoRAContext | None = None) -> StepExecutor:
     """The executor of the steps it covers (the rest run eager), its buckets compiled or captured
-    by `prepare`. role names the model in the log line (model, draft)."""
+    by `prepare`. role names the model in the log line (model, draft); lora: the context of the
+    model's LoRA layers (with plan.lora)."""
+    assert plan.lora == (lora is not None)
     mode, why = choose(plan, backend, model, pool, device)
     executor: StepExecutor
     if mode == NATIVE:
         executor = NativeExecutor(model=model, pool=pool, buffers=buffers, max_rows=plan.max_rows)
     elif mode == INDUCTOR:
         executor = InductorStep(model=model, pool=pool, buffers=buffers, max_rows=plan.max_rows,
-                                exact=plan.exact, whole_graph=plan.whole_graph)
+                                exact=plan.exact, whole_graph=plan.whole_graph, lora=lora)
     elif mode == CUDA_GRAPH:
         executor = CudaGraphStep(model=model, pool=pool, buffers=buffers, max_rows=plan.max_rows,
-                                 max_batch=plan.max_cuda_graph_batch, exact=plan.exact)
+                                 max_batch=plan.max_cuda_graph_batch, exact=plan.exact, lora=lora)
     else:
         executor = EagerStep(model=model, pool=pool, buffers=buffers, max_rows=plan.max_rows)
     rows = "" if mode == EAGER else f"; steps of up to {executor.max_rows} rows, larger ones eager"

@@ -1,7 +1,8 @@
 """A fused linear layer of the model with the adapters of its rows added: y = base(x), then
 y += (x @ A_slot^T) @ B_slot for each row that uses an adapter targeting this layer (the backend's
 add_lora over the step's LoRAContext index). Rows without one, and steps without any, are the base
-layer's output unchanged."""
+layer's output unchanged. In a compiled step (the context's `fixed` slots) every layer runs the
+backend's add_lora_slots over every row: a kind no adapter targets adds zeros (its slots are zero)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class LoRALinear(nn.Module):
         """last: in the last layer, where o_proj and the MLP run over the rows read out only."""
         super().__init__()
         self.base, self.kind, self.context, self.last = base, kind, context, last
-        self.add_lora = backend.add_lora
+        self.add_lora, self.add_lora_slots = backend.add_lora, backend.add_lora_slots
         self.a: torch.Tensor
         self.b: torch.Tensor
         self.register_buffer("a", a, persistent=False)
@@ -30,6 +31,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
+        fixed = self.context.fixed
+        if fixed is not None:  # a compiled step: the same ops whatever adapters its rows use
+            self.add_lora_slots(y, x, self.a, self.b, fixed)
+            return y
         rows = self.context.rows(self.last and self.kind != "qkv")
         if rows is not None and self.kind in rows.kinds:
             self.add_lora(y, x, self.a, self.b, rows)

@@ -63,8 +63,11 @@ def _groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int,
 
 
 class LoRAContext:
-    """What the LoRA linear layers of one model read during a step (set by `prepare` on the engine's
-    rank, `index` on the other tensor-parallel ranks, which have no manager)."""
+    """What the LoRA linear layers of one model read during a step: an eager step's index (set by
+    `prepare` on the engine's rank, `index` on the other tensor-parallel ranks, which have no manager),
+    or while a compiled step traces or captures its forward pass the persistent buffer of its rows'
+    slots (`fixed`: every layer then adds each row's adapter by the backend's fixed-shape
+    add_lora_slots, whatever the slots hold)."""
 
     def __init__(self, table: SlotTable, manager: LoRAManager | None = None) -> None:
         self.table, self.manager = table, manager
@@ -72,9 +75,18 @@ class LoRAContext:
         self.sample: LoRARows | None = None
         self.sampled = False  # the last layer keeps only the rows read out (its o_proj and MLP)
         self.step: AdapterIndex | None = None  # the last step's index (None: no row had an adapter)
+        self.fixed: torch.Tensor | None = None  # int32 [bucket]: the compiled step's rows' slots
 
     def rows(self, last: bool) -> LoRARows | None:
         return self.sample if last and self.sampled else self.full
+
+    def padded_slots(self, row_slots: np.ndarray, size: int) -> np.ndarray:
+        """A compiled step's rows' adapter slots (row_slots: their request slots), padded to its
+        bucket of `size` rows with -1 (no adapter): int32 [size]."""
+        assert self.manager is not None
+        out = np.full(size, -1, np.int32)
+        out[: row_slots.size] = self.manager.request_slots[row_slots]
+        return out
 
     def prepare(self, *, row_slots: np.ndarray, chunk_bounds: np.ndarray, sample_rows: np.ndarray | None,
                 stage: Stage) -> None:

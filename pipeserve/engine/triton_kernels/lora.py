@@ -7,7 +7,8 @@ sub-projections a fused linear stacks), the rows' index a `LoRARows` (backend/lo
 - segments (prefill chunks, SGMV): one program per tile of a chunk's rows, all of one slot: tl.dot
   tiles.
 The shrink writes x @ A^T in fp32 ([T, N]); the expand adds its product with B into y in place. A
-row of slot -1 is skipped (its y untouched).
+row of slot -1 is skipped (its y untouched). `add_lora_slots` runs every row as a gathered row, its
+slot read from the device: the compiled steps' fixed-shape form (a CUDA graph captures its launches).
 """
 # Triton reads a jit function's parameter annotations as its signature: its parameters stay untyped.
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -112,6 +113,23 @@ def _sgmv_expand_kernel(xa, b, y, bounds, seg_slots, N, OUT, stride_xa, stride_b
         tl.store(ptr, (yv + acc).to(y.dtype.element_ty), mask=mask)
 
 
+def _gathered_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
+                     num_rows: int) -> None:
+    """out[t] = x[t] @ a[slots[t]] for rows 0 .. num_rows (BGMV: one program per row)."""
+    n = a.shape[2]
+    _bgmv_shrink_kernel[(num_rows,)](x, a, out, slots, x.shape[1], n, x.stride(0), a.stride(0), a.stride(1),
+                                     out.stride(0), BLOCK_N=pow2(n, 16), BLOCK_K=BLOCK_K)
+
+
+def _gathered_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                     num_rows: int) -> None:
+    """y[t] += xa[t] @ b[slots[t]] for rows 0 .. num_rows, in place (BGMV)."""
+    n, d_out = b.shape[1], b.shape[2]
+    grid = (num_rows, triton.cdiv(d_out, BLOCK_OUT))
+    _bgmv_expand_kernel[grid](xa, b, y, slots, n, d_out, xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
+                              BLOCK_N=pow2(n, 16), BLOCK_O=BLOCK_OUT)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
     """x @ A^T_slot of every LoRA row, fp32 [T, N] (rows of no adapter left unwritten)."""
     t, k_in = x.shape
@@ -120,9 +138,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tenso
     out = torch.empty((t, n), dtype=torch.float32, device=x.device)
     block_n = pow2(n, 16)
     if rows.num_gathered:
-        _bgmv_shrink_kernel[(rows.num_gathered,)](x, a, out, rows.slots, k_in, n, x.stride(0), a.stride(0),
-                                                  a.stride(1), out.stride(0), BLOCK_N=block_n,
-                                                  BLOCK_K=BLOCK_K)
+        _gathered_shrink(x, a, out, rows.slots, rows.num_gathered)
     if rows.seg_bounds is not None and rows.seg_slots is not None and rows.max_seg_len:
         compute = compute_dtype(x.dtype)
         grid = (rows.seg_slots.shape[0], triton.cdiv(rows.max_seg_len, BLOCK_M))
@@ -138,9 +154,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, rows: LoRARo
     n, d_out = b.shape[1], b.shape[2]
     block_n = pow2(n, 16)
     if rows.num_gathered:
-        grid = (rows.num_gathered, triton.cdiv(d_out, BLOCK_OUT))
-        _bgmv_expand_kernel[grid](xa, b, y, rows.slots, n, d_out, xa.stride(0), b.stride(0), b.stride(1),
-                                  y.stride(0), BLOCK_N=block_n, BLOCK_O=BLOCK_OUT)
+        _gathered_expand(y, xa, b, rows.slots, rows.num_gathered)
     if rows.seg_bounds is not None and rows.seg_slots is not None and rows.max_seg_len:
         compute = compute_dtype(y.dtype)
         grid3 = (rows.seg_slots.shape[0], triton.cdiv(rows.max_seg_len, BLOCK_M),
@@ -153,3 +167,15 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, rows: LoRARo
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> None:
     lora_expand(y, lora_shrink(x, a, rows), b, rows)
+
+
+def add_lora_slots(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """add_lora with every row a gathered row of its own slot, read from slots [T] on the device (-1:
+    none, skipped by the kernels): a fixed grid of T programs whatever the slots hold, so a CUDA
+    graph captures it once per batch size and replays it with the slots of each step."""
+    assert a.stride(2) == 1
+    t = x.shape[0]
+    out = torch.empty((t, a.shape[2]), dtype=torch.float32, device=x.device)
+    _gathered_shrink(x, a, out, slots, t)
+    _gathered_expand(y, out, b, slots, t)
