@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeserve.engine.backend.lora_ops import add_lora as torch_add_lora
+from pipeserve.engine.backend.lora_ops import add_lora_slots as torch_add_lora_slots
 from pipeserve.engine.lora.rows import LoRAContext
 from pipeserve.engine.triton_kernels import lora as triton_lora
 
@@ -62,3 +63,30 @@ def test_triton_matches_torch(dtype: torch.dtype, layout: str) -> None:
     untouched = lora < 0
     assert torch.equal(got_triton[untouched], y[untouched])
     assert torch.equal(got_torch[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_shape_form_matches_the_grouped_path(dtype: torch.dtype) -> None:
+    """add_lora_slots (what the compiled steps trace or capture: every row gathered, its slot read from
+    the device, padded rows -1), Triton's and torch's, against the grouped torch path and a per-row
+    loop: rows of several slots, of none, and a bucket's padded rows, untouched."""
+    torch.manual_seed(1)
+    num_slots, n, d_in, d_out = 3, 48, 40, 72
+    lora = np.array([2, -1, 0, 2, 1, -1, -1, -1])  # 5 rows padded to a bucket of 8
+    x = torch.randn(lora.size, d_in).to(dtype)
+    a = (torch.randn(num_slots, d_in, n) * 0.3).to(dtype)
+    b = (torch.randn(num_slots, n, d_out) * 0.3).to(dtype)
+    y = torch.randn(lora.size, d_out).to(dtype)
+    rows = LoRAContext._rows(lora, lora.size, np.array([lora.size]), np.zeros(0, np.int64),
+                             frozenset({"qkv"}), stage, "")
+    grouped, got_torch, got_triton = y.clone(), y.clone(), y.clone()
+    torch_add_lora(grouped, x, a, b, rows)
+    slots = torch.from_numpy(lora.astype(np.int32))
+    torch_add_lora_slots(got_torch, x, a, b, slots)
+    triton_lora.add_lora_slots(got_triton, x, a, b, slots)
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    expected = per_row(y, x, a, b, lora)
+    for got in (grouped, got_torch, got_triton):
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+        assert torch.equal(got[lora < 0], y[lora < 0])
+    torch.testing.assert_close(got_torch, grouped, rtol=tol, atol=tol)

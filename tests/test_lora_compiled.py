@@ -14,6 +14,7 @@ import torch
 
 from pipeserve import LLM, LoRARequest, SamplingParams
 from pipeserve.engine.backend import get_backend
+from pipeserve.engine.executor.cuda_graph import CudaGraphStep
 from pipeserve.engine.executor.inductor import InductorStep
 from pipeserve.engine.executor.select import StepPlan, choose
 from tests.conftest import TEST_DEVICE
@@ -135,6 +136,60 @@ def test_auto_compiles_lora_steps_where_the_native_step_cannot_run(llama_adapter
         assert choose(auto, backend, engine.model, engine.pool, cpu) == (mode, why)
         assert choose(compiled, backend, engine.model, engine.pool, cpu) == (
             "inductor", f"requested{lora}")
+
+
+class ReplayedGraph:
+    """A captured CUDA graph's stand-in on the CPU: replay reruns the captured forward pass over the
+    very tensors it was captured with (the persistent buffers, which a graph reads at fixed addresses)
+    into the output tensor of the capture, as a graph's replay writes its static output."""
+
+    def __init__(self, forward, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        self.forward, self.args, self.out = forward, args, out
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward(*self.args))
+        self.replays += 1
+
+
+class CpuGraphs(CudaGraphStep):
+    """The CUDA-graph executor with its capture replaced by ReplayedGraph (its buckets, padding, staged
+    inputs and capture order are the real ones)."""
+
+    def _capture(self, args: tuple[torch.Tensor, ...]) -> tuple[ReplayedGraph, torch.Tensor]:
+        out = self.forward(*args)
+        return ReplayedGraph(self.forward, args, out), out
+
+
+@pytest.mark.slow
+def test_cuda_graph_path_with_the_triton_kernels_on_the_cpu(llama_adapters, monkeypatch) -> None:
+    """The CUDA-graph executor's path with LoRA, on the CPU: every bucket captured before serving
+    with no adapter in any slot, then replayed over the persistent buffers with each step's slots,
+    the Triton backend's add_lora_slots (BGMV under the interpreter) in every layer. Steps mixing
+    two adapters and the base, four adapters through two slots: the eager Triton engine's tokens."""
+    model_dir, requests = llama_adapters
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    prompt = [1, 43, 107, 61, 78, 30, 9]
+    prompts = [prompt, prompt[:4], prompt, prompt[2:], prompt, prompt[1:]]
+    loras = [requests[0], requests[1], None, requests[2], requests[3], requests[0]]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * len(prompts)
+    options = dict(device="cpu", backend="triton", step_executor="eager", max_loras=2, max_cpu_loras=4,
+                   max_num_seqs=3, **OPTIONS)
+    expected = generate(LLM(model_dir, **options), prompts, params, loras)
+    llm = LLM(model_dir, **options)
+    runner = llm.engine.runner
+    graphs = CpuGraphs(model=runner.model, pool=runner.pool, buffers=runner.buffers, max_rows=3, max_batch=3,
+                       lora=runner.lora)
+    graphs.prepare()
+    assert sorted(graphs._graphs) == [1, 2, 3]
+    runner.executor = graphs
+    steps = recorded_steps(llm)
+    assert generate(llm, prompts, params, loras) == expected
+    assert any(len(s - {-1}) == 2 and -1 in s for _, s in steps)
+    # prepare() replays each bucket once after capturing it; serving only replays.
+    assert sum(g.replays for g, _ in graphs._graphs.values()) == len(steps) + 3 > 3
+    assert llm.engine.stats()["lora_swaps"] >= 4
 
 
 @pytest.mark.slow
