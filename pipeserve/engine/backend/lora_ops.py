@@ -18,9 +18,9 @@ shrink/expand kernels (triton_kernels/lora.py).
 `add_lora_slots` is the fixed-shape form the compiled steps trace (Inductor) or capture (CUDA graphs):
 every row reads its own slot from a [T] index in a persistent buffer (-1: none, as padded rows are),
 with no grouping, no data-dependent shape and nothing read back to the host. Here each row's A and B
-are gathered and multiplied batched (BGMV's work in torch ops); Inductor compiles it into the step.
-On the CPU, at the compiled steps' sizes (up to 64 rows, ranks up to 16), that gather costs less than
-one masked product over every slot, whose cost grows with --max-loras.
+are gathered and multiplied batched (BGMV's work in torch ops; Inductor compiles it into the step):
+its cost grows with the rows (at most 64 in a compiled CPU step), not with --max-loras, as one masked
+product over every slot's factors would.
 """
 
 from __future__ import annotations
