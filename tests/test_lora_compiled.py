@@ -120,6 +120,31 @@ def test_swaps_between_compiled_steps_without_recompiling(llama_adapters) -> Non
     assert compiled_graphs() == graphs and set(executor._steps) == buckets == {1, 2}
 
 
+@pytest.mark.slow
+def test_verification_rows_with_the_adapter_in_compiled_steps(llama_adapters) -> None:
+    """n-gram speculation (k = 2, batch 1: buckets 1, 2 and 3): the verification rows run as compiled
+    decode rows, each with its request's adapter; the tokens are the eager engine's without
+    speculation, and proposals were accepted."""
+    model_dir, requests = llama_adapters
+    prompts = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 5, 17], [7, 8, 9, 7, 8, 9, 7]]
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)] * 2
+    loras = [requests[1], requests[0]]
+    options = dict(device="cpu", max_num_seqs=1, max_loras=1, **OPTIONS)
+    expected = generate(LLM(model_dir, step_executor="eager", **options), prompts, params, loras)
+    llm = LLM(model_dir, step_executor="compiled", speculative_method="ngram", prompt_lookup_min=1,
+              num_speculative_tokens=2, speculative_adaptive=False, **options)
+    executor = llm.engine.runner.executor
+    verified, run = [], executor.run
+
+    def recorded(flat):
+        verified.append(flat.num_verify_rows)
+        return run(flat)
+
+    executor.run = recorded  # type: ignore[method-assign]
+    assert generate(llm, prompts, params, loras) == expected
+    assert any(verified) and llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
 def test_auto_compiles_lora_steps_where_the_native_step_cannot_run(llama_adapters) -> None:
     """`auto` with LoRA: the native step where it runs the model, else the compiled step (an fp16
     model on the CPU: Inductor), as without LoRA; `compiled` is honoured. The reasons say so."""
