@@ -145,6 +145,31 @@ def test_verification_rows_with_the_adapter_in_compiled_steps(llama_adapters) ->
     assert any(verified) and llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
+def test_mixture_of_experts_with_graph_breaks(tiny_model, tmp_path) -> None:
+    """A mixture of experts compiles with graph breaks around the expert dispatch (whose frames are
+    specialized on the per-expert row counts, adapters or not): the rows' slots still reach every
+    attention layer's adapter (attention-only adapters) across the breaks, in two batches with the
+    adapters on other rows, and the tokens are the eager engine's."""
+    model_dir = tiny_model("qwen2_moe")
+    requests = []
+    for i in range(2):
+        build_adapter(model_dir, str(tmp_path / f"a{i}"), 8, ATTENTION, seed=5 + i)
+        requests.append(LoRARequest(f"a{i}", i + 1, str(tmp_path / f"a{i}")))
+    prompts = [[5, 17, 99, 3, 42], [7, 8, 9, 7], [1, 2, 3]]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
+    options = dict(device="cpu", max_num_seqs=4, max_loras=2, **OPTIONS)
+    eager = LLM(model_dir, step_executor="eager", **options)
+    batches = [[requests[0], None, requests[1]], [requests[1], requests[0], None]]
+    expected = [generate(eager, prompts, params, loras) for loras in batches]
+    assert expected[0] != generate(eager, prompts, params, [None] * 3)
+    llm = LLM(model_dir, step_executor="compiled", **options)
+    executor = llm.engine.runner.executor
+    assert isinstance(executor, InductorStep) and not executor.whole_graph
+    for loras, want in zip(batches, expected, strict=True):
+        assert generate(llm, prompts, params, loras) == want
+
+
 def test_auto_compiles_lora_steps_where_the_native_step_cannot_run(llama_adapters) -> None:
     """`auto` with LoRA: the native step where it runs the model, else the compiled step (an fp16
     model on the CPU: Inductor), as without LoRA; `compiled` is honoured. The reasons say so."""
