@@ -170,6 +170,25 @@ def test_mixture_of_experts_with_graph_breaks(tiny_model, tmp_path) -> None:
         assert generate(llm, prompts, params, loras) == want
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["w8a8-int8", "w4a16"])
+def test_adapters_over_quantized_weights_compiled(llama_adapters, method: str) -> None:
+    """Quantized base weights, which `auto` compiles with Inductor on the CPU (the native step runs
+    none): the adapters' deltas added after the quantized products in compiled steps give the eager
+    engine's tokens, with two adapters and the base in a step."""
+    model_dir, requests = llama_adapters
+    prompts = [[5, 17, 99, 3, 42], [7, 8, 9, 7], [1, 2, 3]]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
+    loras = [requests[1], None, requests[0]]
+    options = dict(device="cpu", max_num_seqs=4, max_loras=2, quantization=method, **OPTIONS)
+    expected = generate(LLM(model_dir, step_executor="eager", **options), prompts, params, loras)
+    llm = LLM(model_dir, **options)
+    assert isinstance(llm.engine.runner.executor, InductorStep)
+    steps = recorded_steps(llm)
+    assert generate(llm, prompts, params, loras) == expected
+    assert any(len(s - {-1}) == 2 and -1 in s for _, s in steps)
+
+
 def test_auto_compiles_lora_steps_where_the_native_step_cannot_run(llama_adapters) -> None:
     """`auto` with LoRA: the native step where it runs the model, else the compiled step (an fp16
     model on the CPU: Inductor), as without LoRA; `compiled` is honoured. The reasons say so."""
