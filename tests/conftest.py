@@ -40,6 +40,18 @@ class SharedGpuEngineConfig(EngineConfig):
     kv_cache_gb: float | None = 1.0
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch (and the native kernels, which take torch's thread
+    count) runs on its share of the cores: every worker on every core oversubscribes them, and the
+    OpenMP barriers of a step then wait on descheduled threads (tiny models' steps ran 10-50x slower).
+    Tests that exercise several threads set their count themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Off the CPU only the tests marked `device` run; the others are CPU-only by nature."""
     if TEST_DEVICE == "cpu":

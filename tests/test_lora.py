@@ -50,12 +50,25 @@ def stories_adapters(stories_dir: str, tmp_path_factory: pytest.TempPathFactory)
     return reference(stories_dir, tmp, specs)
 
 
+@pytest.fixture(scope="module")
+def tiny_adapters(tiny_model, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: kind -> (its model dir, reference(...) of two adapters), built once for both executors."""
+    cache: dict[str, tuple[str, tuple[list[LoRARequest], list[list[list[int]]], list[list[int]]]]] = {}
+
+    def make(kind: str):
+        if kind not in cache:
+            model_dir = tiny_model(kind)
+            specs = [(8, ALL_LINEAR, False), (16, ATTENTION, False)]
+            cache[kind] = model_dir, reference(model_dir, str(tmp_path_factory.mktemp(f"{kind}-lora")), specs)
+        return cache[kind]
+
+    return make
+
+
 @pytest.mark.parametrize("executor", ["native", "eager"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_matches_peft_tiny_models(kind: str, executor: str, tiny_model, tmp_path) -> None:
-    model_dir = tiny_model(kind)
-    specs = [(8, ALL_LINEAR, False), (16, ATTENTION, False)]
-    requests, refs, base = reference(model_dir, str(tmp_path), specs)
+def test_matches_peft_tiny_models(kind: str, executor: str, tiny_adapters) -> None:
+    model_dir, (requests, refs, base) = tiny_adapters(kind)
     llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=64,
               step_executor=executor)
     assert llm.engine.runner.executor.mode == executor
