@@ -99,6 +99,7 @@ def test_slot_loads_pack_and_unpack() -> None:
 
 
 # -- TP=2 against TP=1 ----------------------------------------------------------------------------
+# Each starts a TP=2 group (a rank process over gloo): `slow`, with the other TP=2 runs.
 def adapters(model_dir: str, tmp: str, specs: list[tuple[int, list[str]]]) -> list[LoRARequest]:
     out = []
     for i, (rank, targets) in enumerate(specs):
@@ -139,6 +140,7 @@ def mix(requests: list[LoRARequest | None]) -> tuple[list[list[int]], list[LoRAR
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
+@pytest.mark.slow
 def test_tp2_step_mixing_two_adapters_and_the_base(stories_dir: str, tmp_path) -> None:
     """Rank 16 all-linear and rank 8 MLP + o_proj (row-parallel) adapters and the base in every step."""
     requests = adapters(stories_dir, str(tmp_path), [(16, ALL_LINEAR), (8, MLP_AND_O)])
@@ -150,6 +152,7 @@ def test_tp2_step_mixing_two_adapters_and_the_base(stories_dir: str, tmp_path) -
     tp.engine.close()
 
 
+@pytest.mark.slow
 def test_tp2_more_adapters_than_slots(stories_dir: str, tmp_path) -> None:
     """Three adapters through two slots, with chunked prefill beside decode rows and preemption: slots are
     rewritten between steps on every rank."""
@@ -163,6 +166,7 @@ def test_tp2_more_adapters_than_slots(stories_dir: str, tmp_path) -> None:
     tp.engine.close()
 
 
+@pytest.mark.slow
 def test_tp2_shared_kv_head(tiny_model, tmp_path) -> None:
     """One KV head, kept by both ranks: each rank's k/v columns of B are that head's."""
     model_dir = tiny_model("llama", num_key_value_heads=1)
@@ -172,6 +176,7 @@ def test_tp2_shared_kv_head(tiny_model, tmp_path) -> None:
     tp.engine.close()
 
 
+@pytest.mark.slow
 def test_tp2_verifies_ngram_proposals_with_the_adapter(stories_dir: str, tmp_path) -> None:
     """Verification rows are gathered rows before the prefill chunks: the adapter's tokens, as without
     speculation."""
