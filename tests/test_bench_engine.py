@@ -128,8 +128,10 @@ def test_bench_throughput(stories_dir: str, tmp_path, one_thread: list[str]) -> 
         assert p["prefill_steps"] == 1 and p["decode_steps"] == 5  # the first token comes from the prefill
         assert p["generated_tokens"] == p["batch"] * 6
         assert p["decode_tokens_per_s"] == pytest.approx(p["batch"] * 5 / p["decode_s"])
-        assert p["floor_tokens_per_s"] > p["decode_tokens_per_s"]  # nothing beats the speed of light
-        assert 0 < p["roofline_pct"] < 100
+        # Not asserted: that the floor is above the measured speed. stories260K's weights stay in the
+        # caches, and the copy-bandwidth probe (16 MB) is measured on a machine others share: a busy
+        # probe can put the floor under a cache-resident decode.
+        assert p["floor_tokens_per_s"] > 0 and p["roofline_pct"] > 0
         assert p["roofline_pct"] == pytest.approx(100 * p["floor_ms_per_step"] / p["ms_per_step"])
     assert png_panels(out / "throughput.png") == 2
 
@@ -149,8 +151,8 @@ def test_bench_latency(stories_dir: str, tmp_path, one_thread: list[str]) -> Non
     assert result["skipped"] == [{"input_len": 64, "batch": 4}]
     for c in result["prefill"]:
         assert c["steps"] == 1 and c["bound"] in ("memory", "compute")
-        assert 0 < c["floor_ms"] < c["ms"] and 0 < c["roofline_pct"] < 100
+        assert 0 < c["floor_ms"] and 0 < c["ms"] and c["roofline_pct"] > 0  # the floor: as in throughput
     assert [(c["batch"], c["steps"]) for c in result["decode"]] == [(1, 3), (3, 3)]
     for c in result["decode"]:
-        assert c["context"] == 32 and 0 < c["floor_ms"] < c["ms_per_step"] <= c["ms_max"]
+        assert c["context"] == 32 and 0 < c["floor_ms"] and 0 < c["ms_per_step"] <= c["ms_max"]
     assert png_panels(out / "latency.png") == 2
