@@ -108,6 +108,18 @@ def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("PIPESERVE_CACHE", str(tmp_path_factory.mktemp("pipeserve-cache")))
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests (pytest.mark.usefixtures), restored after: tiny models
+    are latency-bound, and on a shared 2-core machine a second intra-op thread only waits."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> str:
     if not (STORIES / "model.safetensors").is_file():

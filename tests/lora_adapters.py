@@ -3,9 +3,12 @@ that the adapter changes the output), and Hugging Face PEFT's greedy tokens as t
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from pipeserve import LoRARequest, SamplingParams
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
@@ -39,3 +42,29 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             out.append(ids[0, len(p):].tolist())
     return out
+
+
+# rank, targets: rank 8 and 16 in one table of rank 16, attention-only, all-linear and an MLP subset.
+MIXED = [(8, ATTENTION), (16, ALL_LINEAR), (8, ALL_LINEAR), (16, ["gate_proj", "down_proj", "o_proj"])]
+
+
+def mixed_adapters(model_dir: str, folder: str, seed: int) -> list[LoRARequest]:
+    """One random adapter of model_dir per MIXED entry, saved under folder: their requests (ids 1..)."""
+    requests = []
+    for i, (rank, targets) in enumerate(MIXED):
+        path = os.path.join(folder, f"adapter{i}")
+        build_adapter(model_dir, path, rank, targets, seed=seed + i)
+        requests.append(LoRARequest(f"adapter{i}", i + 1, path))
+    return requests
+
+
+def mixed_workload(requests: list[LoRARequest],
+                   seed: int) -> tuple[list[list[int]], list[SamplingParams], list[LoRARequest | None]]:
+    """Eight greedy requests over three of mixed_adapters' adapters and the base, of different prompt
+    and output lengths: run four at a time, the steps mix them, and each that ends lets the next one in."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 11, 3, 9, 6, 4, 13, 7)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (4, 12, 7, 9, 5, 10, 6, 8)]
+    loras = [requests[0], requests[1], None, requests[2], requests[1], None, requests[0], requests[2]]
+    return prompts, params, loras

@@ -30,21 +30,13 @@ from pipeserve.engine.model.rope import rope_cache
 from pipeserve.engine.quantization.kv_cache import dequantize_kv, key_means, rope_mean
 from tests.conftest import TEST_DEVICE
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("torch_one_thread")]
 
 PROMPTS = [
     [1, 403, 407, 261, 378, 300, 289, 270, 433, 260, 287, 369, 271, 301, 264, 321, 268],
     [1, 286, 261, 404, 299],
     [1, 320, 275, 263, 355, 276, 363, 280, 262],
 ]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def shift_fp32_cache(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:

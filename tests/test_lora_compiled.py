@@ -7,8 +7,6 @@ captured with the adapters on a GPU (the Inductor step on the CPU)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,23 +16,15 @@ from pipeserve.engine.executor.cuda_graph import CudaGraphStep
 from pipeserve.engine.executor.inductor import InductorStep
 from pipeserve.engine.executor.select import StepPlan, choose
 from tests.conftest import TEST_DEVICE
-from tests.lora_adapters import ALL_LINEAR, ATTENTION, build_adapter
+from tests.lora_adapters import ATTENTION, build_adapter, mixed_adapters, mixed_workload
 
-# rank, targets: rank 8 and 16 in one table of rank 16, attention-only, all-linear and an MLP subset.
-SPECS = [(8, ATTENTION), (16, ALL_LINEAR), (8, ALL_LINEAR), (16, ["gate_proj", "down_proj", "o_proj"])]
 OPTIONS = dict(dtype="float32", page_size=4, enable_lora=True, max_lora_rank=16)
 
 
 @pytest.fixture(scope="module")
 def llama_adapters(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[LoRARequest]]:
     model_dir = tiny_model("llama")
-    tmp = str(tmp_path_factory.mktemp("compiled-lora"))
-    requests = []
-    for i, (rank, targets) in enumerate(SPECS):
-        path = os.path.join(tmp, f"adapter{i}")
-        build_adapter(model_dir, path, rank, targets, seed=40 + i)
-        requests.append(LoRARequest(f"adapter{i}", i + 1, path))
-    return model_dir, requests
+    return model_dir, mixed_adapters(model_dir, str(tmp_path_factory.mktemp("compiled-lora")), seed=40)
 
 
 def compiled_graphs() -> int:
@@ -67,13 +57,7 @@ def generate(llm: LLM, prompts, params, loras) -> list[list[int]]:
 def workload(requests: list[LoRARequest]) -> tuple[list[list[int]], list[SamplingParams], list]:
     """Eight requests over three adapters and the base, of different lengths, four at a time: decode
     steps of 1 to 4 rows (buckets 1, 2 and 4, padded rows among them) mixing them."""
-    g = torch.Generator().manual_seed(11)
-    lengths = [5, 11, 3, 9, 6, 4, 13, 7]
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-              for n in (4, 12, 7, 9, 5, 10, 6, 8)]
-    loras = [requests[0], requests[1], None, requests[2], requests[1], None, requests[0], requests[2]]
-    return prompts, params, loras
+    return mixed_workload(requests, seed=11)
 
 
 @pytest.mark.slow

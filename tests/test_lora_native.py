@@ -7,7 +7,6 @@ native step, chunks too long for the native step prefilled eager."""
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -16,24 +15,16 @@ import torch
 from pipeserve import LLM, LoRARequest, SamplingParams
 from pipeserve.engine.backend import native
 from pipeserve.engine.executor.native import NATIVE_MERGED_ROWS
-from tests.lora_adapters import ALL_LINEAR, ATTENTION, build_adapter
+from tests.lora_adapters import mixed_adapters, mixed_workload
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need a C++ compiler")
 
-# rank, targets: rank 8 and 16 in one table of rank 16, attention-only, all-linear and an MLP subset.
-SPECS = [(8, ATTENTION), (16, ALL_LINEAR), (8, ALL_LINEAR), (16, ["gate_proj", "down_proj", "o_proj"])]
 
 
 @pytest.fixture(scope="module")
 def llama_adapters(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[LoRARequest]]:
     model_dir = tiny_model("llama")
-    tmp = str(tmp_path_factory.mktemp("native-lora"))
-    requests = []
-    for i, (rank, targets) in enumerate(SPECS):
-        path = os.path.join(tmp, f"adapter{i}")
-        build_adapter(model_dir, path, rank, targets, seed=20 + i)
-        requests.append(LoRARequest(f"adapter{i}", i + 1, path))
-    return model_dir, requests
+    return model_dir, mixed_adapters(model_dir, str(tmp_path_factory.mktemp("native-lora")), seed=20)
 
 
 def recorded_steps(llm: LLM) -> list[tuple[int, int, frozenset[int]]]:
@@ -56,13 +47,7 @@ def recorded_steps(llm: LLM) -> list[tuple[int, int, frozenset[int]]]:
 def workload(requests: list[LoRARequest]) -> tuple[list[list[int]], list[SamplingParams], list]:
     """Eight requests over three adapters and the base, of different lengths: four run at once
     (max_num_seqs 4), and each that ends lets the next prefill beside the others' decode rows."""
-    g = torch.Generator().manual_seed(7)
-    lengths = [5, 11, 3, 9, 6, 4, 13, 7]
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-              for n in (4, 12, 7, 9, 5, 10, 6, 8)]
-    loras = [requests[0], requests[1], None, requests[2], requests[1], None, requests[0], requests[2]]
-    return prompts, params, loras
+    return mixed_workload(requests, seed=7)
 
 
 def generate(llm: LLM, prompts, params, loras) -> list[list[int]]:

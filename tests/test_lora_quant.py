@@ -37,7 +37,7 @@ from pipeserve.engine.model.accuracy import story_text, windows
 from pipeserve.engine.quantization.linear import W8A8_DTYPES, W4A16Linear, W8A8Linear
 from tests.lora_adapters import ALL_LINEAR, ATTENTION, build_adapter, hf_greedy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("torch_one_thread")]
 
 METHODS = [m for m in QUANTIZATIONS if m != "none"]
 TOKEN_EXACT = [m for m in METHODS if m not in W8A8_DTYPES]
@@ -47,15 +47,6 @@ N = 10
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 43, 107, 61, 78, 30], [1, 70, 80, 90, 100], [1, 5, 9, 200, 17, 33, 64, 12]]
 CPU = get_backend("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are latency-bound: on a shared 2-core machine a second intra-op thread only waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

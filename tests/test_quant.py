@@ -19,20 +19,11 @@ from pipeserve.engine.quantization.linear import QuantAct, W4A16Linear, W8A8Line
 from pipeserve.engine.quantization.model import quantize_model, weight_bytes
 from pipeserve.engine.quantization.weights import group_size, padded_in_features, quantize_4bit
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("torch_one_thread")]
 TORCH = get_backend("cpu")
 rms_norm, per_token_quant_ref = TORCH.rms_norm, reference.per_token_quant
 scaled_mm_ref = reference.scaled_gemm
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are latency-bound: on a shared 2-core machine a second intra-op thread only waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def linear(k: int, n: int, bias: bool = False, seed: int = 0) -> nn.Linear:

@@ -27,7 +27,7 @@ from pipeserve.engine.model.accuracy import (
     windows,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("torch_one_thread")]
 
 GATES = {  # (quantization, kv_cache_dtype) -> max perplexity increase, %
     ("none", "int8"): 1.0,
@@ -39,15 +39,6 @@ GATES = {  # (quantization, kv_cache_dtype) -> max perplexity increase, %
 }
 PROMPTS = ["Once upon a time", "Tom and Sue found a ball", "The little cat was sad"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are latency-bound: on a shared 2-core machine a second intra-op thread only waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(stories_dir: str, seqs: list[list[int]], quantization: str = "none", kv: str = "auto"):

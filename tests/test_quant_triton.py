@@ -15,15 +15,8 @@ from pipeserve.engine.model.loader import load_model
 from pipeserve.engine.quantization.model import quantize_model
 from tests.conftest import TEST_DEVICE
 
-pytestmark = [pytest.mark.slow, pytest.mark.device, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.device, pytest.mark.timeout(240),
+              pytest.mark.usefixtures("torch_one_thread")]
 
 
 @pytest.mark.parametrize("method", ["w8a8-int8", "w8a8-fp8", "w4a16", "nf4"])
