@@ -162,6 +162,26 @@ def test_speculative_decoding_verifies_with_the_adapter(stories_dir: str, storie
     assert llm.engine.stats()["spec_verifications"] > 0
 
 
+def test_structured_outputs_with_adapters(stories_dir: str, stories_adapters) -> None:
+    """Constrained requests with an adapter, with none and an unconstrained one with an adapter, in one
+    batch: every constrained text matches its constraint, the unconstrained request keeps the
+    adapter's greedy tokens."""
+    import re
+
+    requests, refs, _ = stories_adapters
+    llm = LLM(stories_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=128)
+    pattern = "[0-9]{3}-[a-z]{2,5}"
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=3, regex=pattern),
+              SamplingParams(max_tokens=16, temperature=1.0, seed=4, regex=pattern),
+              SamplingParams(max_tokens=8, temperature=0.0, choice=["yes", "no", "maybe"]),
+              GREEDY]
+    outs = llm.generate(["Once upon a time", "The cat", "Is the sky blue?", PROMPTS[0]], params,
+                        lora_request=[requests[0], None, requests[1], requests[0]])
+    assert all(re.fullmatch(pattern, o.text) for o in outs[:2]), [o.text for o in outs[:2]]
+    assert outs[2].text in ("yes", "no", "maybe")
+    assert outs[3].token_ids == refs[0][0]
+
+
 def test_refused_combinations() -> None:
     from pipeserve.config import EngineConfig
 
