@@ -13,9 +13,6 @@
 #include <vector>
 
 #include "vec_math.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -148,7 +145,7 @@ void decode_head_small(const float* __restrict qh, const T* __restrict k_cache, 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(PIPESERVE_AVX512)
 // decode_head_small for an fp32 cache with AVX-512: each channel of a page's (up to 16) tokens is one
 // gather, so scores and values take one fused multiply-add per channel and query head, and the
 // horizontal sums wait until the end of the row.
@@ -159,7 +156,7 @@ inline __mmask16 gather_chunk(const float* cache, const int32_t* table, int64_t 
                               int page_size, __m512i idx, int t0, int len, __m512* out, int& count) {
   const int in_page = t0 % page_size;
   count = std::min({page_size - in_page, len - t0, 16});
-  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+  const __mmask16 mask = pipeserve::lanes(count);
   const float* base = cache + table[t0 / page_size] * page_stride + in_page * token_stride;
   for (int d = 0; d < D; ++d) out[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, base + d, 4);
   return mask;
@@ -214,13 +211,9 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
     for (int d = 0; d < D; ++d) oh[g * D + d] = _mm512_reduce_add_ps(acc[g][d]) * inv[g];
 }
 
-// 16 cache values as fp32: an fp32 cache's as they are, a bf16 cache's widened (bf16 is fp32's top
-// half: zero-extend and shift, no rounding).
+// 16 cache values as fp32: an fp32 cache's as they are, a bf16 cache's widened.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load16(const bf16* p) { return pipeserve::load_bf16x16(reinterpret_cast<const uint16_t*>(p)); }
 
 // A row's cache entries for tokens start, start+1, ... in turn: the page table is read once per
 // page, not a division per token. While it walks a page it prefetches the same rows of the next one
@@ -314,7 +307,7 @@ void scores_avx512(const float* __restrict qh, TokenCursor<T> keys, int start, i
     }
     for (int j = count; j < 16; ++j)
       for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    const __mmask16 mask = pipeserve::lanes(count);
     for (int g = 0; g < G; ++g) {
       const __m512 s = reduce16(part[g]);
       mx[g] = _mm512_mask_max_ps(mx[g], mask, mx[g], s);
@@ -413,7 +406,7 @@ void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T
         continue;
       }
       if constexpr (D > 0 && D < 32) {
-#if defined(__AVX512F__)
+#if defined(PIPESERVE_AVX512)
         if constexpr (std::is_same_v<T, float>) {
           decode_head_small_avx512<D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
                                       k_cache + static_cast<int64_t>(h) * head_dim,
@@ -428,7 +421,7 @@ void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T
                                 page_stride, token_stride, page_size, group, start, len, scale, oh, scores);
         continue;
       }
-#if defined(__AVX512F__)
+#if defined(PIPESERVE_AVX512)
       if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, bf16>) && D >= 32 && D % 16 == 0) {
         decode_head_avx512<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
                               k_cache + static_cast<int64_t>(h) * head_dim,

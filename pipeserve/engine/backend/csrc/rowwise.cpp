@@ -21,7 +21,7 @@ using pipeserve::float_to_bf16;
 
 inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
-#if defined(__AVX512F__)
+#if defined(PIPESERVE_AVX512)
 using pipeserve::lanes;
 using pipeserve::load_bf16x16;
 using pipeserve::store_bf16x16;
@@ -58,7 +58,7 @@ void rms_norm_bf16_avx512(const uint16_t* x, const uint16_t* add, const uint16_t
 
 void rms_norm_bf16(const uint16_t* x, const uint16_t* add, const uint16_t* w, float eps, uint16_t* out,
                    uint16_t* resid, int64_t n, float* row) {
-#if defined(__AVX512F__)
+#if defined(PIPESERVE_AVX512)
   rms_norm_bf16_avx512(x, add, w, eps, out, resid, n, row);
   return;
 #endif

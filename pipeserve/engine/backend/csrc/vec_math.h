@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+// AVX-512 with the word and 256-bit forms (BW, VL: every AVX-512 CPU since Skylake-SP), which the bf16
+// loads and stores below and the kernels built on them need.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PIPESERVE_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -46,7 +49,7 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-#if defined(__AVX512F__)
+#if defined(PIPESERVE_AVX512)
 // 16 bf16 values (the first `mask` lanes) widened to fp32: bf16 is fp32's top half, so no rounding.
 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask = 0xFFFF) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
