@@ -115,10 +115,9 @@ _CAUSAL_BLOCK = 64  # query rows per SDPA call over a long causal prompt
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D] in fp32 (bf16 for bf16 inputs, which
-    SDPA's CPU kernel accumulates in fp32 itself: 2.2 against 5.0 ms for a 512-token prompt once the
-    upcast copies are counted, as transformers runs a bf16 model's attention); causal when mask is
-    None. 4-D inputs on purpose: on the CPU, SDPA takes its flash kernel only for those (3-D: math
-    path)."""
+    SDPA's CPU kernel accumulates in fp32 itself, as transformers runs a bf16 model's attention, with
+    no upcast copies); causal when mask is None. 4-D inputs on purpose: on the CPU, SDPA takes its
+    flash kernel only for those (3-D: math path). docs/engine.md has the measurements."""
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu"):
         q, k, v = q.float(), k.float(), v.float()
     dim = q.shape[-1]
@@ -129,9 +128,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     if (mask is None and q.device.type == "cpu" and q.dtype == torch.float32 and length >= 2 * _CAUSAL_BLOCK
             and k.shape[1] == length):
         # Causal over a long fp32 prompt: query blocks, each against the keys up to its end with a
-        # mask. The flash kernel's own causal path runs ~1.4x slower on this CPU for fp32 (a 512-token
-        # prompt, 12 heads of 64: 6.9 against 4.9 ms, one thread); for bf16 it is the faster one
-        # (6.4 against 7.0 ms, and no block copies or masks).
+        # mask, where the flash kernel's own causal path is the slower one in fp32 (in bf16 it is the
+        # faster one, and needs no block copies or masks).
         out = torch.empty(qt.shape[:-1] + (vt.shape[-1],), dtype=q.dtype, device=q.device)
         pos = torch.arange(length, device=q.device)
         for lo in range(0, length, _CAUSAL_BLOCK):
