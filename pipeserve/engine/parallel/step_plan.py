@@ -149,9 +149,9 @@ class StepReceiver:
 
     def receive(self) -> Step | None:
         self.group.broadcast(self.plan)
-        # The header and the inline payload reach the host in one copy (on the CPU: no copy): the
-        # adapters' index is read there.
-        host = self.plan.cpu()
+        # With LoRA the header and the inline payload reach the host in one copy (on the CPU: no copy):
+        # the adapters' index is read there. Without it, the header alone.
+        host = self.plan.cpu() if self.lora_descriptor else self.plan[:HEADER].cpu()
         h = host[:HEADER].tolist()
         if h[KIND] == STOP:
             return None

@@ -59,12 +59,15 @@ def main(config: EngineConfig, rank: int, world: int, port: int, threads: int, p
     try:
         group = join(config, rank, world, port, pipe)
         shard = load_shard(config, group)
+        # The pool first: its budget counts the slot table's bytes itself (as rank 0's does), which an
+        # allocated table would add a second time.
+        pool = build_pool(config, shard, group)
         adapters = None
         if config.enable_lora:  # after the backend prepared the model's linears: the adapters wrap them
             adapters = RankAdapters(model=shard.model, cfg=shard.model_config, max_loras=config.max_loras,
                                     max_lora_rank=config.max_lora_rank, max_num_seqs=config.max_num_seqs,
                                     rank=rank, world=world, dtype=shard.dtype, device=shard.device)
-        runner = RankRunner(shard.model, build_pool(config, shard, group), group, adapters)
+        runner = RankRunner(shard.model, pool, group, adapters)
         runner.run()
     except BaseException:
         log.exception("rank %d failed", rank)
