@@ -115,7 +115,6 @@ class Engine:
             whole_graph=config.quantization == "none" and not any(model_cfg.moe_layers or ()),
             max_cuda_graph_batch=config.max_cuda_graph_batch,
             tensor_parallel=tp is not None,
-            lora=config.enable_lora,
         )
         self.runner = ModelRunner(
             model=self.model,
@@ -308,7 +307,7 @@ class Engine:
         requested = "eager" if self.runner.executor.mode == "eager" else "auto"
         # It proposes without the adapters (verification applies them).
         draft_plan = replace(plan, requested=requested, max_rows=config.max_num_seqs, exact=(),
-                             whole_graph=not any(draft_cfg.moe_layers or ()), lora=False)
+                             whole_graph=not any(draft_cfg.moe_layers or ()))
         runner = ForwardRunner(model=model, pool=pool, backend=backend, device=self.device,
                                max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, plan=draft_plan,

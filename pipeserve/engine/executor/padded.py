@@ -100,11 +100,13 @@ class PaddedStep(ABC):
         )
         if self.lora is not None:  # traced as the graph's input: the LoRA layers read it
             self.lora.fixed = lora_slots
-        # The undecorated methods: Inductor cannot trace an inference_mode context inside the
-        # compiled region (views of buffers fail), so the caller enters it outside.
-        hidden = _FORWARD(self.model, input_ids, positions, meta, self.pool.layer_views())
-        if self.lora is not None:  # eager steps after this one read their own index
-            self.lora.fixed = None
+        try:
+            # The undecorated methods: Inductor cannot trace an inference_mode context inside the
+            # compiled region (views of buffers fail), so the caller enters it outside.
+            hidden = _FORWARD(self.model, input_ids, positions, meta, self.pool.layer_views())
+        finally:
+            if self.lora is not None:  # eager steps after this one read their own index
+                self.lora.fixed = None
         logits: torch.Tensor = _LOGITS(self.model, hidden)
         return logits
 

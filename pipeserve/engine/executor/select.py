@@ -34,7 +34,6 @@ class StepPlan:
     whole_graph: bool = True  # the forward pass traces as one graph (Inductor)
     max_cuda_graph_batch: int = 256
     tensor_parallel: bool = False  # a tensor-parallel forward exchanges the step plan: eager
-    lora: bool = False  # LoRA adapters are applied (pipeserve/engine/lora): every executor's steps apply them
 
 
 def compiled_mode(backend: Backend, device: torch.device) -> tuple[str | None, str]:
@@ -64,20 +63,18 @@ def choose(plan: StepPlan, backend: Backend, model: LlamaForCausalLM, pool: KVPo
         return EAGER, "tensor-parallel steps send their plan to the other ranks"
     no_native = unsupported(model, pool) if device.type == "cpu" else f"not on {device.type}"
     compiled, no_compiled = compiled_mode(backend, device)
-    # The native step reads each row's adapter slot itself; compiled steps take it as an input.
-    lora = ", LoRA adapters in the step" if plan.lora else ""
     if plan.requested == NATIVE:
         if no_native is not None:
             raise ValueError(f"--step-executor native: {no_native}")
-        return NATIVE, "requested" + lora
+        return NATIVE, "requested"
     if plan.requested == "compiled":
         if compiled is None:
             raise ValueError(f"--step-executor compiled: {no_compiled}")
-        return compiled, "requested" + lora
+        return compiled, "requested"
     if no_native is None:
-        return NATIVE, _native_why(model) + lora
+        return NATIVE, _native_why(model)
     if compiled is not None:
-        return compiled, f"native step: {no_native}{lora}"
+        return compiled, f"native step: {no_native}"
     return EAGER, no_compiled
 
 
@@ -86,9 +83,11 @@ def select_executor(plan: StepPlan, *, backend: Backend, model: LlamaForCausalLM
                     lora: LoRAContext | None = None) -> StepExecutor:
     """The executor of the steps it covers (the rest run eager), its buckets compiled or captured
     by `prepare`. role names the model in the log line (model, draft); lora: the context of the
-    model's LoRA layers (with plan.lora)."""
-    assert plan.lora == (lora is not None)
+    model's LoRA layers, which every executor's steps apply (the native step reads each row's adapter
+    slot itself, compiled steps take it as an input)."""
     mode, why = choose(plan, backend, model, pool, device)
+    if lora is not None:
+        why += ", LoRA adapters in the step"
     executor: StepExecutor
     if mode == NATIVE:
         executor = NativeExecutor(model=model, pool=pool, buffers=buffers, max_rows=plan.max_rows)

@@ -41,8 +41,7 @@ WEIGHT_ONLY = {"w4a16": "int4", "nf4": "nf4"}
 
 
 def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str | None = None, *,
-                   per_tensor: bool = False, o_proj: bool = False,
-                   fuse_inputs: bool = True) -> LlamaForCausalLM:
+                   per_tensor: bool = False, o_proj: bool = False) -> LlamaForCausalLM:
     """Quantize `model` in place with `method`; the quantized layers run on `backend` (by default
     the model's own)."""
     check_method(method, per_tensor)
@@ -54,7 +53,7 @@ def quantize_model(model: LlamaForCausalLM, method: str, backend: Backend | str 
     elif isinstance(backend, str):
         backend = get_backend(backend)
     for layer in cast(list[DecoderLayer], model.layers):
-        quantize_layer(layer, method, backend, per_tensor=per_tensor, o_proj=o_proj, fuse_inputs=fuse_inputs)
+        quantize_layer(layer, method, backend, per_tensor=per_tensor, o_proj=o_proj)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()  # hand the float weights' memory back so the KV pool can take it
     log.info("quantized %s: %s%s%s, weights %.2f -> %.2f MiB", model.config.name, method,
