@@ -60,8 +60,7 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* add, const uint16_t* w, fl
                    uint16_t* resid, int64_t n, float* row) {
 #if defined(PIPESERVE_AVX512)
   rms_norm_bf16_avx512(x, add, w, eps, out, resid, n, row);
-  return;
-#endif
+#else
   for (int64_t i = 0; i < n; ++i) {
     float s = bf16_to_float(x[i]);
     if (add != nullptr) {
@@ -76,6 +75,7 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* add, const uint16_t* w, fl
   for (int64_t i = 0; i < n; ++i) sum += row[i] * row[i];
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(bf16_to_float(w[i]) * round_bf16(row[i] * inv));
+#endif
 }
 
 void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
