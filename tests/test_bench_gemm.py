@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not native.available() or not cpu_gemm.available
 @pytest.mark.slow  # torch.matmul's large product in every round
 def test_bench_gemm_writes_the_table_and_recomputes_it(tmp_path, monkeypatch) -> None:
     table = tmp_path / "cpu_gemm_table.json"
-    table.write_text(json.dumps({"other-class": {"command": "pipeserve bench gemm", "entries": []}}))
+    table.write_text(json.dumps({"other-class": {"commands": {}, "entries": []}}))
     monkeypatch.setattr(cpu_gemm, "TABLE", table)
     out = tmp_path / "gemm.json"
     argv = ["bench", "gemm", "--shapes", "512x256", "--rows", "1,4", "--repeats", "1", "--with-matmul",
@@ -29,8 +29,18 @@ def test_bench_gemm_writes_the_table_and_recomputes_it(tmp_path, monkeypatch) ->
     assert all(len(e["matmul_GFLOPs"]) == 2 and len(e["best_over_matmul"]) == 2 for e in run["shapes"])
     written = json.loads(table.read_text())
     mine = written[cpu_gemm.cpu_class()]
-    assert "other-class" in written and mine["command"].startswith("pipeserve bench gemm --shapes 512x256")
+    assert "other-class" in written
+    assert all(mine["commands"][d].startswith("pipeserve bench gemm --shapes 512x256") for d in ("float32", "bfloat16"))
     assert [e["gemm_from"] for e in mine["entries"]] == [e["gemm_from"] for e in run["shapes"]]
+    # One dtype measured again: the other dtype's entries and command stay.
+    bf16_only = ["bench", "gemm", "--shapes", "512x256", "--rows", "1,4", "--repeats", "1", "--dtypes", "bfloat16",
+                 "--json", str(tmp_path / "bf16.json"), "--write-table"]
+    assert cli.main(bf16_only) == 0
+    again = json.loads(table.read_text())[cpu_gemm.cpu_class()]
+    assert [e for e in again["entries"] if e["dtype"] == "float32"] == mine["entries"][:1]
+    assert [e["dtype"] for e in again["entries"]] == ["float32", "bfloat16"]
+    assert again["commands"]["float32"] == mine["commands"]["float32"]
+    assert "--dtypes bfloat16" in again["commands"]["bfloat16"]
     # The crossovers again from the saved run, nothing measured: the same entries.
     table.write_text("{}")
     assert cli.main(["bench", "gemm", "--from-json", str(out), "--write-table"]) == 0

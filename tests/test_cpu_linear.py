@@ -131,7 +131,7 @@ def test_bf16_packed_product_matches_f_linear_on_bf16_rows(threads, rows, n, k):
         w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
         packed = native.pack_weight(w)
         assert packed.dtype == torch.bfloat16
-        assert packed.numel() == -(-n // native.PANEL) * native.PANEL * (k + k % 2)
+        assert packed.numel() == -(-n // native.PANEL) * native.PANEL * -(-k // 32) * 32
         got = native.packed_linear(x, packed, b, n)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, F.linear(x.bfloat16().float(), w.float(), b), atol=1e-4, rtol=1e-4)
@@ -190,7 +190,8 @@ def test_the_committed_table_parses_for_every_cpu_class():
     data = json.loads(cpu_gemm.TABLE.read_text())
     for cpu, section in data.items():
         table = cpu_gemm.parse(data, cpu)
-        assert table.entries and section["command"].startswith("pipeserve bench gemm")
+        assert table.entries and {e.dtype for e in table.entries} == set(section["commands"])
+        assert all(c.startswith("pipeserve bench gemm") for c in section["commands"].values())
         assert all(e.dtype in cpu_gemm.DTYPES and (e.gemm_from is None or e.gemm_from >= 1)
                    for e in table.entries)
 

@@ -7,7 +7,8 @@ torch.matmul reaches on a large square product, the ceiling the many-row product
 
 --write-table records each shape's crossover (the fewest rows from which the GEMM wins at every
 larger count measured, by a margin) for this host's CPU class in backend/cpu_gemm_table.json, the
-table the serving layers read (other CPU classes' entries are kept). --from-json PATH recomputes
+table the serving layers read (other CPU classes' entries, and the dtypes not measured, are kept;
+each dtype's entries name the command that measured them). --from-json PATH recomputes
 them from a saved run, measuring nothing.
 """
 
@@ -114,9 +115,13 @@ def write_table(entries: list[dict[str, Any]], machine: dict[str, Any], command:
     from pipeserve.engine.backend import cpu_gemm
 
     data: dict[str, Any] = json.loads(cpu_gemm.TABLE.read_text()) if cpu_gemm.TABLE.is_file() else {}
-    data[cpu] = {"command": command, "machine": machine.get("cpu", ""), "threads": torch.get_num_threads(),
-                 "entries": [{"dtype": e["dtype"], "n": e["n"], "k": e["k"], "gemm_from": e["gemm_from"]}
-                             for e in entries]}
+    measured = {e["dtype"] for e in entries}
+    previous = data.get(cpu, {})
+    kept = [e for e in previous.get("entries", ()) if e["dtype"] not in measured]
+    commands = {**previous.get("commands", {}), **{dtype: command for dtype in measured}}
+    data[cpu] = {"commands": commands, "machine": machine.get("cpu", ""), "threads": torch.get_num_threads(),
+                 "entries": kept + [{"dtype": e["dtype"], "n": e["n"], "k": e["k"], "gemm_from": e["gemm_from"]}
+                                    for e in entries]}
     cpu_gemm.TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return str(cpu_gemm.TABLE)
 

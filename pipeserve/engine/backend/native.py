@@ -150,6 +150,8 @@ def isa() -> str:
     bits = lib.pipeserve_isa()
     fp32 = "AVX-512F" if bits & 1 else "portable loops"
     bf16 = "AVX512-BF16 dot products" if bits & 2 else "portable loops"
+    if bits & 4:
+        bf16 += " (one row), AMX tiles (more)"
     return f"fp32 products on {fp32}, bf16 products on {bf16}"
 
 
@@ -176,7 +178,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 or bf16 CPU weight [N, K] in packed_linear's layout, flat, in its dtype: fp32 as
-    ceil(N / 16) panels of [K, 16]; bf16 as ceil(N / 16) panels of [ceil(K / 2), 16, 2] (pairs of k
+    ceil(N / 16) panels of [K, 16]; bf16 as ceil(N / 16) panels of [ceil(K / 32) * 16, 16, 2] (pairs of k
     per output column); zeros past N and K. Call when available()."""
     lib = _lib
     assert lib is not None and weight.dtype in PACKED_DTYPES and weight.device.type == "cpu"
@@ -187,7 +189,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         packed = torch.empty(panels * k, dtype=torch.float32)
         lib.pipeserve_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
     else:
-        packed = torch.empty(panels * (k + k % 2), dtype=torch.bfloat16)
+        packed = torch.empty(panels * -(-k // 32) * 32, dtype=torch.bfloat16)
         lib.pipeserve_pack_weight_bf16(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 

@@ -1,7 +1,7 @@
 // y = x w^T (+ bias) with fp32 accumulation for any number of rows, with w packed once at load time
 // into panels of 16 output columns, zero past n:
 // - fp32 weights: panel p is w[16p .. 16p + 15][k] for every k, k-major ([K][16]);
-// - bf16 weights: panel p holds pairs of k, [ceil(K / 2)][16][2] (zero past K): each 32-bit lane is
+// - bf16 weights: panel p holds pairs of k, [ceil(K / 32) * 16][16][2] (zero past K): each 32-bit lane is
 //   the two products' weights one avx512_bf16 dot-product instruction takes. x is rounded to bf16
 //   once per call (what a bf16 model's activations are) and read as pairs.
 //
@@ -11,7 +11,8 @@
 // broadcast-multiply-adds over contiguous panel data: no repacking, no horizontal sums.
 //
 // Which instructions run is fixed when the library is built for the host (-march=native):
-// AVX-512F, plus AVX512-BF16 for bf16 weights, else portable loops the compiler vectorizes as the
+// AVX-512F, plus AVX512-BF16 for bf16 weights (and AMX tiles for bf16 products of two rows or more,
+// where the CPU has them and Linux grants them), else portable loops the compiler vectorizes as the
 // host allows. pipeserve_isa() says which, so the loader can log it.
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +24,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define PIPESERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -33,6 +39,13 @@ constexpr int kLanes = 16;        // output columns per panel
 constexpr int kRows = 6;          // rows of x per tile: kRows x kPanels accumulators in registers
 constexpr int kPanels = 4;
 constexpr int64_t kBlockRows = 192;  // rows of x per block: they stay in L2 while the panels stream
+// bf16 products of this many rows or more take AMX tiles, where built: at one row the AVX-512 loop
+// streams the weight faster (docs/engine.md).
+constexpr int64_t kAmxRows = 2;
+
+// Pairs of k per row of a packed bf16 panel: K rounded up to 32 (zeros past it), so an AMX tile of
+// 32 k never runs past a panel.
+constexpr int64_t bf16_pairs(int64_t k_len) { return (k_len + 31) / 32 * 16; }
 
 // A tile's k steps: one k of fp32 panels (X = float), or one pair of k of bf16 panels (X = a
 // uint32_t holding the pair of x values). W is the panel element type; kPer weights per lane per step.
@@ -177,9 +190,143 @@ void linear(const X* x, int64_t x_stride, const W* packed, const float* bias, fl
   }
 }
 
+#if defined(PIPESERVE_AMX)
+// AMX tiles for bf16 weights. The dot-product loop above is compute-bound from a few rows (each
+// 64-byte line of weights feeds one vdpbf16ps per row), and oneDNN's AMX GEMM streams a decode
+// step's weights at well under the memory's speed; one tdpbf16ps multiplies 16 rows by a 16 x 32
+// block of weights. The packed bf16 panel is the tile layout tdpbf16ps takes for its second operand:
+// 16 of its pair rows (32 k) are one B tile, 1 KB contiguous.
+namespace amx {
+
+// Linux hands out the tile registers' 8 KB of state only to processes that ask (arch_prctl); once
+// per process. False: no AMX here (an old kernel, or a VM that withholds it): the AVX-512 loop runs.
+bool granted() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight 16 x 64-byte tiles: C 0-3 (two row blocks of 16 x two panels, fp32), A 4-5 (the row
+// blocks' 32 k of x), B 6-7 (the panels' 32 k). Two of each: a tile is not renamed, so a load into
+// the tile the previous product still reads would wait for it.
+void configure() {
+  Config cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// C tiles (RB row blocks x PB panels) = a's 16 RB rows (bf16 pairs, row stride `pairs` uint32) times
+// PB panels from `panel` (stride panel_stride), over `chunks` chunks of 32 k. The intrinsics paste
+// tile numbers into the instruction text: literals only. stream: the panels come from memory (the
+// first pass over them): each one's lines kAhead chunks on are requested meanwhile (the hardware
+// prefetcher alone left the stream at 3/4 of the AVX-512 loop's speed; a prefetch past the last
+// panel is harmless: prefetches never fault).
+constexpr int64_t kAhead = 2;
+template <int RB, int PB>
+inline void block(const uint32_t* a, int64_t pairs, const uint16_t* panel, int64_t panel_stride, int64_t chunks,
+                  bool stream) {
+  const int64_t a_bytes = pairs * 4;
+  const uint32_t* a1 = a + 16 * pairs;
+  const uint16_t* p1 = panel + panel_stride;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (stream)
+      for (int64_t line = 0; line < 1024; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (c + kAhead) * 512) + line, _MM_HINT_T0);
+        if constexpr (PB > 1) _mm_prefetch(reinterpret_cast<const char*>(p1 + (c + kAhead) * 512) + line, _MM_HINT_T0);
+      }
+    _tile_loadd(6, panel + c * 512, 64);
+    if constexpr (PB > 1) _tile_loadd(7, p1 + c * 512, 64);
+    _tile_loadd(4, a + c * 16, a_bytes);
+    if constexpr (RB > 1) _tile_loadd(5, a1 + c * 16, a_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PB > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RB > 1 && PB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Rows [0, rows) of the C tiles into y (row stride y_stride; cols valid columns from the first
+// panel's start), bias added.
+template <int RB, int PB>
+inline void drain(float* y, int64_t y_stride, int64_t rows, int64_t cols, const float* bias) {
+  alignas(64) float c[2][32][16];  // [panel][row][lane]
+  _tile_stored(0, c[0][0], 64);
+  if constexpr (PB > 1) _tile_stored(1, c[1][0], 64);
+  if constexpr (RB > 1) _tile_stored(2, c[0][16], 64);
+  if constexpr (RB > 1 && PB > 1) _tile_stored(3, c[1][16], 64);
+  for (int j = 0; j < PB; ++j) {
+    const int64_t left = cols - j * kLanes;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kLanes) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i)
+      _mm512_mask_storeu_ps(y + i * y_stride + j * kLanes, mask, _mm512_add_ps(_mm512_load_ps(c[j][i]), b));
+  }
+}
+
+// Every row of x against PB panels, 32 rows a pass.
+template <int PB>
+inline void panels_rows(const uint32_t* a, int64_t pairs, const uint16_t* panel, int64_t panel_stride,
+                        int64_t chunks, float* y, int64_t n, int64_t m_rows, int64_t cols, const float* bias) {
+  for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, m_rows - m0);
+    const uint32_t* am = a + m0 * pairs;
+    if (rows > 16) {
+      block<2, PB>(am, pairs, panel, panel_stride, chunks, m0 == 0);
+      drain<2, PB>(y + m0 * n, n, rows, cols, bias);
+    } else {
+      block<1, PB>(am, pairs, panel, panel_stride, chunks, m0 == 0);
+      drain<1, PB>(y + m0 * n, n, rows, cols, bias);
+    }
+  }
+}
+
+// y [m_rows, n] = a (bf16 pairs [m_rows rounded up to 16, pairs], zero past m_rows; pairs a
+// multiple of 16) x the packed panels. Each pair of panels is read from memory once: its passes of
+// 32 rows after the first find it in cache.
+void linear(const uint32_t* a, int64_t pairs, const uint16_t* packed, const float* bias, float* y, int64_t m_rows,
+            int64_t n, int threads) {
+  const int64_t panels = (n + kLanes - 1) / kLanes, panel_stride = pairs * kLanes * 2, chunks = pairs / 16;
+  const int64_t pairs_of_panels = (panels + 1) / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    configure();
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < pairs_of_panels; ++g) {
+      const int64_t p = 2 * g;
+      const uint16_t* panel = packed + p * panel_stride;
+      const float* b = bias ? bias + p * kLanes : nullptr;
+      const int64_t cols = n - p * kLanes;
+      if (p + 1 < panels)
+        panels_rows<2>(a, pairs, panel, panel_stride, chunks, y + p * kLanes, n, m_rows, cols, b);
+      else
+        panels_rows<1>(a, pairs, panel, panel_stride, chunks, y + p * kLanes, n, m_rows, cols, b);
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace amx
+#endif
+
 }  // namespace
 
-// Bit 0: AVX-512F tiles; bit 1: AVX512-BF16 dot products for bf16 weights (else portable loops).
+// Bit 0: AVX-512F tiles; bit 1: AVX512-BF16 dot products for bf16 weights (else portable loops);
+// bit 2: AMX tiles for bf16 products of kAmxRows rows or more (built, and granted by the kernel).
 extern "C" int pipeserve_isa() {
   int isa = 0;
 #if defined(__AVX512F__)
@@ -187,6 +334,9 @@ extern "C" int pipeserve_isa() {
 #if defined(__AVX512BF16__)
   isa |= 2;
 #endif
+#endif
+#if defined(PIPESERVE_AMX)
+  if (amx::granted()) isa |= 4;
 #endif
   return isa;
 }
@@ -202,9 +352,9 @@ extern "C" void pipeserve_pack_weight(const float* w, int64_t n, int64_t k_len, 
       }
 }
 
-// bf16 w [n, k_len] contiguous into `out`, which holds ceil(n / 16) * 16 * ceil(k_len / 2) * 2 bf16.
+// bf16 w [n, k_len] contiguous into `out`, which holds ceil(n / 16) * 16 * bf16_pairs(k_len) * 2 bf16.
 extern "C" void pipeserve_pack_weight_bf16(const uint16_t* w, int64_t n, int64_t k_len, uint16_t* out) {
-  const int64_t panels = (n + kLanes - 1) / kLanes, pairs = (k_len + 1) / 2;
+  const int64_t panels = (n + kLanes - 1) / kLanes, pairs = bf16_pairs(k_len);
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t kp = 0; kp < pairs; ++kp)
       for (int c = 0; c < kLanes; ++c)
@@ -225,17 +375,32 @@ extern "C" void pipeserve_packed_linear(const float* x, int64_t x_stride, const 
 extern "C" void pipeserve_packed_linear_bf16(const float* x, int64_t x_stride, const uint16_t* packed,
                                              const float* bias, float* y, int64_t m_rows, int64_t n, int64_t k_len,
                                              int threads) {
-  const int64_t pairs = (k_len + 1) / 2;
+  const int64_t pairs = bf16_pairs(k_len);
+#if defined(PIPESERVE_AMX)
+  const bool tiles = m_rows >= kAmxRows && amx::granted();
+#else
+  constexpr bool tiles = false;
+#endif
+  // AMX reads x in whole tiles of 16 rows: the rows past m_rows are zeros.
+  const int64_t rows_held = tiles ? (m_rows + 15) / 16 * 16 : m_rows;
   // Grows to the largest call seen and is reused (each calling thread its own).
   static thread_local std::vector<uint32_t> xb;
-  if (static_cast<int64_t>(xb.size()) < m_rows * pairs) xb.resize(m_rows * pairs);
+  if (static_cast<int64_t>(xb.size()) < rows_held * pairs) xb.resize(rows_held * pairs);
   for (int64_t r = 0; r < m_rows; ++r) {
     const float* row = x + r * x_stride;
     uint32_t* out = xb.data() + r * pairs;
 #pragma omp simd
     for (int64_t kp = 0; kp < k_len / 2; ++kp)
       out[kp] = float_to_bf16(row[2 * kp]) | static_cast<uint32_t>(float_to_bf16(row[2 * kp + 1])) << 16;
-    if (k_len % 2) out[pairs - 1] = float_to_bf16(row[k_len - 1]);
+    if (k_len % 2) out[k_len / 2] = float_to_bf16(row[k_len - 1]);
+    std::fill(out + (k_len + 1) / 2, out + pairs, 0u);
   }
+#if defined(PIPESERVE_AMX)
+  if (tiles) {
+    std::fill(xb.data() + m_rows * pairs, xb.data() + rows_held * pairs, 0u);
+    amx::linear(xb.data(), pairs, packed, bias, y, m_rows, n, threads);
+    return;
+  }
+#endif
   linear(xb.data(), pairs, packed, bias, y, m_rows, n, pairs, threads);
 }
