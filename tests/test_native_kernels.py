@@ -55,6 +55,23 @@ def test_decode_matches_the_reference(threads, dtype, hkv, group, dim, window):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lens", "page"), [([150], 16), ([70, 1, 33], 32), ([40], 8)])
+def test_decode_rows_fewer_than_threads_and_other_page_sizes(threads, dtype, lens, page):
+    """A single row with two threads splits its KV heads between them; a row per thread takes all of
+    its heads page by page, pages of 8 or 32 tokens included (a 16-key block across a page's end)."""
+    gen = seeded(14)
+    kv = paged_kv(lens, page, 4, 64, dtype, None, gen).clean()
+    q = torch.randn(len(lens), 12, 64, generator=gen).to(dtype)
+    assert native.supports_decode(q, kv.k_cache, None)
+    for window in (None, 21):
+        got = native.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
+        want = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_backend_takes_the_native_path_and_the_torch_path_agrees():
     gen = seeded(12)
     kv = paged_kv([5, 150, 9, 33], 16, 2, 8, torch.float32, None, gen).clean()

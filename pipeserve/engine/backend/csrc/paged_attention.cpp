@@ -215,50 +215,6 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) { return pipeserve::load_bf16x16(reinterpret_cast<const uint16_t*>(p)); }
 
-// A row's cache entries for tokens start, start+1, ... in turn: the page table is read once per
-// page, not a division per token. While it walks a page it prefetches the same rows of the next one
-// (pages are scattered, so the hardware's stride prefetcher restarts at every page); a page past the
-// row's last token is never looked up, so the walk never reads past its table.
-template <typename T>
-class TokenCursor {
- public:
-  TokenCursor(const T* cache, const int32_t* table, int64_t page_stride, int64_t token_stride, int page_size,
-              int start, int len, int row_elems)
-      : cache_(cache), table_(table), page_stride_(page_stride), token_stride_(token_stride),
-        page_size_(page_size), last_page_((len - 1) / page_size), page_(start / page_size),
-        in_page_(start % page_size), row_(cache + table[page_] * page_stride + in_page_ * token_stride),
-        row_bytes_(static_cast<size_t>(row_elems) * sizeof(T)) {
-    aim_ahead();
-  }
-  const T* next() {
-    if (in_page_ == page_size_) {
-      in_page_ = 0;
-      row_ = cache_ + table_[++page_] * page_stride_;
-      aim_ahead();
-    }
-    if (ahead_ != nullptr) {
-      for (size_t b = 0; b < row_bytes_; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead_) + b, _MM_HINT_T0);
-      ahead_ += token_stride_;
-    }
-    const T* row = row_;
-    row_ += token_stride_;
-    ++in_page_;
-    return row;
-  }
-
- private:
-  void aim_ahead() {
-    ahead_ = page_ < last_page_ ? cache_ + table_[page_ + 1] * page_stride_ + in_page_ * token_stride_ : nullptr;
-  }
-  const T* cache_;
-  const int32_t* table_;
-  int64_t page_stride_, token_stride_;
-  int page_size_, last_page_, page_, in_page_;
-  const T* row_;
-  size_t row_bytes_;
-  const T* ahead_ = nullptr;
-};
-
 // Lane j of the result = the sum of v[j]'s 16 lanes: 16 dot products finished by one
 // transpose-and-add tree (15 adds, 30 shuffles) instead of 16 horizontal reductions, whose dependent
 // shuffle chains bound the key loop.
@@ -279,67 +235,68 @@ inline __m512 reduce16(const __m512* v) {
   return sum_lanes(sum_lanes(w[0], w[1]), sum_lanes(w[2], w[3]));
 }
 
-// The scores of G query heads (registers for the whole row) against keys [start, len), 16 keys at a
-// time: each key row is loaded once for the G heads, each head's 16 dot products finished together.
-// sc: head 0's score row (n apiece); m gets each head's maximum.
+// The scores of G query heads (registers for the block) against `count` keys of one page, rows
+// `token_stride` apart from k, 16 keys at a time: each key row is loaded once for the G heads, each
+// head's 16 dot products finished together. sc: head 0's scores (heads n apart); mx: each head's
+// running maximum. pf: the same rows of the next page (nullptr: none), requested meanwhile.
 template <typename T, int D, int G>
-void scores_avx512(const float* __restrict qh, TokenCursor<T> keys, int start, int len, float scale,
-                   float* __restrict sc, float* __restrict m) {
+void scores_avx512(const float* __restrict qh, const T* __restrict k, int64_t token_stride, int count, float scale,
+                   float* __restrict sc, int n, float* __restrict mx, const T* pf) {
   constexpr int C = D / 16;  // 16-float chunks per head
-  const int n = len - start;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + c * 16), _mm512_set1_ps(scale));
-  __m512 mx[G];
-  for (int g = 0; g < G; ++g) mx[g] = _mm512_set1_ps(-FLT_MAX);
   alignas(64) __m512 part[G][16];
-  for (int t0 = start; t0 < len; t0 += 16) {
-    const int count = std::min(16, len - t0);
-    for (int j = 0; j < count; ++j) {
-      const T* k = keys.next();
+  for (int j0 = 0; j0 < count; j0 += 16) {
+    const int block = std::min(16, count - j0);
+    for (int j = 0; j < block; ++j) {
+      const T* row = k + (j0 + j) * token_stride;
+      if (pf != nullptr)
+        for (size_t byte = 0; byte < D * sizeof(T); byte += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + (j0 + j) * token_stride) + byte, _MM_HINT_T1);
       __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+      for (int c = 0; c < C; ++c) kv[c] = load16(row + c * 16);
       for (int g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
         for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
         part[g][j] = acc;
       }
     }
-    for (int j = count; j < 16; ++j)
+    for (int j = block; j < 16; ++j)
       for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
-    const __mmask16 mask = pipeserve::lanes(count);
+    const __mmask16 mask = pipeserve::lanes(block);
     for (int g = 0; g < G; ++g) {
       const __m512 s = reduce16(part[g]);
-      mx[g] = _mm512_mask_max_ps(mx[g], mask, mx[g], s);
-      _mm512_mask_storeu_ps(sc + static_cast<size_t>(g) * n + (t0 - start), mask, s);
+      mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(mask, s));
+      _mm512_mask_storeu_ps(sc + static_cast<size_t>(g) * n + j0, mask, s);
     }
   }
-  for (int g = 0; g < G; ++g) m[g] = _mm512_reduce_max_ps(mx[g]);
 }
 
-// out[g] = inv[g] * sum_t p[g][t] v_t for G heads, each value row loaded once for the G heads and the
-// accumulators in registers for the whole row.
+// acc[g] += sum_j p[g][j] v_j over `count` value rows of one page (rows token_stride apart from v), for
+// G heads: each value row loaded once for the G heads, the accumulators (fp32, in memory between
+// pages) in registers for the page. p: head 0's weights (heads n apart).
 template <typename T, int D, int G>
-void values_avx512(const float* __restrict p, TokenCursor<T> values, int start, int len,
-                   const float* __restrict inv, float* __restrict oh) {
+void values_avx512(const float* __restrict p, int n, const T* __restrict v, int64_t token_stride, int count,
+                   float* __restrict acc_out, const T* pf) {
   constexpr int C = D / 16;
-  const int n = len - start;
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int i = 0; i < n; ++i) {
-    const T* v = values.next();
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(acc_out + g * D + c * 16);
+  for (int j = 0; j < count; ++j) {
+    const T* row = v + j * token_stride;
+    if (pf != nullptr)
+      for (size_t byte = 0; byte < D * sizeof(T); byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + j * token_stride) + byte, _MM_HINT_T1);
     __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+    for (int c = 0; c < C; ++c) vv[c] = load16(row + c * 16);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[static_cast<size_t>(g) * n + i]);
+      const __m512 w = _mm512_set1_ps(p[static_cast<size_t>(g) * n + j]);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const __m512 w = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + g * D + c * 16, _mm512_mul_ps(acc[g][c], w));
-  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out + g * D + c * 16, acc[g][c]);
 }
 
 // f(std::integral_constant<int, count>) for a runtime count in [1, H]: the head loops above get a
@@ -355,37 +312,67 @@ inline void with_heads(int count, F&& f) {
   f(std::integral_constant<int, H>{});
 }
 
-// decode_head for an fp32 or bf16 cache with AVX-512 and head_dim a multiple of 16: the group's query
-// heads in passes of up to H (16 registers of queries or accumulators), keys and values read once
-// per pass.
+// Decode attention for an fp32 or bf16 cache with AVX-512 and head_dim a multiple of 16, for KV heads
+// [h0, h1) of one row (q, out: their query heads, group per KV head): page by page, each page's key
+// rows of every one of those heads are read in one visit, and the next page's requested meanwhile
+// (pages lie scattered, so the hardware's prefetcher restarts at each); then the same for the values.
+// A pass over the row's pages per KV head instead reads each page's rows with a stride of kv_heads
+// heads, which the memory streamed at about half its speed. Query heads go in passes of up to H (16
+// registers of queries or accumulators).
 template <typename T, int D>
-void decode_head_avx512(const float* __restrict qh, const T* __restrict k_cache, const T* __restrict v_cache,
-                        const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
-                        int group, int start, int len, float scale, float* __restrict oh,
-                        std::vector<float>& scores) {
+void decode_heads_avx512(const float* __restrict q, const T* __restrict k_cache, const T* __restrict v_cache,
+                         const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
+                         int group, int h0, int h1, int start, int len, float scale, float* __restrict out,
+                         std::vector<float>& scores) {
   constexpr int H = D >= 256 ? 1 : 256 / D;
-  const int n = len - start;
-  scores.resize(static_cast<size_t>(group) * n);
+  const int n = len - start, heads = (h1 - h0) * group;
+  scores.resize(static_cast<size_t>(heads) * (n + 2));
   float* __restrict sc = scores.data();
-  float m[kMaxGroup], inv[kMaxGroup];
-  for (int g0 = 0; g0 < group; g0 += H) {
-    with_heads<H>(std::min(H, group - g0), [&](auto heads) {
-      scores_avx512<T, D, decltype(heads)::value>(
-          qh + g0 * D, TokenCursor<T>(k_cache, table, page_stride, token_stride, page_size, start, len, D), start, len,
-          scale, sc + static_cast<size_t>(g0) * n, m + g0);
-    });
-  }
-  softmax_rows(sc, group, n, m, inv);
-  for (int g0 = 0; g0 < group; g0 += H) {
-    with_heads<H>(std::min(H, group - g0), [&](auto heads) {
-      values_avx512<T, D, decltype(heads)::value>(
-          sc + static_cast<size_t>(g0) * n, TokenCursor<T>(v_cache, table, page_stride, token_stride, page_size, start, len, D),
-          start, len, inv + g0, oh + g0 * D);
-    });
-  }
+  float* __restrict m = sc + static_cast<size_t>(heads) * n;  // each query head's maximum score
+  float* __restrict inv = m + heads;                          // and 1 / its sum of exponentials
+  std::fill(m, m + heads, -FLT_MAX);
+  const int last_page = (len - 1) / page_size;
+  // f(page's first row of head h0, the next page's or nullptr, tokens, offset of the first in the row)
+  auto pages = [&](const T* cache, auto&& f) {
+    for (int t0 = start; t0 < len;) {
+      const int page = t0 / page_size, in_page = t0 % page_size;
+      const int count = std::min(page_size - in_page, len - t0);
+      const T* rows = cache + table[page] * page_stride + in_page * token_stride + static_cast<int64_t>(h0) * D;
+      const T* next = page < last_page ? cache + table[page + 1] * page_stride + static_cast<int64_t>(h0) * D : nullptr;
+      f(rows, next, count, t0 - start);
+      t0 += count;
+    }
+  };
+  pages(k_cache, [&](const T* rows, const T* next, int count, int at) {
+    for (int h = 0; h < h1 - h0; ++h)
+      for (int g0 = 0; g0 < group; g0 += H)
+        with_heads<H>(std::min(H, group - g0), [&](auto g) {
+          const int r = h * group + g0;
+          scores_avx512<T, D, decltype(g)::value>(q + static_cast<int64_t>(r) * D, rows + h * D, token_stride, count,
+                                                  scale, sc + static_cast<size_t>(r) * n + at, n, m + r,
+                                                  next == nullptr ? nullptr : next + h * D);
+        });
+  });
+  softmax_rows(sc, heads, n, m, inv);
+  std::fill(out, out + static_cast<int64_t>(heads) * D, 0.0f);
+  pages(v_cache, [&](const T* rows, const T* next, int count, int at) {
+    for (int h = 0; h < h1 - h0; ++h)
+      for (int g0 = 0; g0 < group; g0 += H)
+        with_heads<H>(std::min(H, group - g0), [&](auto g) {
+          const int r = h * group + g0;
+          values_avx512<T, D, decltype(g)::value>(sc + static_cast<size_t>(r) * n + at, n, rows + h * D, token_stride,
+                                                  count, out + static_cast<int64_t>(r) * D,
+                                                  next == nullptr ? nullptr : next + h * D);
+        });
+  });
+  for (int r = 0; r < heads; ++r)
+    for (int c = 0; c < D; c += 16)
+      _mm512_storeu_ps(out + r * D + c, _mm512_mul_ps(_mm512_loadu_ps(out + r * D + c), _mm512_set1_ps(inv[r])));
 }
 #endif
 
+// Work units of (row, KV heads [h0, h1)): every KV head of a row in one unit when the rows alone keep
+// the threads busy (a row's pages are visited once for all its heads), else one KV head each.
 template <typename T, int D>
 void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, int page_size,
                  int kv_heads, int head_dim, const int32_t* tables, int64_t table_stride,
@@ -394,46 +381,48 @@ void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T
   const int group = q_heads / kv_heads;
   const int64_t token_stride = static_cast<int64_t>(kv_heads) * head_dim;
   const int64_t page_stride = token_stride * page_size;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
-  for (int b = 0; b < batch; ++b) {
-    for (int h = 0; h < kv_heads; ++h) {
-      thread_local std::vector<float> scores;
-      const int len = seq_lens[b];
-      const int start = window > 0 ? std::max(0, len - window) : 0;
-      float* oh = out + (static_cast<int64_t>(b) * q_heads + static_cast<int64_t>(h) * group) * head_dim;
-      if (len <= start) {
-        std::fill(oh, oh + static_cast<int64_t>(group) * head_dim, 0.0f);
-        continue;
-      }
+  const int span = batch >= threads ? kv_heads : 1;  // KV heads per unit
+  const int units_per_row = kv_heads / span;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int unit = 0; unit < batch * units_per_row; ++unit) {
+    thread_local std::vector<float> scores;
+    const int b = unit / units_per_row, h0 = unit % units_per_row * span, h1 = h0 + span;
+    const int len = seq_lens[b];
+    const int start = window > 0 ? std::max(0, len - window) : 0;
+    const float* qb = q + b * q_row_stride;
+    float* ob = out + static_cast<int64_t>(b) * q_heads * head_dim;
+    if (len <= start) {
+      std::fill(ob + static_cast<int64_t>(h0) * group * head_dim, ob + static_cast<int64_t>(h1) * group * head_dim,
+                0.0f);
+      continue;
+    }
+#if defined(PIPESERVE_AVX512)
+    if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, bf16>) && D >= 32 && D % 16 == 0) {
+      decode_heads_avx512<T, D>(qb + static_cast<int64_t>(h0) * group * head_dim, k_cache, v_cache,
+                                tables + b * table_stride, page_stride, token_stride, page_size, group, h0, h1,
+                                start, len, scale, ob + static_cast<int64_t>(h0) * group * head_dim, scores);
+      continue;
+    }
+#endif
+    for (int h = h0; h < h1; ++h) {
+      const float* qh = qb + static_cast<int64_t>(h) * group * head_dim;
+      float* oh = ob + static_cast<int64_t>(h) * group * head_dim;
+      const T* kh = k_cache + static_cast<int64_t>(h) * head_dim;
+      const T* vh = v_cache + static_cast<int64_t>(h) * head_dim;
       if constexpr (D > 0 && D < 32) {
 #if defined(PIPESERVE_AVX512)
         if constexpr (std::is_same_v<T, float>) {
-          decode_head_small_avx512<D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
-                                      k_cache + static_cast<int64_t>(h) * head_dim,
-                                      v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride,
-                                      page_stride, token_stride, page_size, group, start, len, scale, oh, scores);
+          decode_head_small_avx512<D>(qh, kh, vh, tables + b * table_stride, page_stride, token_stride, page_size,
+                                      group, start, len, scale, oh, scores);
           continue;
         }
 #endif
-        decode_head_small<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
-                                k_cache + static_cast<int64_t>(h) * head_dim,
-                                v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride,
-                                page_stride, token_stride, page_size, group, start, len, scale, oh, scores);
+        decode_head_small<T, D>(qh, kh, vh, tables + b * table_stride, page_stride, token_stride, page_size, group,
+                                start, len, scale, oh, scores);
         continue;
       }
-#if defined(PIPESERVE_AVX512)
-      if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, bf16>) && D >= 32 && D % 16 == 0) {
-        decode_head_avx512<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
-                              k_cache + static_cast<int64_t>(h) * head_dim,
-                              v_cache + static_cast<int64_t>(h) * head_dim, tables + b * table_stride, page_stride,
-                              token_stride, page_size, group, start, len, scale, oh, scores);
-        continue;
-      }
-#endif
-      decode_head<T, D>(q + b * q_row_stride + static_cast<int64_t>(h) * group * head_dim,
-                        k_cache + static_cast<int64_t>(h) * head_dim, v_cache + static_cast<int64_t>(h) * head_dim,
-                        tables + b * table_stride, page_stride, token_stride, page_size, head_dim, group, start,
-                        len, scale, oh, scores);
+      decode_head<T, D>(qh, kh, vh, tables + b * table_stride, page_stride, token_stride, page_size, head_dim, group,
+                        start, len, scale, oh, scores);
     }
   }
 }
