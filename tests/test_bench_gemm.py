@@ -30,11 +30,12 @@ def test_bench_gemm_writes_the_table_and_recomputes_it(tmp_path, monkeypatch) ->
     written = json.loads(table.read_text())
     mine = written[cpu_gemm.cpu_class()]
     assert "other-class" in written
-    assert all(mine["commands"][d].startswith("pipeserve bench gemm --shapes 512x256") for d in ("float32", "bfloat16"))
+    assert all(mine["commands"][d].startswith("pipeserve bench gemm --shapes 512x256")
+               for d in ("float32", "bfloat16"))
     assert [e["gemm_from"] for e in mine["entries"]] == [e["gemm_from"] for e in run["shapes"]]
     # One dtype measured again: the other dtype's entries and command stay.
-    bf16_only = ["bench", "gemm", "--shapes", "512x256", "--rows", "1,4", "--repeats", "1", "--dtypes", "bfloat16",
-                 "--json", str(tmp_path / "bf16.json"), "--write-table"]
+    bf16_only = ["bench", "gemm", "--shapes", "512x256", "--rows", "1,4", "--repeats", "1",
+                 "--dtypes", "bfloat16", "--json", str(tmp_path / "bf16.json"), "--write-table"]
     assert cli.main(bf16_only) == 0
     again = json.loads(table.read_text())[cpu_gemm.cpu_class()]
     assert [e for e in again["entries"] if e["dtype"] == "float32"] == mine["entries"][:1]

@@ -66,8 +66,8 @@ def test_decode_rows_fewer_than_threads_and_other_page_sizes(threads, dtype, len
     q = torch.randn(len(lens), 12, 64, generator=gen).to(dtype)
     assert native.supports_decode(q, kv.k_cache, None)
     for window in (None, 21):
-        got = native.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
-        want = reference.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, window)
+        got, want = native.decode_attention(*args), reference.decode_attention(*args)
         tol = 2e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 

@@ -119,9 +119,9 @@ def write_table(entries: list[dict[str, Any]], machine: dict[str, Any], command:
     previous = data.get(cpu, {})
     kept = [e for e in previous.get("entries", ()) if e["dtype"] not in measured]
     commands = {**previous.get("commands", {}), **{dtype: command for dtype in measured}}
+    new = [{"dtype": e["dtype"], "n": e["n"], "k": e["k"], "gemm_from": e["gemm_from"]} for e in entries]
     data[cpu] = {"commands": commands, "machine": machine.get("cpu", ""), "threads": torch.get_num_threads(),
-                 "entries": kept + [{"dtype": e["dtype"], "n": e["n"], "k": e["k"], "gemm_from": e["gemm_from"]}
-                                    for e in entries]}
+                 "entries": kept + new}
     cpu_gemm.TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return str(cpu_gemm.TABLE)
 

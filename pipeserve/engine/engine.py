@@ -17,6 +17,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.demo import ensure_demo_model
 from pipeserve.engine.backend import Backend
 from pipeserve.engine.executor import EagerStep, StepPlan
+from pipeserve.engine.host_memory import keep_freed_memory
 from pipeserve.engine.kv.policy import make_policy
 from pipeserve.engine.kv.pool import KVPool, kv_bytes_per_page
 from pipeserve.engine.kv.predicted import PredictedPolicy
@@ -76,6 +77,8 @@ class Engine:
         self.model_dir = hub.resolve(config.model, config.revision) if config.model else ensure_demo_model()
         model_cfg = ModelConfig.from_dir(self.model_dir, config.rope_scaling)
         self.device = resolve_device(config.device) if tp is None else tp.device
+        if self.device.type == "cpu":  # a CPU step's activations are large blocks, every step
+            keep_freed_memory()
         self._tokenizer: Any = None
         self.structured = StructuredOutputs(
             lambda: self.tokenizer,

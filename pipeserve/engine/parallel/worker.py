@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.host_memory import keep_freed_memory
 from pipeserve.engine.kv.pool import KVPool
 from pipeserve.engine.lora.tensor_parallel import RankAdapters
 from pipeserve.engine.model.llama import LlamaForCausalLM
@@ -58,6 +59,8 @@ def main(config: EngineConfig, rank: int, world: int, port: int, threads: int, p
     torch.set_num_threads(threads)
     try:
         group = join(config, rank, world, port, pipe)
+        if group.device.type == "cpu":  # as rank 0's engine does
+            keep_freed_memory()
         shard = load_shard(config, group)
         # The pool first: its budget counts the slot table's bytes itself (as rank 0's does), which an
         # allocated table would add a second time.

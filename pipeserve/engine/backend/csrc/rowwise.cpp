@@ -26,10 +26,15 @@ using pipeserve::lanes;
 using pipeserve::load_bf16x16;
 using pipeserve::store_bf16x16;
 
-inline __m512 round_bf16x16(__m512 x) {  // round_bf16, 16 lanes
-  alignas(64) uint16_t h[16];
-  store_bf16x16(h, x);
-  return load_bf16x16(h);
+inline __m512 round_bf16x16(__m512 x) {  // round_bf16, 16 lanes: store_bf16x16's rounding, kept in fp32
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd),
+                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                            _mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                                            _mm512_set1_epi32(0x400000)));
+  return _mm512_castsi512_ps(r);
 }
 
 // rms_norm_bf16 (below) 16 channels at a time: the same roundings.
@@ -79,6 +84,13 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* add, const uint16_t* w, fl
 }
 
 void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
+#if defined(PIPESERVE_AVX512)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 act = round_bf16x16(pipeserve::silu16(load_bf16x16(g + i, m)));
+    store_bf16x16(out + i, _mm512_mul_ps(act, load_bf16x16(u + i, m)), m);
+  }
+#else
   constexpr int64_t kChunk = 256;  // converted to fp32 a chunk at a time, so the math vectorizes
   float gf[kChunk], uf[kChunk], act[kChunk];
   for (int64_t c = 0; c < n; c += kChunk) {
@@ -92,6 +104,7 @@ void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t 
 #pragma omp simd
     for (int64_t i = 0; i < len; ++i) out[c + i] = float_to_bf16(round_bf16(act[i]) * uf[i]);
   }
+#endif
 }
 
 void rope_bf16(uint16_t* x, int heads, int head_dim, const float* row, int rot_dim) {
