@@ -31,7 +31,8 @@ def keep_freed_memory() -> bool:
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+    ok = all(mallopt(param, value) == 1
+             for param, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
     log.info("host memory: freed blocks %s", "kept for reuse (glibc malloc's mmap and trim thresholds fixed "
              "high)" if ok else "returned to the kernel (glibc refused the thresholds)")
     return ok
