@@ -88,8 +88,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// silu(g) = g * sigmoid(g) of 16 lanes, sigmoid from e^-|g| (no overflow either side): silu_mul's
-// steps.
+// silu of 16 lanes, the same steps.
 inline __m512 silu16(__m512 g) {
   const __m512 e = exp_nonpositive16(_mm512_castsi512_ps(
       _mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
@@ -127,23 +126,21 @@ inline void rope(float* x, int heads, int head_dim, const float* row, int rot_di
   }
 }
 
-// out = silu(gate) * up over n channels (silu(gate) alone when up is null); silu(g) = g * sigmoid(g),
-// with the exponential of -|g| only (no overflow either side).
+// silu(g) = g * sigmoid(g), with the exponential of -|g| only (no overflow either side).
+inline float silu(float g) {
+  const float e = exp_nonpositive(-std::fabs(g));
+  return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
+}
+
+// out = silu(gate) * up over n channels (silu(gate) alone when up is null).
 inline void silu_mul(const float* __restrict g, const float* __restrict u, float* __restrict out, int64_t n) {
   if (u == nullptr) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = exp_nonpositive(-std::fabs(g[i]));
-      out[i] = g[i] * (g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
-    }
+    for (int64_t i = 0; i < n; ++i) out[i] = silu(g[i]);
     return;
   }
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float e = exp_nonpositive(-std::fabs(g[i]));
-    const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    out[i] = g[i] * sig * u[i];
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = silu(g[i]) * u[i];
 }
 
 }  // namespace pipeserve
