@@ -216,11 +216,31 @@ class NewRequestInfo:
 
 @dataclass
 class StepLogprobs:
-    """The logprobs of one sampled token: its own and its request's top-k alternatives."""
+    """One step's logprobs, columnar over its rows (one array each, never an object per row): row i's
+    sampled token has logprobs[i] and its request's top counts[i] alternatives follow those of the
+    rows before it in top_ids / top_logprobs. counts[i] is -1 for a row that did not ask (its logprob
+    is NaN); 0 for one that asked for the sampled token's alone."""
 
-    logprob: float
-    top_ids: bytes  # packed int32 [k]
-    top_logprobs: bytes  # packed float32 [k]
+    logprobs: bytes  # packed float32 [B]
+    counts: bytes  # packed int32 [B]
+    top_ids: bytes  # packed int32 [sum of the counts >= 0], row-major
+    top_logprobs: bytes  # packed float32 [the same]
+
+    def rows(self, n: int) -> tuple[list[float], list[int], list[int], list[float], list[int]]:
+        """Checked columns as lists: each row's logprob and count, every top id and logprob, and
+        where each row's top entries start (n + 1 offsets). MessageError if they do not fit n rows."""
+        counts = unpack_ids(self.counts)
+        lps, top_ids = unpack_floats(self.logprobs), unpack_ids(self.top_ids)
+        top_lps = unpack_floats(self.top_logprobs)
+        if len(counts) != n or len(lps) != n:
+            raise MessageError(f"logprobs of {len(lps)} rows and {len(counts)} counts in a step of {n} rows")
+        ends = np.cumsum(np.maximum(counts, 0))
+        total = int(ends[-1]) if n else 0
+        if len(top_ids) != total or len(top_lps) != total:
+            raise MessageError(f"{total} top entries counted, {len(top_ids)} top ids, "
+                               f"{len(top_lps)} top logprobs")
+        starts = [0, *ends.tolist()]
+        return lps.tolist(), counts.tolist(), top_ids.tolist(), top_lps.tolist(), starts
 
 
 @dataclass
@@ -229,7 +249,7 @@ class StepOutput(Message):
 
     rids[i] got token tokens[i] (-1: no token this step, e.g. aborted before it produced one);
     finish[i] is "" while running, else "stop" | "length" | "abort".
-    logprobs, when any request asked: one entry per row, None for rows that did not ask.
+    logprobs, when any request asked: the step's StepLogprobs (rows that did not ask count -1).
     step counts up within one engine's life; a step with rows numbered below the previous one tells
     the detokenizer the engine restarted (it drops the old requests' state). Heartbeats have no rows."""
 
@@ -239,7 +259,7 @@ class StepOutput(Message):
     tokens: bytes
     finish: list[str]
     new: list[NewRequestInfo] = field(default_factory=list)
-    logprobs: list[StepLogprobs | None] | None = None
+    logprobs: StepLogprobs | None = None
     engine: int = 0  # data parallel: which engine sent it (its steps count on their own)
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -28,6 +29,8 @@ from pipeserve.detokenizer.incremental import (
 )
 from pipeserve.detokenizer.openai_logprobs import Renderer
 from pipeserve.detokenizer.worker import Detokenizer, Row
+from pipeserve.engine.process import step_logprobs
+from pipeserve.engine.sequence import TokenLogprobs
 from pipeserve.messages import (
     PROMPT_TAIL,
     Abort,
@@ -387,9 +390,17 @@ def new(rid: str, **kw) -> NewRequestInfo:
 
 
 def step(n: int, rows: list[tuple[str, int, str]], new_: list[NewRequestInfo] = (),
-         logprobs=None) -> StepOutput:
+         logprobs: list[TokenLogprobs | None] | StepLogprobs | None = None) -> StepOutput:
+    """A step's output; logprobs per row become the wire's columns as the engine packs them."""
+    if isinstance(logprobs, list):
+        logprobs = step_logprobs(logprobs)
     return StepOutput(n, [r for r, _, _ in rows], pack_ids([t for _, t, _ in rows]), [f for _, _, f in rows],
                       list(new_), logprobs)
+
+
+def row_logprobs(logprob: float, top: list[tuple[int, float]]) -> TokenLogprobs:
+    return TokenLogprobs(logprob, np.array([t for t, _ in top], dtype=np.int64),
+                         np.array([lp for _, lp in top], dtype=np.float32))
 
 
 def run_steps(det: Detokenizer, *msgs: StepOutput | DetokenizeRequest) -> tuple[TextDeltas, list[str]]:
@@ -465,7 +476,7 @@ def test_an_abort_before_the_first_step_reaches_the_gateway(stories) -> None:
 def test_logprobs_carry_token_text(stories) -> None:
     det = Detokenizer(stories)
     there, lily = stories.convert_tokens_to_ids(["▁there", "▁Lily"])
-    row = StepLogprobs(-0.5, pack_ids([there, lily]), pack_floats([-0.5, -1.5]))
+    row = row_logprobs(-0.5, [(there, -0.5), (lily, -1.5)])
     msg, _ = run_steps(det, told("a", stories, "Hi", logprobs=True), told("b", stories, "Hi"),
                        step(1, [("a", there, ""), ("b", lily, "")], [new("a"), new("b")], [row, None]))
     assert msg.logprobs == [[TokenLogprob(there, " there", -0.5, [TopLogprob(there, " there", -0.5),
@@ -476,7 +487,7 @@ def test_openai_formats_render_the_same_entries(stories) -> None:
     """A request submitted with an OpenAI logprobs format gets its logprobs (and prompt logprobs)
     rendered: the same entries the gRPC path carries, as that format's JSON pieces."""
     there, lily = stories.convert_tokens_to_ids(["▁there", "▁Lily"])
-    row = StepLogprobs(-0.5, pack_ids([there, lily]), pack_floats([-0.5, -1.5]))
+    row = row_logprobs(-0.5, [(there, -0.5), (lily, -1.5)])
     prompt_ids = stories.encode("Hi")
     lps = [float("nan")] + [-2.0] * (len(prompt_ids) - 1)
     prompt = PromptLogprobs(pack_ids(prompt_ids), pack_floats(lps), pack_ids([lily] * len(prompt_ids)),
@@ -515,9 +526,9 @@ def test_malformed_steps_and_restart(stories) -> None:
     msg, _ = run_steps(det, bad, told("b", stories, "Hi"), step(1, [("a", 300, "")], [new("a"), new("b")]))
     assert msg.rids == [] and list(det.requests) == ["b"]  # bad settings dropped: a's row waits for good ones
     assert list(det.early) == ["a"]
-    bad_row = StepLogprobs(1.0, pack_ids([1, 2]), pack_floats([0.5]))
-    msg, _ = run_steps(det, step(2, [("b", 300, "")], logprobs=[bad_row]))
-    assert msg.text and msg.logprobs is None  # b did not ask for logprobs: the bad row is not read
+    bad = StepLogprobs(pack_floats([1.0]), pack_ids([2]), pack_ids([1, 2]), pack_floats([0.5]))
+    msg, _ = run_steps(det, step(2, [("b", 300, "")], logprobs=bad))
+    assert msg.text and msg.logprobs is None  # malformed logprobs are dropped; the step's tokens stand
     # Step numbers went back: a new engine. b (it ran on the old one) is gone; c, whose settings came
     # for the new one, stays.
     run_steps(det, told("c", stories, "Hi"), step(1, [], [new("c")]))

@@ -4,6 +4,7 @@ the engine's counters) on the status socket."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,12 +20,13 @@ from pipeserve.messages import (
     Abort,
     EngineInfo,
     EngineRequest,
+    MessageError,
     RequestError,
+    StepLogprobs,
     StepOutput,
     decode,
     encode,
     pack_ids,
-    unpack_floats,
     unpack_ids,
 )
 from pipeserve.sampling_params import SamplingParams
@@ -304,20 +306,29 @@ def test_step_output_is_the_wire_form_of_the_updates():
     a = Sequence("a", prompt + [40], len(prompt), SamplingParams(stop=["x"], logprobs=2), 0.0)
     b = Sequence("b", [5, 6], 2, SamplingParams(skip_special_tokens=False), 0.0)
     c = Sequence("c", [9], 1, SamplingParams(), 0.0)
+    d = Sequence("d", [9, 10], 2, SamplingParams(logprobs=0), 0.0)
     lp = TokenLogprobs(-0.25, np.array([40, 41]), np.array([-0.25, -1.5], dtype=np.float32))
+    lp_d = TokenLogprobs(-3.0, np.array([], dtype=np.int64), np.array([], dtype=np.float32))
     updates = [StepUpdate(a, [40], "", [lp], new=True), StepUpdate(b, [7], "length", new=True),
-               StepUpdate(c, [], "abort")]
+               StepUpdate(c, [], "abort"), StepUpdate(d, [11], "", [lp_d])]
     a.num_cached_tokens = 8
     out = decode(encode(step_output(12, updates)))
     assert isinstance(out, StepOutput) and out.step == 12
-    assert (out.rids, unpack_ids(out.tokens).tolist(), out.finish) == (["a", "b", "c"], [40, 7, -1],
-                                                                      ["", "length", "abort"])
+    assert (out.rids, unpack_ids(out.tokens).tolist(), out.finish) == (["a", "b", "c", "d"], [40, 7, -1, 11],
+                                                                      ["", "length", "abort", ""])
     na, nb = out.new  # what only the engine knows; stop strings and the like go tokenizer -> detokenizer
     assert (na.rid, na.cached_prompt_tokens, nb.rid, nb.cached_prompt_tokens) == ("a", 8, "b", 0)
-    la, lb, lc = out.logprobs
-    assert lb is None and lc is None and la.logprob == -0.25
-    assert unpack_ids(la.top_ids).tolist() == [40, 41]
-    assert unpack_floats(la.top_logprobs).tolist() == [-0.25, -1.5]
+    # Columns over the rows: b and c did not ask (-1, NaN), d asked for its token's logprob alone (0).
+    assert out.logprobs is not None
+    lps, counts, top_ids, top_lps, starts = out.logprobs.rows(4)
+    assert counts == [2, -1, -1, 0] and lps[0] == -0.25 and lps[3] == -3.0 and all(map(math.isnan, lps[1:3]))
+    assert (top_ids, top_lps, starts) == ([40, 41], [-0.25, -1.5], [0, 2, 2, 2, 2])
+    with pytest.raises(MessageError):
+        out.logprobs.rows(3)  # columns of 4 rows in a step of 3
+    short = StepLogprobs(out.logprobs.logprobs, out.logprobs.counts, out.logprobs.top_ids[:4],
+                         out.logprobs.top_logprobs)
+    with pytest.raises(MessageError):
+        short.rows(4)  # 2 top entries counted, 1 sent
     assert step_output(3, [StepUpdate(c, [], "abort")]).logprobs is None  # nobody asked
 
 

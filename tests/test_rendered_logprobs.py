@@ -45,6 +45,8 @@ def reference_dumps(payload: Any) -> str:
 # Texts with what JSON escapes, non-ASCII, an empty one, and two ids sharing a text (a dict keeps one key).
 TEXTS = {0: "<s>", 1: " Once", 2: "\"q\"\\", 3: "é中", 4: "", 5: "\n\t\x01", 6: " Once", 7: "🙂", 8: "a"}
 floats = st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([-math.inf, 0.0, -0.0, -1e-30]))
+# A top table may hold any float32 (NaN and infinities are written by name, as json.dumps does).
+top_floats = st.one_of(floats, st.sampled_from([math.nan, math.inf]))
 token_ids = st.sampled_from(sorted(TEXTS))
 
 
@@ -52,7 +54,7 @@ token_ids = st.sampled_from(sorted(TEXTS))
 def entries(draw: Any) -> list[TokenLogprob]:
     out = []
     for i in range(draw(st.integers(0, 6))):
-        top = [TopLogprob(t, TEXTS[t], draw(floats)) for t in draw(st.lists(token_ids, max_size=5))]
+        top = [TopLogprob(t, TEXTS[t], draw(top_floats)) for t in draw(st.lists(token_ids, max_size=5))]
         first_prompt = i == 0 and draw(st.booleans())  # the echoed first prompt token: NaN, no top
         token = draw(token_ids)
         out.append(TokenLogprob(token, TEXTS[token], math.nan if first_prompt else draw(floats),

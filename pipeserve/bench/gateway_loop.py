@@ -7,7 +7,8 @@ of a plain 200-token stream, against the same stream on the idle server. Probes,
 the plain stream each run in their own process, so a busy client cannot delay a probe. Beside the
 latencies: the plain stream's tokens per SSE event (1: no token waited behind another's event)
 and the engine's step period over the loaded stream (from its step counter), the floor of its ITL
-whatever the gateway does: every running request gets one token per engine step.
+whatever the gateway does: every running request gets one token per engine step; and the CPU each
+process (server and clients) spent per engine step meanwhile, the budget that period is made of.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": ordered[-1] * 1e3}
 
 
+def cpu_seconds(pid: int) -> float:
+    """A live process's user + system CPU time so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_per_step(pids: dict[str, int], before: dict[str, float], steps: float) -> dict[str, float]:
+    """Each process's CPU milliseconds per engine step since `before` (its CPU seconds then)."""
+    return {name: (cpu_seconds(pid) - before[name]) * 1e3 / max(1.0, steps) for name, pid in pids.items()}
+
+
 def measure(cluster: LocalCluster, heavy_streams: int = 2) -> dict[str, Any]:
     url = cluster.http_url
     asyncio.run(stream(url, HEAVY | {"max_tokens": 8}))  # warm: the first requests pay one-time costs
@@ -95,8 +110,15 @@ def measure(cluster: LocalCluster, heavy_streams: int = 2) -> dict[str, Any]:
     steps_before, at_before = cluster.engine("steps"), time.monotonic()
     plain = mp.Process(target=streamed, args=(url, PLAIN, out["plain"]))
     plain.start()
+    # Where the CPU goes while the plain stream runs: the server's processes and the clients, which
+    # share the machine's cores with them.
+    pids = cluster.processes() | {"plain client": plain.pid or 0} | {
+        f"heavy client {i}": proc.pid or 0 for i, proc in enumerate(heavy)} | {
+        f"{name} probe": proc.pid or 0 for name, proc in zip(("health", "metrics"), probes, strict=True)}
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     plain_times = out["plain"].get()
     steps_after, at_after = cluster.engine("steps"), time.monotonic()
+    cpu = cpu_per_step(pids, cpu_before, steps_after - steps_before)
     loaded = gaps(plain_times)
     events = [len(out[f"heavy{i}"].get()) for i in range(heavy_streams)]
     stop.set()
@@ -108,6 +130,8 @@ def measure(cluster: LocalCluster, heavy_streams: int = 2) -> dict[str, Any]:
         # period is good to a few per cent.
         "engine_step_ms_loaded": (at_after - at_before) * 1e3 / max(1.0, steps_after - steps_before),
         "heavy_stream_events": events,
+        "cpu_ms_per_step_loaded": cpu,
+        "cpu_ms_per_step_loaded_total": sum(cpu.values()),
     }
     for proc in [*probes, *heavy, plain]:
         proc.join()
@@ -143,6 +167,10 @@ def main(args: argparse.Namespace) -> int:
                 f"{result['plain_tokens_per_event_loaded']:.2f} tokens per event; engine step "
                 f"{result['engine_step_ms_loaded']:.1f} ms under the load; load average "
                 f"{load_before[0]:.1f} before")
+    print_table("CPU per engine step while the plain stream runs beside the heavy ones",
+                ["process", "CPU ms per step"], sorted(result["cpu_ms_per_step_loaded"].items()),
+                caption=f"total {result['cpu_ms_per_step_loaded_total']:.2f} ms per step on "
+                f"{len(os.sched_getaffinity(0))} cores")
     if args.json:
         print(f"wrote {write_json(args.json, result)}")
     return 0

@@ -7,7 +7,6 @@ from typing import Any
 from pipeserve.messages import (
     MessageError,
     PromptLogprobs,
-    StepLogprobs,
     TokenLogprob,
     TopLogprob,
     unpack_floats,
@@ -41,13 +40,14 @@ class TokenTexts:
         return text
 
 
-def format_logprobs(token_id: int, row: StepLogprobs, texts: TokenTexts) -> TokenLogprob:
-    """One sampled token's StepLogprobs with each id's text, as the gateway sends them."""
-    top_ids = unpack_ids(row.top_ids).tolist()
-    top_lps = unpack_floats(row.top_logprobs).tolist()
-    if len(top_lps) != len(top_ids):
-        raise MessageError(f"{len(top_ids)} top ids but {len(top_lps)} top logprobs")
-    return _entry(token_id, row.logprob, top_ids, top_lps, texts)
+# One row of a step's StepLogprobs: the sampled token's logprob, its top ids and their logprobs.
+RowLogprobs = tuple[float, list[int], list[float]]
+
+
+def format_logprobs(token_id: int, logprob: float, top_ids: list[int], top_lps: list[float],
+                    texts: TokenTexts) -> TokenLogprob:
+    """One sampled token's logprobs with each id's text, as the gateway sends them."""
+    return _entry(token_id, logprob, top_ids, top_lps, texts)
 
 
 def prompt_rows(prompt: PromptLogprobs) -> list[tuple[int, float, list[int], list[float]]]:

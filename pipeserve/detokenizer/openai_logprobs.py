@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pipeserve.detokenizer.logprobs import TokenTexts
@@ -29,6 +30,12 @@ def _dumps(value: object) -> str:
 def _float(value: float) -> str:
     """A float as json.dumps spells it (repr; NaN and infinities by name)."""
     return float.__repr__(value) if math.isfinite(value) else _dumps(value)
+
+
+def _floats(values: list[float]) -> Iterable[str]:
+    """Each float as json.dumps spells it; when every one is finite (their sum is: logprobs never
+    overflow it), by repr alone, without a call per value."""
+    return map(float.__repr__, values) if math.isfinite(sum(values)) else map(_float, values)
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Renderer:
     def __init__(self, texts: TokenTexts) -> None:
         self.texts = texts
         self._token: dict[int, str] = {}  # id -> its text as a JSON string
+        self._key: dict[int, str] = {}  # id -> its text as a JSON object's key, '"text":'
         self._chat: dict[int, tuple[str, str]] = {}  # id -> ('{"token":T,"logprob":', ',"bytes":[..]')
 
     def pieces(self, fmt: str) -> Pieces:
@@ -61,8 +69,8 @@ class Renderer:
         into.lengths.append(len(self.texts[token_id]))
         if fmt == CHAT:
             head, tail = self._chat_parts(token_id)
-            tops = ",".join(f"{top[0]}{_float(lp)}{top[1]}}}" for top, lp in
-                            zip(map(self._chat_parts, top_ids), top_logprobs, strict=True))
+            tops = ",".join([f"{top[0]}{lp}{top[1]}}}" for top, lp in
+                             zip(map(self._chat_parts, top_ids), _floats(top_logprobs), strict=True)])
             into.arrays[0].append(f'{head}{_float(logprob)}{tail},"top_logprobs":[{tops}]}}')
             return
         tokens, values, tops_out = into.arrays
@@ -72,15 +80,24 @@ class Renderer:
             tops_out.append("null")
             return
         values.append(_float(logprob))
-        # A dict, as OpenAI's top_logprobs is: ids whose texts are equal keep one key (the last value).
-        texts = self.texts
-        tops_out.append(_dumps({texts[t]: lp for t, lp in zip(top_ids, top_logprobs, strict=True)}))
+        # A dict, as OpenAI's top_logprobs is: joined from each id's cached key; ids whose texts are
+        # equal keep one key (the last value), as json.dumps of the dict writes them.
+        keys = [self._key.get(t) or self._key_json(t) for t in top_ids]
+        if len(set(keys)) == len(keys):
+            tops_out.append("{" + ",".join(map(str.__add__, keys, _floats(top_logprobs))) + "}")
+        else:
+            texts = self.texts
+            tops_out.append(_dumps({texts[t]: lp for t, lp in zip(top_ids, top_logprobs, strict=True)}))
 
     def _token_json(self, token_id: int) -> str:
         text = self._token.get(token_id)
         if text is None:
             text = self._token[token_id] = _dumps(self.texts[token_id])
         return text
+
+    def _key_json(self, token_id: int) -> str:
+        key = self._key[token_id] = self._token_json(token_id) + ":"
+        return key
 
     def _chat_parts(self, token_id: int) -> tuple[str, str]:
         parts = self._chat.get(token_id)

@@ -22,7 +22,13 @@ from typing import Any
 import zmq
 
 from pipeserve.detokenizer.incremental import IncrementalDetokenizer, RequestText, make_decoder, skipped_ids
-from pipeserve.detokenizer.logprobs import TokenTexts, format_logprobs, format_prompt_logprobs, prompt_rows
+from pipeserve.detokenizer.logprobs import (
+    RowLogprobs,
+    TokenTexts,
+    format_logprobs,
+    format_prompt_logprobs,
+    prompt_rows,
+)
 from pipeserve.detokenizer.openai_logprobs import Pieces, Renderer
 from pipeserve.messages import (
     LOGPROBS_FORMATS,
@@ -32,14 +38,12 @@ from pipeserve.messages import (
     MessageError,
     NewRequestInfo,
     PromptLogprobs,
-    StepLogprobs,
     StepOutput,
     TextDeltas,
     TokenLogprob,
     decode,
     encode,
     pack_ids,
-    unpack_floats,
     unpack_ids,
 )
 from pipeserve.tokenizer.load import load_for
@@ -72,7 +76,7 @@ class Early:
     """A request whose first step came before its settings: what the engine said, held."""
 
     info: NewRequestInfo
-    steps: list[tuple[int, str, StepLogprobs | None]] = field(default_factory=list)  # token, finish, logprobs
+    steps: list[tuple[int, str, RowLogprobs | None]] = field(default_factory=list)  # token, finish, logprobs
 
 
 @dataclass
@@ -143,11 +147,16 @@ class Detokenizer:
 
     def process(self, step: StepOutput, rows: dict[str, Row]) -> list[tuple[int, str]]:
         """Fold one step into rows (by rid)."""
-        tokens = unpack_ids(step.tokens)
+        tokens = unpack_ids(step.tokens).tolist()
         n = len(step.rids)
-        lp_rows = n if step.logprobs is None else len(step.logprobs)
-        if len(tokens) != n or len(step.finish) != n or lp_rows != n:
+        if len(tokens) != n or len(step.finish) != n:
             raise MessageError(f"step {step.step}: {n} rids, {len(tokens)} tokens, {len(step.finish)} finish")
+        columns = None
+        if step.logprobs is not None:
+            try:
+                columns = step.logprobs.rows(n)
+            except MessageError as exc:  # the tokens stand without them
+                log.warning("dropping the malformed logprobs of step %d: %s", step.step, exc)
         # Every step counts, the idle heartbeat too: a new engine sends one as it comes up, before the
         # gateway routes it anything, so the states of that engine held now are all its predecessor's.
         last = self.last_step.get(step.engine, -1)
@@ -177,16 +186,19 @@ class Detokenizer:
                 log.warning("dropping %s: over %d requests wait for their settings", info.rid, MAX_EARLY)
         stopped = []
         for i, rid in enumerate(step.rids):
-            lp = step.logprobs[i] if step.logprobs is not None else None
+            lp: RowLogprobs | None = None
+            if columns is not None and columns[1][i] >= 0:
+                lps, _, top_ids, top_lps, starts = columns
+                lp = (lps[i], top_ids[starts[i]:starts[i + 1]], top_lps[starts[i]:starts[i + 1]])
             state = self.requests.get(rid)
             if state is None:
                 early = self.early.get(rid)
                 if early is not None:
-                    early.steps.append((int(tokens[i]), step.finish[i], lp))
+                    early.steps.append((tokens[i], step.finish[i], lp))
                 elif step.finish[i]:
                     self.gone.pop(rid, None)
                 continue
-            if self._feed(rid, state, int(tokens[i]), step.finish[i], lp, rows):
+            if self._feed(rid, state, tokens[i], step.finish[i], lp, rows):
                 stopped.append((state.engine, rid))
         return stopped
 
@@ -206,7 +218,7 @@ class Detokenizer:
             except MessageError as exc:
                 log.warning("dropping malformed prompt logprobs of %s: %s", info.rid, exc)
 
-    def _feed(self, rid: str, state: RequestState, token: int, finish: str, lp: StepLogprobs | None,
+    def _feed(self, rid: str, state: RequestState, token: int, finish: str, lp: RowLogprobs | None,
               rows: dict[str, Row]) -> bool:
         """One step's token (-1: none) and finish of a request into its row; whether a stop string
         ended it while it runs (the engine must be told)."""
@@ -220,29 +232,19 @@ class Detokenizer:
         if ids:
             row.tokens.append(token)
             if state.logprobs and lp is not None:
-                try:
-                    if state.logprobs_format:
-                        self._render(row, state.logprobs_format, token, lp)
-                    else:
-                        entry = format_logprobs(token, lp, self.texts)
-                        row.logprobs = row.logprobs if row.logprobs is not None else []
-                        row.logprobs.append(entry)
-                except MessageError as exc:
-                    log.warning("dropping malformed logprobs of %s: %s", rid, exc)
+                if state.logprobs_format:
+                    if row.logprobs_json is None:
+                        row.logprobs_json = self.renderer.pieces(state.logprobs_format)
+                    self.renderer.add(row.logprobs_json, state.logprobs_format, token, *lp)
+                else:
+                    row.logprobs = row.logprobs if row.logprobs is not None else []
+                    row.logprobs.append(format_logprobs(token, *lp, self.texts))
         update = state.text.feed(ids, finish)
         row.text.append(update.text)
         if update.finish:
             row.finish = update.finish
             del self.requests[rid]
         return update.abort
-
-    def _render(self, row: Row, fmt: str, token: int, lp: StepLogprobs) -> None:
-        top_ids, top_lps = unpack_ids(lp.top_ids).tolist(), unpack_floats(lp.top_logprobs).tolist()
-        if len(top_ids) != len(top_lps):
-            raise MessageError(f"{len(top_ids)} top ids but {len(top_lps)} top logprobs")
-        if row.logprobs_json is None:
-            row.logprobs_json = self.renderer.pieces(fmt)
-        self.renderer.add(row.logprobs_json, fmt, token, lp.logprob, top_ids, top_lps)
 
     def _render_prompt(self, prompt: PromptLogprobs, fmt: str) -> LogprobsJSON:
         """Prompt logprobs rendered (the first token has none: NaN, no top)."""

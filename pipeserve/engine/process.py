@@ -31,11 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from pipeserve import config as cfg
 from pipeserve.config import Addresses, EngineConfig, InternalAuth, engine_endpoint
-from pipeserve.engine.sequence import StepUpdate, one_token_updates
+from pipeserve.engine.sequence import StepUpdate, TokenLogprobs, one_token_updates
 from pipeserve.lora import LoRAError, LoRARequest
 from pipeserve.messages import (
     MAX_MESSAGE_BYTES,
@@ -80,22 +81,28 @@ def step_output(step: int, updates: list[StepUpdate], engine: int = 0) -> StepOu
                                         pack_ids(lp.top_ids.ravel()), pack_floats(lp.top_logprobs.ravel()))
             embedding = None if u.embedding is None else pack_floats(u.embedding)
             new.append(NewRequestInfo(seq.rid, seq.num_cached_tokens, queued, prompt, embedding))
-    logprobs: list[StepLogprobs | None] | None = None
-    if any(u.logprobs for u in updates):
-        logprobs = [
-            StepLogprobs(u.logprobs[0].logprob, pack_ids(u.logprobs[0].top_ids),
-                         pack_floats(u.logprobs[0].top_logprobs)) if u.logprobs else None
-            for u in updates
-        ]
     return StepOutput(
         step=step,
         rids=[u.seq.rid for u in updates],
         tokens=pack_ids([u.token_ids[0] if u.token_ids else -1 for u in updates]),
         finish=[u.finish_reason for u in updates],
         new=new,
-        logprobs=logprobs,
+        logprobs=step_logprobs([u.logprobs[0] if u.logprobs else None for u in updates]),
         engine=engine,
     )
+
+
+def step_logprobs(rows: list[TokenLogprobs | None]) -> StepLogprobs | None:
+    """The rows' logprobs as the wire's columns (None where no row asked): one array each, the top
+    tables joined by one concatenate, never a message object per row."""
+    asked = [row for row in rows if row is not None]
+    if not asked:
+        return None
+    counts = np.array([-1 if row is None else len(row.top_ids) for row in rows], dtype=np.int32)
+    lps = np.array([np.nan if row is None else row.logprob for row in rows], dtype=np.float32)
+    top_ids = np.concatenate([row.top_ids for row in asked])
+    top_lps = np.concatenate([row.top_logprobs for row in asked])
+    return StepLogprobs(pack_floats(lps), pack_ids(counts), pack_ids(top_ids), pack_floats(top_lps))
 
 
 class EngineLoop:
