@@ -31,8 +31,8 @@ from pipeserve.sampling_params import SamplingParams
 
 # 2: nested typed fields (sampling, new, logprobs, info, messages); status socket. 3: detokenizer
 # settings from the tokenizer (DetokenizeRequest), aborts through the tokenizers, engine counters only
-# on the status socket.
-VERSION = 3
+# on the status socket. 4: a step's logprobs columnar (StepLogprobs).
+VERSION = 4
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest batched step or request we accept
 # Prompt ids a DetokenizeRequest carries: the incremental detokenizer's left context
 # (pipeserve.detokenizer.incremental.MAX_CONTEXT is this value).

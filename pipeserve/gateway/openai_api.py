@@ -288,10 +288,13 @@ class Choice:
     tools: ToolOutput | None = None  # chat with tools: its text read as tool calls
     reasoning: ReasoningParser | None = None  # --reasoning-parser: chat text split into reasoning first
 
-    def add(self, rows: list[Delta]) -> None:
+    def add(self, rows: list[Delta], logprobs: bool = True) -> None:
+        """The rows' output kept for the response; logprobs False: not their logprobs (a stream
+        sends them as they come and never reads them again)."""
         for row in rows:
             self.text.append(row.text)
-            self.logprobs.add(row.logprobs_json)
+            if logprobs:
+                self.logprobs.add(row.logprobs_json)
             self.ids += row.ids.tolist()
             if row.prompt_logprobs_json is not None:
                 self.prompt_logprobs = Logprobs([row.prompt_logprobs_json])
@@ -761,7 +764,7 @@ class OpenAIServer:
         entries = Logprobs(r.logprobs_json for r in rows)
         ids = [int(i) for r in rows for i in r.ids] if call.return_token_ids else []
         first_of_choice = not c.sent
-        c.add(rows)
+        c.add(rows, logprobs=False)
         if not text and not entries and not ids and not last and not first_of_choice:
             return b""  # nothing a client reads (e.g. text held back by the detokenizer)
         if first_of_choice and not call.generated and not last:
