@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeserve.engine.sampler import Sampler, mix32, uniform, vocab_keys
+from pipeserve.engine.sampler import Sampler, mix32, race, row_keys, uniform, uniform_rows, vocab_keys
 from pipeserve.sampling_params import SamplingParams
 from tests.conftest import TEST_DEVICE
 from tests.kernel_utils import DEVICE
@@ -69,6 +69,35 @@ def test_uniform_is_a_pure_function_in_the_open_interval():
     alone = uniform(seeds[2:3], steps[2:3], keys)
     assert torch.equal(alone[0], u[2])
     assert not torch.equal(u[0], u[1])
+
+
+def test_row_keys_hash_the_same_on_the_host_and_the_device():
+    """The sampler hashes its rows' keys from host mirrors (numpy): every int64 seed (negative ones
+    too) and step gives the bits the device path gives, so the noise, and the tokens, are the same."""
+    rng = np.random.default_rng(0)
+    seeds = np.concatenate([rng.integers(-2**63, 2**63 - 1, 500, dtype=np.int64),
+                            np.array([0, -1, 2**63 - 1, -2**63, 2**32, 2**32 - 1], dtype=np.int64)])
+    steps = rng.integers(0, 2**40, len(seeds), dtype=np.int64)
+    host = row_keys(seeds, steps)
+    device = row_keys(torch.from_numpy(seeds).to(DEVICE), torch.from_numpy(steps).to(DEVICE))
+    assert host.dtype == np.int64 and host.tolist() == device.cpu().tolist()
+    keys = vocab_keys(64, DEVICE)
+    rows = torch.from_numpy(host).to(DEVICE)
+    assert torch.equal(uniform_rows(rows, keys), uniform(torch.from_numpy(seeds).to(DEVICE),
+                                                         torch.from_numpy(steps).to(DEVICE), keys))
+
+
+def test_sampled_tokens_race_the_noise_of_their_seed_and_step():
+    sampler = Sampler(4, 64, DEVICE)
+    for slot, seed in enumerate((3, -5, 2**62 + 1)):
+        sampler.set_request(slot, SamplingParams(temperature=0.7, seed=seed), [1], [], [0])
+    slots = np.array([2, 0, 1])
+    slots_t = torch.from_numpy(slots).to(DEVICE)
+    for step in range(5):
+        logits = randn(3, 64, seed=step)
+        steps = sampler.generated[slots_t].clone()
+        want = race(logits / sampler.temperature[slots_t, None], sampler.noise(slots_t, steps))
+        assert sample(sampler, logits, slots.tolist()).tokens.cpu().tolist() == want.cpu().tolist()
 
 
 def test_greedy_is_argmax_for_any_float_dtype():

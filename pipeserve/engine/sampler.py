@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -45,7 +45,11 @@ _MUL1 = _signed32(0x7FEB352D)
 _MUL2 = _signed32(0x846CA68B)
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
+# What the hash runs on: int64 torch tensors, or int64 numpy arrays (the same ops give the same bits).
+Bits = TypeVar("Bits", torch.Tensor, np.ndarray)
+
+
+def mix32(x: Bits) -> Bits:
     """lowbias32 (Wellons' hash prospector), a bijection on 32-bit values held in int64 [0, 2**32)."""
     x = x ^ (x >> 16)
     x = (x * _MUL1) & _MASK32
@@ -60,9 +64,19 @@ def vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
     return mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _VOCAB_SALT)
 
 
+def row_keys(seeds: Bits, steps: Bits) -> Bits:
+    """Each row's key [B] from its (seed, step), int64: on the device, or on the host (numpy), where
+    these few ops over B values cost a fraction of as many device op launches."""
+    return mix32((seeds & _MASK32) ^ mix32((seeds >> 32) ^ mix32((steps & _MASK32) ^ _STEP_SALT)))
+
+
 def uniform(seeds: torch.Tensor, steps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """float32 [B, V] in (0, 1): a pure function of (seed, step, vocab index) per element."""
-    row = mix32((seeds & _MASK32) ^ mix32((seeds >> 32) ^ mix32((steps & _MASK32) ^ _STEP_SALT)))
+    return uniform_rows(row_keys(seeds, steps), keys)
+
+
+def uniform_rows(row: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`uniform` of the rows' keys (`row_keys`)."""
     bits = mix32(row[:, None] ^ keys[None, :])
     # The top 24 bits fit float32 exactly; the half offset keeps u away from 0 and 1.
     return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
@@ -130,6 +144,7 @@ class Sampler:
         self._logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs
         self._min_tokens = np.zeros(n, dtype=np.int64)
         self._generated = np.zeros(n, dtype=np.int64)
+        self._seed = np.zeros(n, dtype=np.int64)
         if dev.type == "cpu":  # one counter: the device tensor is a view of the host mirror
             self.generated = torch.from_numpy(self._generated)
         self._rng = np.random.default_rng(seed)
@@ -192,6 +207,7 @@ class Sampler:
         self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._min_tokens[slot] = min_tokens
         self._generated[slot] = len(output_ids)
+        self._seed[slot] = seed
 
     def free(self, slot: int) -> None:
         """Neutralise the slot's host mirrors; device rows are rewritten by the next set_request."""
@@ -281,8 +297,7 @@ class Sampler:
         if greedy.all():
             tokens = x.argmax(-1)
         else:
-            steps = self.generated[slots_t] if offsets is None else self.generated[slots_t] + offsets[1]
-            tokens = self._race(self.filtered_logits(x, slots, slots_t), slots_t, steps)
+            tokens = self._race(self.filtered_logits(x, slots, slots_t), slots, host_steps)
             if greedy.any():
                 tokens = torch.where(self.greedy[slots_t], x.argmax(-1), tokens)
         out = SampleOutput(tokens)
@@ -362,9 +377,11 @@ class Sampler:
             x = x.masked_fill(x < floor, float("-inf"))
         return x
 
-    def _race(self, x: torch.Tensor, slots_t: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        # Exponential race (Gumbel-max): argmax p / E with E = -log(u), taken in log space.
-        return race(x, self.noise(slots_t, steps))
+    def _race(self, x: torch.Tensor, slots: np.ndarray, host_steps: np.ndarray) -> torch.Tensor:
+        # Exponential race (Gumbel-max): argmax p / E with E = -log(u), taken in log space. The noise
+        # is `noise`'s, its row keys hashed from the host mirrors.
+        rows = upload(row_keys(self._seed[slots], host_steps), x.device)
+        return race(x, uniform_rows(rows, self.vocab_keys))
 
     def _top_k_top_p(
         self, x: torch.Tensor, slots_t: torch.Tensor, k_max: int, use_top_p: bool
