@@ -455,11 +455,25 @@ def _build(cls: type, body: dict[str, Any], where: str) -> Any:
         raise MessageError(f"{where}: {exc}") from exc
 
 
+_SHAPES: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+
+
+def _shape(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """An annotation's origin and arguments, looked up once per annotation (a step's thousands of
+    values share a handful)."""
+    shape = _SHAPES.get(hint)
+    if shape is None:
+        shape = _SHAPES[hint] = (typing.get_origin(hint), typing.get_args(hint))
+    return shape
+
+
 def _convert(value: Any, hint: Any, where: str) -> Any:
     """value checked strictly against a dataclass annotation; nested dataclasses are built."""
-    origin = typing.get_origin(hint)
+    origin, args = _shape(hint)
     if origin in (types.UnionType, typing.Union):
-        for option in typing.get_args(hint):
+        if value is None and type(None) in args:
+            return None
+        for option in args:
             try:
                 return _convert(value, option, where)
             except MessageError:
@@ -478,14 +492,14 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     elif origin is list:
         if not isinstance(value, list):
             raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(hint) or (Any,)
-        if item is Any:
+        (item,) = args or (Any,)
+        if item is Any or (item in (str, bytes) and all(isinstance(v, item) for v in value)):
             return value
         return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise MessageError(f"{where}: expected a map with string keys, got {type(value).__name__}")
-        key, item = typing.get_args(hint) or (str, Any)
+        key, item = args or (str, Any)
         if key is int:
             try:
                 value = {int(k): v for k, v in value.items()}
