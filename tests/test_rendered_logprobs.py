@@ -123,3 +123,15 @@ def test_empty_rows_carry_nothing() -> None:
     assert not Logprobs([empty, None])
     assert dumps(Logprobs([empty]).completion(7)) == reference_dumps(reference_completion([], 7))
     assert dumps(Logprobs().chat()) == reference_dumps(reference_chat([]))
+
+
+def test_a_chunk_event_is_its_payload_as_sse_writes_it() -> None:
+    """A stream event joins the call's head, written once, with each choice: byte for byte what
+    sse() of the merged payload writes, in both kinds of call, spliced logprobs included."""
+    from pipeserve.gateway.openai_api import Call, sse
+
+    for chat in (False, True):
+        call = Call(chat, "m\u00e9\"", [], 1, True, rid="cmpl-1")
+        for text in ("", "x\u4e2d\n", '"q"'):
+            choice = {"index": 3, "text": text, "logprobs": Raw('{"tokens":["a"]}'), "finish_reason": None}
+            assert call.chunk_event(choice) == sse(call.head(True) | {"choices": [choice]})

@@ -340,6 +340,7 @@ class Call:
     tools: ToolPlan | None = None  # chat with tools
     reasoning: type[ReasoningParser] | None = None  # chat under --reasoning-parser
     created: int = field(default_factory=lambda: int(time.time()))
+    _chunk_head: str = field(default="", init=False, repr=False)  # chunk_event's, written once
 
     @property
     def kind(self) -> str:
@@ -348,6 +349,13 @@ class Call:
     def head(self, chunk: bool) -> dict[str, Any]:
         return {"id": self.rid, "object": self.kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model}
+
+    def chunk_event(self, choice: dict[str, Any]) -> bytes:
+        """sse(head(True) | {"choices": [choice]}), byte for byte, with the head written once per call
+        rather than once per event of each choice."""
+        if not self._chunk_head:
+            self._chunk_head = dumps(self.head(True))[:-1] + ',"choices":['
+        return b"data: " + (self._chunk_head + dumps(choice) + "]}").encode() + b"\n\n"
 
     def choice(self, c: Choice, text: str, entries: Logprobs, finish: str | None, first: bool,
                chunk: bool, ids: list[int]) -> dict[str, Any]:
@@ -778,7 +786,7 @@ class OpenAIServer:
             return b"".join(sse(chunk) for chunk in
                             call.chat_chunks(c, text, entries, finish, first_of_choice, ids))
         choice = call.choice(c, text, entries, finish, first_of_choice, True, ids)
-        return sse(call.head(True) | {"choices": [choice]})
+        return call.chunk_event(choice)
 
     async def _merged(self, call: Call) -> AsyncGenerator[list[Output], None]:
         """Every choice's output in arrival order, in batches of what arrived together (one choice:
