@@ -44,12 +44,6 @@ class TokenTexts:
 RowLogprobs = tuple[float, list[int], list[float]]
 
 
-def format_logprobs(token_id: int, logprob: float, top_ids: list[int], top_lps: list[float],
-                    texts: TokenTexts) -> TokenLogprob:
-    """One sampled token's logprobs with each id's text, as the gateway sends them."""
-    return _entry(token_id, logprob, top_ids, top_lps, texts)
-
-
 def prompt_rows(prompt: PromptLogprobs) -> list[tuple[int, float, list[int], list[float]]]:
     """Every prompt token: its id, its logprob (NaN for the first) and its top alternatives (none for
     the first), checked."""
@@ -67,10 +61,11 @@ def prompt_rows(prompt: PromptLogprobs) -> list[tuple[int, float, list[int], lis
 
 def format_prompt_logprobs(prompt: PromptLogprobs, texts: TokenTexts) -> list[TokenLogprob]:
     """Every prompt token with its logprob (NaN for the first) and top alternatives, with texts."""
-    return [_entry(*row, texts) for row in prompt_rows(prompt)]
+    return [format_logprobs(*row, texts) for row in prompt_rows(prompt)]
 
 
-def _entry(token_id: int, logprob: float, top_ids: list[int], top_lps: list[float],
-           texts: TokenTexts) -> TokenLogprob:
+def format_logprobs(token_id: int, logprob: float, top_ids: list[int], top_lps: list[float],
+                    texts: TokenTexts) -> TokenLogprob:
+    """One token's logprob and top alternatives with each id's text, as the gateway sends them."""
     top = [TopLogprob(t, texts[t], lp) for t, lp in zip(top_ids, top_lps, strict=True)]
     return TokenLogprob(token_id, texts[token_id], logprob, top)

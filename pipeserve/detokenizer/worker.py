@@ -151,10 +151,10 @@ class Detokenizer:
         n = len(step.rids)
         if len(tokens) != n or len(step.finish) != n:
             raise MessageError(f"step {step.step}: {n} rids, {len(tokens)} tokens, {len(step.finish)} finish")
-        columns = None
+        counts: list[int] = []  # each row's top count (-1: no logprobs), empty when the step has none
         if step.logprobs is not None:
             try:
-                columns = step.logprobs.rows(n)
+                lps, counts, top_ids, top_lps, starts = step.logprobs.rows(n)
             except MessageError as exc:  # the tokens stand without them
                 log.warning("dropping the malformed logprobs of step %d: %s", step.step, exc)
         # Every step counts, the idle heartbeat too: a new engine sends one as it comes up, before the
@@ -187,8 +187,7 @@ class Detokenizer:
         stopped = []
         for i, rid in enumerate(step.rids):
             lp: RowLogprobs | None = None
-            if columns is not None and columns[1][i] >= 0:
-                lps, _, top_ids, top_lps, starts = columns
+            if counts and counts[i] >= 0:
                 lp = (lps[i], top_ids[starts[i]:starts[i + 1]], top_lps[starts[i]:starts[i + 1]])
             state = self.requests.get(rid)
             if state is None:

@@ -24,7 +24,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(PIPESERVE_AVX512) && defined(__linux__)
 #define PIPESERVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -271,7 +271,7 @@ inline void drain(float* y, int64_t y_stride, int64_t rows, int64_t cols, const 
   for (int j = 0; j < PB; ++j) {
     const int64_t left = cols - j * kLanes;
     if (left <= 0) break;
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 mask = pipeserve::lanes(left);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kLanes) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; ++i)
       _mm512_mask_storeu_ps(y + i * y_stride + j * kLanes, mask, _mm512_add_ps(_mm512_load_ps(c[j][i]), b));

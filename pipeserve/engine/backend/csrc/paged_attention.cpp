@@ -215,6 +215,13 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) { return pipeserve::load_bf16x16(reinterpret_cast<const uint16_t*>(p)); }
 
+// One head's row of a cache (D values) requested into L2: a row of the next page, read after this one.
+template <typename T, int D>
+inline void prefetch_row(const T* row) {
+  for (size_t byte = 0; byte < D * sizeof(T); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T1);
+}
+
 // Lane j of the result = the sum of v[j]'s 16 lanes: 16 dot products finished by one
 // transpose-and-add tree (15 adds, 30 shuffles) instead of 16 horizontal reductions, whose dependent
 // shuffle chains bound the key loop.
@@ -251,9 +258,7 @@ void scores_avx512(const float* __restrict qh, const T* __restrict k, int64_t to
     const int block = std::min(16, count - j0);
     for (int j = 0; j < block; ++j) {
       const T* row = k + (j0 + j) * token_stride;
-      if (pf != nullptr)
-        for (size_t byte = 0; byte < D * sizeof(T); byte += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + (j0 + j) * token_stride) + byte, _MM_HINT_T1);
+      if (pf != nullptr) prefetch_row<T, D>(pf + (j0 + j) * token_stride);
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(row + c * 16);
       for (int g = 0; g < G; ++g) {
@@ -285,9 +290,7 @@ void values_avx512(const float* __restrict p, int n, const T* __restrict v, int6
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(acc_out + g * D + c * 16);
   for (int j = 0; j < count; ++j) {
     const T* row = v + j * token_stride;
-    if (pf != nullptr)
-      for (size_t byte = 0; byte < D * sizeof(T); byte += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + j * token_stride) + byte, _MM_HINT_T1);
+    if (pf != nullptr) prefetch_row<T, D>(pf + j * token_stride);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(row + c * 16);
     for (int g = 0; g < G; ++g) {

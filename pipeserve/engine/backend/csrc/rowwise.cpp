@@ -8,7 +8,6 @@
 // and round to bf16 where the torch ops they replace do (the reference backend's order): the residual
 // sum, the normalized row before the weight, the weighted row; SiLU before the product, the product;
 // RoPE once, at the end.
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -24,18 +23,8 @@ inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 #if defined(PIPESERVE_AVX512)
 using pipeserve::lanes;
 using pipeserve::load_bf16x16;
+using pipeserve::round_bf16x16;
 using pipeserve::store_bf16x16;
-
-inline __m512 round_bf16x16(__m512 x) {  // round_bf16, 16 lanes: store_bf16x16's rounding, kept in fp32
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd),
-                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                            _mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
-                                            _mm512_set1_epi32(0x400000)));
-  return _mm512_castsi512_ps(r);
-}
 
 // rms_norm_bf16 (below) 16 channels at a time: the same roundings.
 void rms_norm_bf16_avx512(const uint16_t* x, const uint16_t* add, const uint16_t* w, float eps, uint16_t* out,
@@ -91,19 +80,9 @@ void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t 
     store_bf16x16(out + i, _mm512_mul_ps(act, load_bf16x16(u + i, m)), m);
   }
 #else
-  constexpr int64_t kChunk = 256;  // converted to fp32 a chunk at a time, so the math vectorizes
-  float gf[kChunk], uf[kChunk], act[kChunk];
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t len = std::min(kChunk, n - c);
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      gf[i] = bf16_to_float(g[c + i]);
-      uf[i] = bf16_to_float(u[c + i]);
-    }
-    pipeserve::silu_mul(gf, nullptr, act, len);
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) out[c + i] = float_to_bf16(round_bf16(act[i]) * uf[i]);
-  }
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = float_to_bf16(round_bf16(pipeserve::silu(bf16_to_float(g[i]))) * bf16_to_float(u[i]));
 #endif
 }
 

@@ -56,15 +56,21 @@ inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask = 0xFFFF) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// float_to_bf16 of 16 lanes (the first `mask` stored): the same rounding bit for bit, denormals and
-// NaN included (AVX512-BF16's conversion treats denormal inputs as zero).
-inline void store_bf16x16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
+// float_to_bf16 of 16 lanes, kept in fp32 (the low 16 bits zero): the same rounding bit for bit,
+// denormals and NaN included (AVX512-BF16's conversion treats denormal inputs as zero).
+inline __m512 round_bf16x16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
-  const __m512i high = _mm512_srli_epi32(bits, 16);
-  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), top);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                            _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+                            _mm512_or_si512(_mm512_and_si512(bits, top), _mm512_set1_epi32(0x400000)));
+  return _mm512_castsi512_ps(r);
+}
+
+// float_to_bf16 of 16 lanes (the first `mask` stored).
+inline void store_bf16x16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(x)), 16);
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(r));
 }
 
@@ -132,13 +138,8 @@ inline float silu(float g) {
   return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
 }
 
-// out = silu(gate) * up over n channels (silu(gate) alone when up is null).
+// out = silu(gate) * up over n channels.
 inline void silu_mul(const float* __restrict g, const float* __restrict u, float* __restrict out, int64_t n) {
-  if (u == nullptr) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = silu(g[i]);
-    return;
-  }
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = silu(g[i]) * u[i];
 }
