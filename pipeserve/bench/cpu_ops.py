@@ -69,7 +69,7 @@ def linear_rows(shapes: list[tuple[int, int]], rows: list[int], repeats: int) ->
     out = []
     for n, k in shapes:
         weights = [torch.randn(n, k) for _ in range(max(1, (64 << 20) // (n * k * 4)))]
-        packed = [native.pack_weight(w) for w in weights]
+        packed = native.pack_weights(weights)
         for m in rows:
             x = torch.randn(m, k)
 

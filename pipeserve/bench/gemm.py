@@ -80,7 +80,7 @@ def measure(dtype: torch.dtype, n: int, k: int, rows: list[int], repeats: int,
 
     # Copies totalling 64 MB: a model's weights are not in the core's caches when its step reaches them.
     weights = [torch.randn(n, k).to(dtype) for _ in range(max(1, (64 << 20) // (n * k * dtype.itemsize)))]
-    packed = [native.pack_weight(w) for w in weights]
+    packed = native.pack_weights(weights)
     packed_us, gemm_us, ceiling = [], [], []
     a, b = torch.randn(SQUARE, SQUARE, dtype=dtype), torch.randn(SQUARE, SQUARE, dtype=dtype)
     for m in rows:

@@ -13,7 +13,8 @@ as bf16 (half the bytes a decode step streams) and multiplied with fp32 accumula
 Once a product is compute-bound a cache-blocked GEMM wins: where the table says oneDNN beats the
 packed product for this shape and dtype, the layer also keeps the weight in oneDNN's layout
 (reordered once) and rows from `gemm_from` on take it. Where it never wins, the layer keeps only
-the packed copy (the weight's bytes, rounded up to 16 output rows).
+the packed copy (the weight's bytes, rounded up to 16 output rows). A model's packed weights lie
+together on transparent huge pages (engine/host_memory.py), which a decode step streams faster.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ MIN_ELEMENTS = 256 * 1024  # smaller weights: the call's own cost outweighs what
 
 class CpuLinear(nn.Module):
     """nn.Linear with its weight packed for the native product (the [N, K] weight is not kept), and
-    in oneDNN's layout too where the measured table gives the GEMM a row count from which it wins."""
+    in oneDNN's layout too where the measured table gives the GEMM a row count from which it wins.
+    packed: the weight already packed (native.pack_weights), else packed here."""
 
-    def __init__(self, linear: nn.Linear, gemm_from: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, gemm_from: int | None = None,
+                 packed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         self.packed: torch.Tensor
-        self.register_buffer("packed", native.pack_weight(linear.weight))
+        self.register_buffer("packed", native.pack_weight(linear.weight) if packed is None else packed)
         self.bias = linear.bias  # [N], contiguous as nn.Linear makes it
         # The packed product adds an fp32 bias; a bf16 layer keeps an fp32 copy of its own.
         self.bias_f32: torch.Tensor | None
@@ -70,15 +73,15 @@ def swaps(module: nn.Module) -> bool:
 def use_cpu_linears(model: nn.Module) -> int:
     """Swap every layer swaps() accepts for a CpuLinear (the weight packed, and reordered for the
     GEMM where the table says; the original freed); the number swapped. An untied LM head is one
-    of them; a tied one is the embedding, which stays."""
-    targets = [(name, m) for name, m in model.named_modules() if swaps(m)]
+    of them; a tied one is the embedding, which stays. The packed weights share one huge-page region."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and swaps(m)]
     table = cpu_gemm.table()
-    for name, module in targets:
+    packed = native.pack_weights([m.weight for _, m in targets])
+    for (name, module), weight in zip(targets, packed, strict=True):
         parent_name, _, attr = name.rpartition(".")
-        assert isinstance(module, nn.Linear)
         gemm_from = table.gemm_from(module.out_features, module.in_features, module.weight.dtype)
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, CpuLinear(module, gemm_from))
+        setattr(parent, attr, CpuLinear(module, gemm_from, weight))
     return len(targets)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from pipeserve.config import cache_dir
+from pipeserve.engine.host_memory import huge_page_tensors
 
 log = logging.getLogger(__name__)
 
@@ -176,22 +177,34 @@ def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 or bf16 CPU weight [N, K] in packed_linear's layout, flat, in its dtype: fp32 as
-    ceil(N / 16) panels of [K, 16]; bf16 as ceil(N / 16) panels of [ceil(K / 32) * 16, 16, 2] (pairs of k
-    per output column); zeros past N and K. Call when available()."""
+def packed_numel(n: int, k: int, dtype: torch.dtype) -> int:
+    """Elements of a packed [n, k] weight: fp32 as ceil(n / 16) panels of [k, 16]; bf16 as ceil(n / 16)
+    panels of [ceil(k / 32) * 16, 16, 2] (pairs of k per output column)."""
+    panels = -(-n // PANEL) * PANEL
+    return panels * k if dtype == torch.float32 else panels * -(-k // 32) * 32
+
+
+def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An fp32 or bf16 CPU weight [N, K] in packed_linear's layout (packed_numel), flat, in its dtype,
+    zeros past N and K; written into out (flat, contiguous, that size and dtype) where given.
+    Call when available()."""
     lib = _lib
     assert lib is not None and weight.dtype in PACKED_DTYPES and weight.device.type == "cpu"
     w = weight.detach().contiguous()
     n, k = w.shape
-    panels = -(-n // PANEL) * PANEL
-    if w.dtype == torch.float32:
-        packed = torch.empty(panels * k, dtype=torch.float32)
-        lib.pipeserve_pack_weight(w.data_ptr(), n, k, packed.data_ptr())
-    else:
-        packed = torch.empty(panels * -(-k // 32) * 32, dtype=torch.bfloat16)
-        lib.pipeserve_pack_weight_bf16(w.data_ptr(), n, k, packed.data_ptr())
+    numel = packed_numel(n, k, w.dtype)
+    packed = torch.empty(numel, dtype=w.dtype) if out is None else out
+    assert packed.shape == (numel,) and packed.dtype == w.dtype and packed.is_contiguous()
+    pack = lib.pipeserve_pack_weight if w.dtype == torch.float32 else lib.pipeserve_pack_weight_bf16
+    pack(w.data_ptr(), n, k, packed.data_ptr())
     return packed
+
+
+def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """pack_weight of each, all in one region on transparent huge pages (engine/host_memory.py): a
+    decode step streams a model's packed weights, and one core reads huge pages faster."""
+    regions = huge_page_tensors([(packed_numel(*w.shape, w.dtype), w.dtype) for w in weights])
+    return [pack_weight(w, out) for w, out in zip(weights, regions, strict=True)]
 
 
 def _packed_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

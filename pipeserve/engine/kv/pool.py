@@ -9,12 +9,14 @@ the never-hashed ones, then the hashed ones least recently released first."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pipeserve.engine.host_memory import huge_page_tensors
 from pipeserve.engine.quantization.kv_cache import K_SMOOTHED, KV_QUANT_DTYPES, scale_group
 from pipeserve.engine.sequence import Sequence
 from pipeserve.model_config import ModelConfig
@@ -106,7 +108,11 @@ class KVPool:
                   max_num_seqs: int) -> None:
         shape = (cfg.num_layers, 2, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         storage = KV_QUANT_DTYPES.get(self.kv_cache_dtype, dtype)
-        self.kv = torch.zeros(shape, dtype=storage, device=device)
+        if device.type == "cpu":  # every decode step streams the pages it reads: huge pages (host_memory)
+            self.kv = huge_page_tensors([(math.prod(shape), storage)])[0].view(shape)
+            self.kv.zero_()  # commit the pool's memory now, as torch.zeros does, not in a step
+        else:
+            self.kv = torch.zeros(shape, dtype=storage, device=device)
         if self.kv_cache_dtype != "auto":
             scale_shape = (*shape[:-1], cfg.head_dim // scale_group(cfg.head_dim))
             self.scales = torch.zeros(scale_shape, dtype=torch.float16, device=device)
