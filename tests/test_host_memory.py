@@ -93,7 +93,7 @@ def test_huge_page_tensors_are_zeroed_aligned_and_advised():
         assert _advised(t.data_ptr())
         spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
     spans.sort()
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # no overlap
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no overlap
     last = tensors[2]
     del tensors
     last.fill_(1.5)  # the mapping lives as long as one of its tensors

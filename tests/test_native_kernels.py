@@ -150,6 +150,62 @@ def test_build_is_cached_and_a_missing_compiler_falls_back(tmp_path, monkeypatch
                                atol=1e-5, rtol=1e-5)
 
 
+def _prompt_kernel_here() -> bool:
+    lib = native._lib if native.available() else None
+    return lib is not None and bool(lib.pipeserve_prompt_attention_supported(64))
+
+
+def _qkv_rows(length: int, heads: int, kv_heads: int, dim: int, gen: torch.Generator):
+    """q, k, v [T, H, D] bf16 as slices of one fused projection's rows (strided, as a model's are)."""
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :heads * dim].view(length, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(length, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(length, kv_heads, dim)
+    return q, k, v
+
+
+@pytest.mark.skipif(not _prompt_kernel_here(), reason="no AMX tiles on this host (or not granted)")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(("length", "heads", "kv_heads", "dim"),
+                         [(1, 2, 1, 64), (16, 2, 2, 64), (33, 6, 2, 64), (100, 8, 8, 128), (37, 4, 2, 32),
+                          (300, 12, 4, 64)])
+def test_prompt_attention_matches_causal_sdpa(threads, length, heads, kv_heads, dim):
+    q, k, v = _qkv_rows(length, heads, kv_heads, dim, seeded(length))
+    assert native.supports_prompt_attention(q, k, v)
+    out = torch.full((length, heads, dim), float("nan"), dtype=torch.bfloat16)
+    native.prompt_attention(q, k, v, dim ** -0.5, out)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(x.float().transpose(0, 1) for x in (q, k, v)), is_causal=True, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not _prompt_kernel_here(), reason="no AMX tiles on this host (or not granted)")
+def test_bf16_prefill_takes_the_prompt_kernel_for_whole_prompts_only(monkeypatch):
+    gen = seeded(21)
+    kv = paged_kv([40, 70], 16, 2, 64, torch.bfloat16, None, gen).clean()
+    q = torch.randn(110, 4, 64, generator=gen).to(torch.bfloat16)
+    rows = [cpu.gather_pages(c, kv.block_tables, 70)[b, :n] for c in (kv.k_cache, kv.v_cache)
+            for b, n in ((0, 40), (1, 70))]
+    k_new, v_new = torch.cat(rows[:2]), torch.cat(rows[2:])
+    cu = torch.tensor([0, 40, 110])
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 70, 70, 0.125)
+    calls = []
+    real = native.prompt_attention
+    monkeypatch.setattr(native, "prompt_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    got = cpu.prefill_attention(*args, new_kv=(k_new, v_new))
+    assert calls == [40, 70]
+    monkeypatch.setattr(native, "supports_prompt_attention", lambda *a: False)
+    torch.testing.assert_close(got.float(), cpu.prefill_attention(*args, new_kv=(k_new, v_new)).float(),
+                               atol=2e-2, rtol=2e-2)
+    monkeypatch.undo()
+    # A chunk that continues a prompt (its keys start before its queries) keeps SDPA's masked path.
+    calls.clear()
+    monkeypatch.setattr(native, "prompt_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    cpu.prefill_attention(q[:30], kv.k_cache, kv.v_cache, kv.block_tables[1:], torch.tensor([0, 30]),
+                          kv.seq_lens[1:], 30, 70, 0.125)
+    assert calls == []
+
+
 @pytest.fixture(scope="module")
 def portable_lib():
     """The kernels built without AVX-512: the portable loops a host without it (or not x86) runs."""
@@ -164,6 +220,8 @@ def portable_lib():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_kernels_match_the_reference(portable_lib, monkeypatch, dtype):
     monkeypatch.setattr(native, "_lib", portable_lib)
+    q, k, v = _qkv_rows(8, 2, 1, 64, seeded(4))
+    assert not native.supports_prompt_attention(q, k, v)  # AMX only: prompts keep SDPA there
     gen = seeded(5)
     lens = [1, 17, 150]
     for hkv, group, dim in ((2, 2, 8), (1, 2, 80)):

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "decode_step.cpp",
-                                          "rowwise.cpp"))
-HEADERS = (CSRC / "vec_math.h",)
+                                          "rowwise.cpp", "prompt_attention.cpp"))
+HEADERS = (CSRC / "vec_math.h", CSRC / "amx.h")
 PANEL = 16  # output columns per panel of a packed weight (packed_gemm.cpp's kLanes)
 # The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
 # -ffast-math: a library linked with it switches the whole process to flush denormals to zero.
@@ -116,6 +116,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_decode_attention.restype = None
     lib.pipeserve_store_kv.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i64]
     lib.pipeserve_store_kv.restype = None
+    lib.pipeserve_prompt_attention_supported.argtypes = [i32]
+    lib.pipeserve_prompt_attention_supported.restype = i32
+    lib.pipeserve_prompt_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i32, i32, i32,
+                                               f32, i32]
+    lib.pipeserve_prompt_attention.restype = None
     lib.pipeserve_pack_weight.argtypes = [ptr, i64, i64, ptr]
     lib.pipeserve_pack_weight.restype = None
     lib.pipeserve_packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
@@ -167,6 +172,28 @@ def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tenso
             and k_cache.is_contiguous() and q.shape[1] // k_cache.shape[2] <= MAX_GROUP and available())
 
 
+def supports_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether prompt_attention takes these [T, H, D] rows: bf16 on the CPU, heads and channels
+    packed, a head_dim the AMX kernel takes (AMX built and granted here), not under the compiler."""
+    lib = _lib if available() else None
+    return (lib is not None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and all(rows_packed(x) for x in (q, k, v)) and q.shape[1] % k.shape[1] == 0
+            and k.shape == v.shape and k.shape[0] == q.shape[0] and not torch.compiler.is_compiling()
+            and bool(lib.pipeserve_prompt_attention_supported(q.shape[2])))
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> None:
+    """Causal attention of one whole prompt, q [T, Hq, D] over k, v [T, Hkv, D], into out [T, Hq, D]
+    (bf16, rows may be strided). Call when supports_prompt_attention(q, k, v)."""
+    lib = _lib
+    assert lib is not None and rows_packed(out) and out.shape == q.shape and out.dtype == torch.bfloat16
+    length, heads, dim = q.shape
+    lib.pipeserve_prompt_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                   v.stride(0), out.data_ptr(), out.stride(0), length, heads, k.shape[1], dim,
+                                   scale, torch.get_num_threads())
+
+
 def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    k_scale: torch.Tensor | None) -> bool:
     return (k.device.type == "cpu" and k_scale is None and k_cache.dtype in CACHE_DTYPES
@@ -203,7 +230,7 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """pack_weight of each, all in one region on transparent huge pages (engine/host_memory.py): a
     decode step streams a model's packed weights, and one core reads huge pages faster."""
-    regions = huge_page_tensors([(packed_numel(*w.shape, w.dtype), w.dtype) for w in weights])
+    regions = huge_page_tensors([(packed_numel(w.shape[0], w.shape[1], w.dtype), w.dtype) for w in weights])
     return [pack_weight(w, out) for w, out in zip(weights, regions, strict=True)]
 
 

@@ -6,7 +6,6 @@ engine with both on ordinary pages, alternated in one process (one thread; run u
 
 import statistics
 import sys
-import time
 
 import torch
 
@@ -32,7 +31,8 @@ native.huge_page_tensors = pool.huge_page_tensors = ordinary  # the second engin
 plain = LLM(path, **options)
 for rnd in range(5):
     ms = {}
-    for name, llm in (("ordinary", plain), ("huge", huge)) if rnd % 2 == 0 else (("huge", huge), ("ordinary", plain)):
+    order = (("ordinary", plain), ("huge", huge))
+    for name, llm in order if rnd % 2 == 0 else order[::-1]:
         ms[name] = statistics.median(run_batch(llm.engine, [[5] * 16], 256).decode_step_s) * 1e3
     print(f"{dtype} decode step: ordinary pages {ms['ordinary']:.2f} ms, huge pages {ms['huge']:.2f} ms, "
           f"ordinary / huge {ms['ordinary'] / ms['huge']:.3f}", flush=True)

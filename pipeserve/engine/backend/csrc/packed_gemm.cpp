@@ -20,14 +20,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(PIPESERVE_AVX512) && defined(__linux__)
-#define PIPESERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -198,32 +194,12 @@ void linear(const X* x, int64_t x_stride, const W* packed, const float* bias, fl
 // 16 of its pair rows (32 k) are one B tile, 1 KB contiguous.
 namespace amx {
 
-// Linux hands out the tile registers' 8 KB of state only to processes that ask (arch_prctl); once
-// per process. False: no AMX here (an old kernel, or a VM that withholds it): the AVX-512 loop runs.
-bool granted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
+using pipeserve::amx::configure;
+using pipeserve::amx::granted;
 
-struct alignas(64) Config {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight 16 x 64-byte tiles: C 0-3 (two row blocks of 16 x two panels, fp32), A 4-5 (the row
-// blocks' 32 k of x), B 6-7 (the panels' 32 k). Two of each: a tile is not renamed, so a load into
-// the tile the previous product still reads would wait for it.
-void configure() {
-  Config cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
+// Tiles: C 0-3 (two row blocks of 16 x two panels, fp32), A 4-5 (the row blocks' 32 k of x), B 6-7
+// (the panels' 32 k). Two of each: a tile is not renamed, so a load into the tile the previous
+// product still reads would wait for it.
 
 // C tiles (RB row blocks x PB panels) = a's 16 RB rows (bf16 pairs, row stride `pairs` uint32) times
 // PB panels from `panel` (stride panel_stride), over `chunks` chunks of 32 k. The intrinsics paste
