@@ -32,8 +32,8 @@ using pipeserve::bf16_to_float;
 using pipeserve::float_to_bf16;
 
 constexpr int kLanes = 16;        // output columns per panel
-constexpr int kRows = 6;          // rows of x per tile: kRows x kPanels accumulators in registers
-constexpr int kPanels = 4;
+constexpr int kRows = 8;          // rows of x per tile: kRows x kPanels accumulators in registers
+constexpr int kPanels = 3;
 constexpr int64_t kBlockRows = 192;  // rows of x per block: they stay in L2 while the panels stream
 // bf16 products of this many rows or more take AMX tiles, where built: at one row the AVX-512 loop
 // streams the weight faster (docs/engine.md).
@@ -150,6 +150,8 @@ void rows(const X* x, int64_t x_stride, const W* panels, int64_t steps, float* y
   float* yi = y + i * y_stride;
   const W* none = nullptr;
   switch (m_rows - i) {
+    case 7: tile<7, NP>(xi, x_stride, panels, steps, yi, y_stride, bias, cols, none); break;
+    case 6: tile<6, NP>(xi, x_stride, panels, steps, yi, y_stride, bias, cols, none); break;
     case 5: tile<5, NP>(xi, x_stride, panels, steps, yi, y_stride, bias, cols, none); break;
     case 4: tile<4, NP>(xi, x_stride, panels, steps, yi, y_stride, bias, cols, none); break;
     case 3: tile<3, NP>(xi, x_stride, panels, steps, yi, y_stride, bias, cols, none); break;
@@ -177,7 +179,6 @@ void linear(const X* x, int64_t x_stride, const W* packed, const float* bias, fl
       float* yb = y + m0 * n + p0 * kLanes;
       const int64_t cols = n - p0 * kLanes;
       switch (std::min<int64_t>(kPanels, panels - p0)) {
-        case 4: rows<4>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
         case 3: rows<3>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
         case 2: rows<2>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
         default: rows<1>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
