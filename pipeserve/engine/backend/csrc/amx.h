@@ -4,7 +4,8 @@
 
 #include "vec_math.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(PIPESERVE_AVX512) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(PIPESERVE_AVX512) && \
+    defined(__linux__)
 #define PIPESERVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
