@@ -166,44 +166,47 @@ def _qkv_rows(length: int, heads: int, kv_heads: int, dim: int, gen: torch.Gener
 
 @pytest.mark.skipif(not _prompt_kernel_here(), reason="no AMX tiles on this host (or not granted)")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize(("length", "heads", "kv_heads", "dim"),
-                         [(1, 2, 1, 64), (16, 2, 2, 64), (33, 6, 2, 64), (100, 8, 8, 128), (37, 4, 2, 32),
-                          (300, 12, 4, 64)])
-def test_prompt_attention_matches_causal_sdpa(threads, length, heads, kv_heads, dim):
+# later: the queries are the prompt's positions from there on (a chunk after its first tokens)
+@pytest.mark.parametrize(("length", "heads", "kv_heads", "dim", "later"),
+                         [(1, 2, 1, 64, 0), (16, 2, 2, 64, 0), (16, 2, 2, 64, 15), (33, 6, 2, 64, 0),
+                          (33, 6, 2, 64, 1), (100, 8, 8, 128, 0), (100, 8, 8, 128, 29), (37, 4, 2, 32, 0),
+                          (300, 12, 4, 64, 0), (300, 12, 4, 64, 172)])
+def test_prompt_attention_matches_causal_sdpa(threads, length, heads, kv_heads, dim, later):
     q, k, v = _qkv_rows(length, heads, kv_heads, dim, seeded(length))
+    q = q[later:]
     assert native.supports_prompt_attention(q, k, v)
-    out = torch.full((length, heads, dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
     native.prompt_attention(q, k, v, dim ** -0.5, out)
+    sees = torch.arange(length)[None, :] <= torch.arange(later, length)[:, None]  # key <= query position
     want = torch.nn.functional.scaled_dot_product_attention(
-        *(x.float().transpose(0, 1) for x in (q, k, v)), is_causal=True, enable_gqa=True).transpose(0, 1)
+        *(x.float().transpose(0, 1) for x in (q, k, v)), attn_mask=sees, enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not _prompt_kernel_here(), reason="no AMX tiles on this host (or not granted)")
-def test_bf16_prefill_takes_the_prompt_kernel_for_whole_prompts_only(monkeypatch):
+def test_bf16_prefill_chunks_take_the_prompt_kernel(monkeypatch):
     gen = seeded(21)
     kv = paged_kv([40, 70], 16, 2, 64, torch.bfloat16, None, gen).clean()
     q = torch.randn(110, 4, 64, generator=gen).to(torch.bfloat16)
     rows = [cpu.gather_pages(c, kv.block_tables, 70)[b, :n] for c in (kv.k_cache, kv.v_cache)
             for b, n in ((0, 40), (1, 70))]
-    k_new, v_new = torch.cat(rows[:2]), torch.cat(rows[2:])
-    cu = torch.tensor([0, 40, 110])
-    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 70, 70, 0.125)
-    calls = []
+    new_kv = (torch.cat(rows[:2]), torch.cat(rows[2:]))  # the prompts' own K/V rows
     real = native.prompt_attention
-    monkeypatch.setattr(native, "prompt_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    got = cpu.prefill_attention(*args, new_kv=(k_new, v_new))
-    assert calls == [40, 70]
-    monkeypatch.setattr(native, "supports_prompt_attention", lambda *a: False)
-    torch.testing.assert_close(got.float(), cpu.prefill_attention(*args, new_kv=(k_new, v_new)).float(),
-                               atol=2e-2, rtol=2e-2)
-    monkeypatch.undo()
-    # A chunk that continues a prompt (its keys start before its queries) keeps SDPA's masked path.
-    calls.clear()
-    monkeypatch.setattr(native, "prompt_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    cpu.prefill_attention(q[:30], kv.k_cache, kv.v_cache, kv.block_tables[1:], torch.tensor([0, 30]),
-                          kv.seq_lens[1:], 30, 70, 0.125)
-    assert calls == []
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(native, "prompt_attention",
+                        lambda q, k, *a: calls.append((q.shape[0], k.shape[0])) or real(q, k, *a))
+    # Two whole prompts (their fresh rows), then a chunk that continues the second one: its last 30
+    # positions over all 70 keys (from the pages).
+    whole = (q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 40, 110]), kv.seq_lens, 70, 70,
+             0.125)
+    later = (q[:30], kv.k_cache, kv.v_cache, kv.block_tables[1:], torch.tensor([0, 30]), kv.seq_lens[1:], 30,
+             70, 0.125)
+    got = [cpu.prefill_attention(*whole, new_kv=new_kv), cpu.prefill_attention(*later)]
+    assert calls == [(40, 40), (70, 70), (30, 70)]
+    monkeypatch.setattr(native, "supports_prompt_attention", lambda *a: False)  # SDPA, causal or masked
+    want = [cpu.prefill_attention(*whole, new_kv=new_kv), cpu.prefill_attention(*later)]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")

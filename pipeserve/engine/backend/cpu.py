@@ -213,10 +213,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     same dtype only, where the two are equal).
 
     One SDPA call per chunk: a padded [Bp, max_q, max_seq] batch costs Bp * max_q * max_seq
-    whatever the lengths, and mixed prompt lengths make most of that padding. A chunk that is a
-    whole prompt takes the AMX prompt kernel in bf16 where it is built (native.prompt_attention:
-    it skips the key blocks past each query block, which SDPA's flash kernel computes and masks),
-    else SDPA's causal path with no mask. The lengths are read on the host."""
+    whatever the lengths, and mixed prompt lengths make most of that padding. A bf16 chunk takes
+    the AMX prompt kernel where it is built (native.prompt_attention: it skips the
+    key blocks past each query block, which SDPA's flash kernel computes and masks); otherwise a
+    chunk that is a whole prompt takes SDPA's causal path with no mask, and a later chunk of a prompt
+    SDPA with a mask. The lengths are read on the host."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     out = torch.empty_like(q)
@@ -230,8 +231,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         else:
             k = gather_pages(k_cache, block_tables[i : i + 1], seq_len, k_scale, "k")
             v = gather_pages(v_cache, block_tables[i : i + 1], seq_len, v_scale, "v")
-        if (k.shape[1] == hi - lo and sliding_window is None
-                and native.supports_prompt_attention(q[lo:hi], k[0], v[0])):
+        if sliding_window is None and native.supports_prompt_attention(q[lo:hi], k[0], v[0]):
             native.prompt_attention(q[lo:hi], k[0], v[0], scale, out[lo:hi])
             continue
         mask = None

@@ -118,8 +118,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pipeserve_store_kv.restype = None
     lib.pipeserve_prompt_attention_supported.argtypes = [i32]
     lib.pipeserve_prompt_attention_supported.restype = i32
-    lib.pipeserve_prompt_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i32, i32, i32,
-                                               f32, i32]
+    lib.pipeserve_prompt_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32,
+                                               i32, f32, i32]
     lib.pipeserve_prompt_attention.restype = None
     lib.pipeserve_pack_weight.argtypes = [ptr, i64, i64, ptr]
     lib.pipeserve_pack_weight.restype = None
@@ -173,25 +173,27 @@ def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tenso
 
 
 def supports_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether prompt_attention takes these [T, H, D] rows: bf16 on the CPU, heads and channels
-    packed, a head_dim the AMX kernel takes (AMX built and granted here), not under the compiler."""
+    """Whether prompt_attention takes these rows (q [Tq, Hq, D], k and v [Tk, Hkv, D], Tk >= Tq): bf16
+    on the CPU, heads and channels packed, a head_dim the AMX kernel takes (AMX built and granted
+    here), not under the compiler."""
     lib = _lib if available() else None
     return (lib is not None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and all(rows_packed(x) for x in (q, k, v)) and q.shape[1] % k.shape[1] == 0
-            and k.shape == v.shape and k.shape[0] == q.shape[0] and not torch.compiler.is_compiling()
+            and k.shape == v.shape and k.shape[0] >= q.shape[0] and not torch.compiler.is_compiling()
             and bool(lib.pipeserve_prompt_attention_supported(q.shape[2])))
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      out: torch.Tensor) -> None:
-    """Causal attention of one whole prompt, q [T, Hq, D] over k, v [T, Hkv, D], into out [T, Hq, D]
-    (bf16, rows may be strided). Call when supports_prompt_attention(q, k, v)."""
+    """Causal attention of one prompt's last Tq positions, q [Tq, Hq, D], over its keys and values
+    k, v [Tk, Hkv, D] (the whole prompt when Tq == Tk), into out [Tq, Hq, D] (bf16, rows may be
+    strided). Call when supports_prompt_attention(q, k, v)."""
     lib = _lib
     assert lib is not None and rows_packed(out) and out.shape == q.shape and out.dtype == torch.bfloat16
     length, heads, dim = q.shape
     lib.pipeserve_prompt_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                                   v.stride(0), out.data_ptr(), out.stride(0), length, heads, k.shape[1], dim,
-                                   scale, torch.get_num_threads())
+                                   v.stride(0), out.data_ptr(), out.stride(0), length, k.shape[0], heads,
+                                   k.shape[1], dim, scale, torch.get_num_threads())
 
 
 def supports_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

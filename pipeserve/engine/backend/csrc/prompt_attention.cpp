@@ -1,4 +1,4 @@
-// Causal self-attention of whole prompts in bf16 on AMX tiles, for the CPU backend's prefill (fp32
+// Causal self-attention of prompts (whole, or a chunk after their first tokens) in bf16 on AMX tiles, for the CPU backend's prefill (fp32
 // accumulation, bf16 probabilities into the values' product, as a bf16 flash kernel does).
 //
 // torch's CPU flash kernel computes 512 keys a block, so at a 512-token prompt it multiplies the
@@ -191,24 +191,26 @@ extern "C" int pipeserve_prompt_attention_supported(int dim) {
 #endif
 }
 
-// q [len, q_heads, dim], k and v [len, kv_heads, dim] (bf16; rows strided by *_stride elements, heads
-// and channels packed), out [len, q_heads, dim] (bf16, row stride out_stride): causal attention of
-// the prompt's every query over its keys up to its own position. Call only where
+// q [q_len, q_heads, dim], k and v [kv_len, kv_heads, dim] (bf16; rows strided by *_stride elements,
+// heads and channels packed), out [q_len, q_heads, dim] (bf16, row stride out_stride): causal
+// attention of a prompt's last q_len positions (the whole prompt, or a chunk of it after its first
+// kv_len - q_len tokens) over its keys up to each query's own position. Call only where
 // pipeserve_prompt_attention_supported(dim).
 extern "C" void pipeserve_prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                                            const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
-                                           int64_t len, int q_heads, int kv_heads, int dim, float scale,
-                                           int threads) {
+                                           int64_t q_len, int64_t kv_len, int q_heads, int kv_heads, int dim,
+                                           float scale, int threads) {
 #if defined(PIPESERVE_AMX)
-  const int64_t key_chunks = (len + kKeys - 1) / kKeys, padded = key_chunks * kKeys;
+  const int64_t key_chunks = (kv_len + kKeys - 1) / kKeys, padded = key_chunks * kKeys;
   const int64_t head_elems = padded * dim;  // one head's padded keys, or its value tiles
   std::vector<uint16_t> keys(kv_heads * head_elems, 0), value_tiles(kv_heads * head_elems);
 #pragma omp parallel for num_threads(threads) if (threads > 1)
   for (int h = 0; h < kv_heads; ++h) {
-    for (int64_t t = 0; t < len; ++t) std::memcpy(&keys[h * head_elems + t * dim], k + t * k_stride + h * dim, dim * 2);
-    values_transposed(v + h * dim, v_stride, len, dim, value_tiles.data() + h * head_elems);
+    for (int64_t t = 0; t < kv_len; ++t)
+      std::memcpy(&keys[h * head_elems + t * dim], k + t * k_stride + h * dim, dim * 2);
+    values_transposed(v + h * dim, v_stride, kv_len, dim, value_tiles.data() + h * head_elems);
   }
-  const int64_t q_blocks = (len + kQ - 1) / kQ, group = q_heads / kv_heads;
+  const int64_t q_blocks = (q_len + kQ - 1) / kQ, group = q_heads / kv_heads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     pipeserve::amx::configure();
@@ -217,18 +219,19 @@ extern "C" void pipeserve_prompt_attention(const uint16_t* q, int64_t q_stride, 
     for (int64_t task = 0; task < q_heads * q_blocks; ++task) {
       const int h = static_cast<int>(task / q_blocks);
       const int64_t first = (task % q_blocks) * kQ;
-      const int rows = static_cast<int>(std::min<int64_t>(kQ, len - first));
+      const int rows = static_cast<int>(std::min<int64_t>(kQ, q_len - first));
+      const int64_t position = kv_len - q_len + first;  // of the block's first query in the prompt
       const uint16_t* kh = keys.data() + (h / group) * head_elems;
       const uint16_t* vt = value_tiles.data() + (h / group) * head_elems;
       queries_transposed(q + first * q_stride + h * dim, q_stride, rows, dim, b->q);
       std::fill(b->out, b->out + dim * kQ, 0.0f);
       __m512 max = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-      const int64_t last_chunk = (first + rows - 1) / kKeys;  // holds the block's last query
+      const int64_t last_chunk = (position + rows - 1) / kKeys;  // holds the block's last query
       issue_scores(kh, 0, dim, b->q);
       store_scores(b->scores[0]);
       for (int64_t c = 0; c <= last_chunk; ++c) {
         if (c < last_chunk) issue_scores(kh, c + 1, dim, b->q);
-        const __m512 alpha = softmax_chunk(b->scores[c % 2], c * kKeys, first, scale, max, sum, b->probs);
+        const __m512 alpha = softmax_chunk(b->scores[c % 2], c * kKeys, position, scale, max, sum, b->probs);
         if (c < last_chunk) store_scores(b->scores[(c + 1) % 2]);
         accumulate(*b, vt, c, dim, alpha);
       }
@@ -248,6 +251,6 @@ extern "C" void pipeserve_prompt_attention(const uint16_t* q, int64_t q_stride, 
   }
 #else
   (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out, (void)out_stride;
-  (void)len, (void)q_heads, (void)kv_heads, (void)dim, (void)scale, (void)threads;
+  (void)q_len, (void)kv_len, (void)q_heads, (void)kv_heads, (void)dim, (void)scale, (void)threads;
 #endif
 }
