@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeserve.bench.report import machine_info, print_table, write_json
+from pipeserve.engine.host_memory import keep_freed_memory
 
 # (rows, KV heads, query heads per KV head, head_dim, keys, cache dtype) of decode attention calls.
 ATTENTION = ((1, 4, 2, 64, 150, torch.float32), (32, 4, 2, 64, 140, torch.float32),
@@ -121,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
     if not native.available():
         raise SystemExit("bench cpu-ops: the native kernels are unavailable (no C++ compiler)")
     torch.set_num_threads(1)
+    keep_freed_memory()  # as an engine on the CPU runs: outputs reuse freed heap, not fresh pages
     shapes = [(int(a), int(b)) for a, b in (s.split("x") for s in args.linear_shapes.split(","))]
     rows = [int(r) for r in args.rows.split(",")]
     ops = args.ops.split(",")

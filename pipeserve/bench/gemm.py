@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pipeserve.bench.report import machine_info, print_table, write_json
+from pipeserve.engine.host_memory import keep_freed_memory
 
 # The [N, K] weights of the ~76M Llama (hidden 768, 12 heads / 4 KV heads of 64, intermediate 2048:
 # qkv, o, gate_up, down) and of the ~18M one (hidden 512, 8 / 4 heads of 64, intermediate 1408).
@@ -132,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
     if not native.available() or not cpu_gemm.available():
         raise SystemExit("bench gemm: needs the native kernels (a C++ compiler) and torch with oneDNN")
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as an engine on the CPU runs: outputs reuse freed heap, not fresh pages
     if args.from_json:
         with open(args.from_json) as f:
             results: dict[str, Any] = json.load(f)
@@ -149,6 +151,7 @@ def main(args: argparse.Namespace) -> int:
                                                         ("dtypes", args.dtypes), ("repeats", args.repeats),
                                                         ("threads", args.threads)))
         command += " --with-matmul" * args.with_matmul + " --write-table" * args.write_table
+        command += f" --json {args.json}" if args.json else ""
         results = {"loadavg_before": open("/proc/loadavg").read().split()[:3],
                    "cpu_class": cpu_gemm.cpu_class(), "isa": native.isa(), "command": command}
         with torch.inference_mode():
