@@ -5,7 +5,7 @@ such chunks took before), alternated, one thread (run under taskset -c 1).
     python bench/results/cpu-2core/2026-11-26-prompt-attention/chunk_ab.py
 """
 
-import time
+import timeit
 
 import torch
 
@@ -16,12 +16,10 @@ assert native.available()
 heads, kv_heads, dim = 12, 4, 64
 
 
-def ms(fn, n: int = 5) -> float:
+def ms(fn) -> float:
+    """Milliseconds a call, over 5 calls after one to warm up."""
     fn()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - start) / n * 1e3
+    return timeit.timeit(fn, number=5) / 5 * 1e3
 
 
 for length, later in ((2048, 1536), (1024, 512)):
