@@ -98,8 +98,7 @@ def gemv_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
     the repeats (what the memory system can deliver; other load only lowers it). The matrix lies on
     huge pages, as the engine's packed weights do: one core reads them faster than 4 KB pages."""
     n = int((megabytes * 2**20 / 4) ** 0.5)
-    w = huge_page_tensors([(n * n, torch.float32)])[0].view(n, n)
-    w.copy_(torch.randn(n, n))
+    w = huge_page_tensors([(n * n, torch.float32)])[0].view(n, n).normal_()
     x = torch.randn(n)
     torch.mv(w, x)
     times = []
