@@ -34,6 +34,7 @@ using pipeserve::float_to_bf16;
 constexpr int kLanes = 16;        // output columns per panel
 constexpr int kRows = 8;          // rows of x per tile: kRows x kPanels accumulators in registers
 constexpr int kPanels = 3;
+constexpr int kOneRowPanels = 4;  // one row: four panel streams in flight (5% faster at batch 1 than three)
 constexpr int64_t kBlockRows = 192;  // rows of x per block: they stay in L2 while the panels stream
 // bf16 products of this many rows or more take AMX tiles, where built: at one row the AVX-512 loop
 // streams the weight faster (docs/engine.md).
@@ -166,19 +167,21 @@ template <typename W, typename X>
 void linear(const X* x, int64_t x_stride, const W* packed, const float* bias, float* y, int64_t m_rows, int64_t n,
             int64_t steps, int threads) {
   const int64_t panels = (n + kLanes - 1) / kLanes;
-  const int64_t groups = (panels + kPanels - 1) / kPanels;
+  const int64_t width = m_rows == 1 ? kOneRowPanels : kPanels;  // panels a group
+  const int64_t groups = (panels + width - 1) / width;
   const int64_t panel_stride = steps * kLanes * kPer<W>;
   for (int64_t m0 = 0; m0 < m_rows; m0 += kBlockRows) {
     const int64_t block = std::min(kBlockRows, m_rows - m0);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t p0 = g * kPanels;
+      const int64_t p0 = g * width;
       const W* panel = packed + p0 * panel_stride;
       const float* b = bias ? bias + p0 * kLanes : nullptr;
       const X* xb = x + m0 * x_stride;
       float* yb = y + m0 * n + p0 * kLanes;
       const int64_t cols = n - p0 * kLanes;
-      switch (std::min<int64_t>(kPanels, panels - p0)) {
+      switch (std::min<int64_t>(width, panels - p0)) {
+        case 4: rows<4>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
         case 3: rows<3>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
         case 2: rows<2>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
         default: rows<1>(xb, x_stride, panel, steps, yb, n, b, cols, block); break;
