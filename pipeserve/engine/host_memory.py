@@ -12,10 +12,9 @@ as a caching allocator does. Set once, when an engine starts on the CPU, and log
 
 A decode step streams every weight once, and one core's read rate is bound by how many misses it
 keeps in flight: on 4 KB pages each page is a new TLB entry and the hardware prefetchers stop at its
-edge. On 2 MB pages the packed product of the ~76M Llama's weights ran 4-8% faster in fp32 and 8-12%
-in bf16 on the development machine (docs/engine.md). Linux gives huge pages to an anonymous private
-mapping advised MADV_HUGEPAGE (its default mode, `madvise`), so huge_page_tensors maps one such
-region for a set of tensors and hands out aligned views of it.
+edge, so 2 MB pages stream faster (docs/engine.md has the measurements). Linux gives huge pages to
+an anonymous private mapping advised MADV_HUGEPAGE (its default mode, `madvise`), so
+huge_page_tensors maps one such region for a set of tensors and hands out aligned views of it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ using pipeserve::float_to_bf16;
 constexpr int kLanes = 16;        // output columns per panel
 constexpr int kRows = 8;          // rows of x per tile: kRows x kPanels accumulators in registers
 constexpr int kPanels = 3;
-constexpr int kOneRowPanels = 4;  // one row: four panel streams in flight (5% faster at batch 1 than three)
+constexpr int kOneRowPanels = 4;  // one row: four panel streams in flight (faster than three: docs/engine.md)
 constexpr int64_t kBlockRows = 192;  // rows of x per block: they stay in L2 while the panels stream
 // bf16 products of this many rows or more take AMX tiles, where built: at one row the AVX-512 loop
 // streams the weight faster (docs/engine.md).

@@ -1,5 +1,6 @@
-// Causal self-attention of prompts (whole, or a chunk after their first tokens) in bf16 on AMX tiles, for the CPU backend's prefill (fp32
-// accumulation, bf16 probabilities into the values' product, as a bf16 flash kernel does).
+// Causal self-attention of prompts (whole, or a chunk after their first tokens) in bf16 on AMX tiles,
+// for the CPU backend's prefill (fp32 accumulation, bf16 probabilities into the values' product, as a
+// bf16 flash kernel does).
 //
 // torch's CPU flash kernel computes 512 keys a block, so at a 512-token prompt it multiplies the
 // whole 512 x 512 score matrix and masks half of it. Here a block of 16 queries stops at the chunk
@@ -28,7 +29,7 @@ constexpr int kMaxDim = 256;
 
 // 2^x for x <= 0, 16 lanes: 2^round(x) (vscalefps) times a degree-5 polynomial of 2^f on [-1/2, 1/2],
 // ~2e-6 relative (probabilities are rounded to bf16, 4e-3, on their way into the values' product).
-// Half the instructions of exp_nonpositive16, which is most of the softmax's work.
+// Half the instructions of exp_nonpositive16; the exp is most of the softmax's work (docs/engine.md).
 inline __m512 exp2_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -60,7 +61,7 @@ void values_transposed(const uint16_t* v, int64_t v_stride, int64_t len, int dim
 // Scratch of one thread.
 struct alignas(64) Block {
   uint16_t q[kMaxDim / 32 * 512];  // B tiles of Q^T, one per 32 channels
-  float scores[2][kKeys * kQ];     // S^T of a chunk and of the next: [key][query]
+  float scores[kKeys * kQ];        // S^T of a chunk: [key][query]
   uint16_t probs[512];             // B tile of P^T: [16 key pairs][16 queries][2]
   float pv[kMaxDim * kQ];          // V^T P^T of a chunk: [channel][query]
   float out[kMaxDim * kQ];         // O^T: [channel][query]
@@ -79,9 +80,8 @@ inline void queries_transposed(const uint16_t* q, int64_t q_stride, int rows, in
 }
 
 // Scores S^T [32 keys][16 queries] of keys chunk*32 .. +31 (rows of `keys`, dim apart) against the
-// block's Q^T tiles, into C tiles 0 and 1 (A tiles 4 and 5, B tile 6). Stored by store_scores, later:
-// the products run while the previous chunk's softmax does.
-inline void issue_scores(const uint16_t* keys, int64_t chunk, int dim, const uint16_t* qt) {
+// block's Q^T tiles, into s.
+inline void scores(const uint16_t* keys, int64_t chunk, int dim, const uint16_t* qt, float* s) {
   _tile_zero(0);
   _tile_zero(1);
   const uint16_t* k0 = keys + chunk * kKeys * dim;
@@ -93,9 +93,6 @@ inline void issue_scores(const uint16_t* keys, int64_t chunk, int dim, const uin
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
   }
-}
-
-inline void store_scores(float* s) {
   _tile_stored(0, s, 64);
   _tile_stored(1, s + 16 * kQ, 64);
 }
@@ -144,26 +141,7 @@ inline void accumulate(Block& b, const uint16_t* value_tiles, int64_t chunk, int
   const int blocks = dim / 16;
   const uint16_t* vt = value_tiles + chunk * blocks * 512;
   _tile_loadd(7, b.probs, 64);
-  int n = 0;
-  for (; n + 4 <= blocks; n += 4) {  // four C tiles in flight (the scores' tiles are stored by now)
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(4, vt + n * 512, 64);
-    _tile_dpbf16ps(0, 4, 7);
-    _tile_loadd(5, vt + (n + 1) * 512, 64);
-    _tile_dpbf16ps(1, 5, 7);
-    _tile_loadd(6, vt + (n + 2) * 512, 64);
-    _tile_dpbf16ps(2, 6, 7);
-    _tile_loadd(4, vt + (n + 3) * 512, 64);
-    _tile_dpbf16ps(3, 4, 7);
-    _tile_stored(0, b.pv + n * 16 * kQ, 64);
-    _tile_stored(1, b.pv + (n + 1) * 16 * kQ, 64);
-    _tile_stored(2, b.pv + (n + 2) * 16 * kQ, 64);
-    _tile_stored(3, b.pv + (n + 3) * 16 * kQ, 64);
-  }
-  if (n < blocks) {  // two blocks left (dim is a multiple of 32)
+  for (int n = 0; n < blocks; n += 2) {  // dim is a multiple of 32: whole pairs of blocks
     _tile_zero(0);
     _tile_zero(1);
     _tile_loadd(4, vt + n * 512, 64);
@@ -174,7 +152,8 @@ inline void accumulate(Block& b, const uint16_t* value_tiles, int64_t chunk, int
     _tile_stored(1, b.pv + (n + 1) * 16 * kQ, 64);
   }
   for (int d = 0; d < dim; ++d)
-    _mm512_store_ps(b.out + d * kQ, _mm512_fmadd_ps(_mm512_load_ps(b.out + d * kQ), alpha, _mm512_load_ps(b.pv + d * kQ)));
+    _mm512_store_ps(b.out + d * kQ,
+                    _mm512_fmadd_ps(_mm512_load_ps(b.out + d * kQ), alpha, _mm512_load_ps(b.pv + d * kQ)));
 }
 
 }  // namespace
@@ -227,17 +206,15 @@ extern "C" void pipeserve_prompt_attention(const uint16_t* q, int64_t q_stride, 
       std::fill(b->out, b->out + dim * kQ, 0.0f);
       __m512 max = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
       const int64_t last_chunk = (position + rows - 1) / kKeys;  // holds the block's last query
-      issue_scores(kh, 0, dim, b->q);
-      store_scores(b->scores[0]);
       for (int64_t c = 0; c <= last_chunk; ++c) {
-        if (c < last_chunk) issue_scores(kh, c + 1, dim, b->q);
-        const __m512 alpha = softmax_chunk(b->scores[c % 2], c * kKeys, position, scale, max, sum, b->probs);
-        if (c < last_chunk) store_scores(b->scores[(c + 1) % 2]);
+        scores(kh, c, dim, b->q, b->scores);
+        const __m512 alpha = softmax_chunk(b->scores, c * kKeys, position, scale, max, sum, b->probs);
         accumulate(*b, vt, c, dim, alpha);
       }
       // O^T / sum, transposed back into the block's output rows.
       const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
-      for (int d = 0; d < dim; ++d) _mm512_store_ps(b->out + d * kQ, _mm512_mul_ps(_mm512_load_ps(b->out + d * kQ), inv));
+      for (int d = 0; d < dim; ++d)
+        _mm512_store_ps(b->out + d * kQ, _mm512_mul_ps(_mm512_load_ps(b->out + d * kQ), inv));
       const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32(kQ));
       for (int r = 0; r < rows; ++r) {
