@@ -26,6 +26,8 @@ def test_deadline_aborts_in_the_engine_within_a_few_steps(pipeline):
     pipeline.wait_clean(timeout=10)
     # One step a token (no speculation here). Beyond the tokens the client saw, the engine ran only
     # the steps in flight through the detokenizer and the gateway's abort: a few, against the ~300
-    # left to run had the abort not reached it. The exact one-step bound is test_pipeline_engine_loop's.
+    # left to run had the abort not reached it. Those are the steps of the abort's few milliseconds
+    # through two processes, so a loaded machine (CI runs other work beside the suite) adds some: 15
+    # seen once. The exact one-step bound is test_pipeline_engine_loop's.
     assert 0 < len(received.token_ids) < 400
-    assert ran - len(received.token_ids) <= 12, (ran, len(received.token_ids))
+    assert ran - len(received.token_ids) <= 32, (ran, len(received.token_ids))
