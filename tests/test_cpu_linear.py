@@ -119,16 +119,20 @@ def test_engine_greedy_tokens_same_with_native_kernels_off(tiny_model, monkeypat
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 64, 32), (3, 37, 51), (6, 130, 517), (9, 70, 33),
-                                              (70, 20, 40), (200, 100, 24)])
-def test_bf16_packed_product_matches_f_linear_on_bf16_rows(threads, rows, n, k):
+                                              (70, 20, 40), (200, 100, 24), (48, 64, 64), (64, 96, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_packed_product_matches_f_linear_on_bf16_rows(threads, rows, n, k, bias):
     """bf16 panels (pairs of k, an odd K's zero tail, N past the panels): fp32 accumulation of the
-    rows rounded to bf16, against the same product in fp32."""
+    rows rounded to bf16, against the same product in fp32. Where the CPU has AMX, from 2 rows: tiles
+    written straight to y with the bias they started from, and partial ones (rows or columns) through
+    a buffer."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(rows * n + k)
         x = torch.randn(rows, k + 5, generator=gen)[:, 2 : 2 + k]
-        w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        b = torch.randn(n, generator=gen) if bias else None
         packed = native.pack_weight(w)
         assert packed.dtype == torch.bfloat16
         assert packed.numel() == -(-n // native.PANEL) * native.PANEL * -(-k // 32) * 32
@@ -137,6 +141,28 @@ def test_bf16_packed_product_matches_f_linear_on_bf16_rows(threads, rows, n, k):
         torch.testing.assert_close(got, F.linear(x.bfloat16().float(), w.float(), b), atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_bf16_product_rounds_its_rows_as_torch(rows):
+    """Each row is rounded to bf16 as torch rounds it (ties to even, at both halves of a 32-value
+    block and in the tail), denormals taken as zero where AVX512-BF16's dot products (and AMX's) run,
+    as those instructions take them: with a permutation for the weight, the product is the rounded
+    row itself."""
+    k = 70  # two 32-value blocks and a tail of 6
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen) * 1000
+    x[:, :8] = torch.tensor([1.00390625, 1.01171875, -1.00390625, 3.0e38, 1.5e-39, -2.0e-40, 1e-30, 0.0])
+    x[:, 40:44] = torch.tensor([1.00390625, 1.01171875, 2.0e-39, 6.0e4])
+    x[:, -2:] = torch.tensor([1.01171875, 9.0e-40])
+    perm = torch.randperm(k, generator=gen)
+    w = torch.eye(k)[perm].bfloat16()  # y[:, i] = x[:, perm[i]]
+    got = native.packed_linear(x, native.pack_weight(w), None, k)
+    want = x.bfloat16().float()
+    if "AVX512-BF16" in native.isa():
+        want = torch.where(want.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(want), want)
+    want = want[:, perm]
+    assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(not cpu_gemm.available(), reason="torch without oneDNN")

@@ -2,6 +2,8 @@
 packed product (backend/native.py) against oneDNN's GEMM with a weight reordered once
 (backend/cpu_gemm.py), fp32 and bf16, one thread, alternated, medians; beside them the rate
 torch.matmul reaches on a large square product, the ceiling the many-row products are held to.
+The packed product writes one output tensor reused across calls, as the native decode step's
+products write its buffers; the GEMM returns a new tensor, as its torch op does.
 
     pipeserve bench gemm --json gemm.json --write-table
 
@@ -89,15 +91,19 @@ def measure(dtype: torch.dtype, n: int, k: int, rows: list[int], repeats: int,
         xd = x.to(dtype)
         reordered = [cpu_gemm.reorder(w, m) for w in weights]
 
-        def packed_product(x: torch.Tensor = x) -> None:
+        out = torch.empty(m, n)
+
+        def packed_product(x: torch.Tensor = x, out: torch.Tensor = out) -> None:
             for p in packed:
-                native.packed_linear(x, p, None, n)
+                native.packed_linear(x, p, None, n, out=out)
 
         def gemm(x: torch.Tensor = xd, ws: list[torch.Tensor] = reordered) -> None:
             for w in ws:
                 cpu_gemm.linear(x, w, None)
 
-        fns = [packed_product, gemm] + ([lambda: torch.matmul(a, b)] if with_matmul else [])
+        fns: list[Callable[[], Any]] = [packed_product, gemm]
+        if with_matmul:
+            fns.append(lambda: torch.matmul(a, b))
         times = _alternate(fns, repeats)
         packed_us.append(times[0] / len(weights) * 1e6)
         gemm_us.append(times[1] / len(weights) * 1e6)

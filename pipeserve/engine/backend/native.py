@@ -237,7 +237,7 @@ def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _packed_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                        n: int) -> torch.Tensor:
+                        n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     lib = _lib
     assert lib is not None
     if x.dtype != torch.float32:
@@ -245,21 +245,25 @@ def _packed_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((rows, n), dtype=torch.float32)
+    assert out.shape == (rows, n) and out.dtype == torch.float32 and out.is_contiguous()
     fn = lib.pipeserve_packed_linear if packed.dtype == torch.float32 else lib.pipeserve_packed_linear_bf16
     fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
        out.data_ptr(), rows, n, k, torch.get_num_threads())
     return out
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear of rows x [M, K] with the weight [n, K] that pack_weight packed (fp32 or bf16), in
     fp32 (rows taken as fp32; a bf16 weight's product rounds them to bf16); bias [n] fp32,
-    contiguous, or None."""
+    contiguous, or None. out: a contiguous fp32 [M, n] to write (eager only), else a new tensor."""
     if torch.compiler.is_compiling():
-        out: torch.Tensor = torch.ops.pipeserve.native_packed_linear(x, packed, bias, n)
-        return out
-    return _packed_linear_impl(x, packed, bias, n)
+        assert out is None, "the compiled op returns a new tensor"
+        compiled: torch.Tensor = torch.ops.pipeserve.native_packed_linear(x, packed, bias, n)
+        return compiled
+    return _packed_linear_impl(x, packed, bias, n, out)
 
 
 def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -16,9 +16,13 @@
 // host allows. pipeserve_isa() says which, so the loader can log it.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <type_traits>
-#include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "amx.h"
 #include "vec_math.h"
@@ -43,6 +47,38 @@ constexpr int64_t kAmxRows = 2;
 // Pairs of k per row of a packed bf16 panel: K rounded up to 32 (zeros past it), so an AMX tile of
 // 32 k never runs past a panel.
 constexpr int64_t bf16_pairs(int64_t k_len) { return (k_len + 31) / 32 * 16; }
+
+// Per-call scratch that grows to the largest call seen and is reused (each calling thread its own):
+// 64-byte aligned on transparent huge pages, as the packed weights are. In a buffer of its own from
+// malloc, x's rows sat at an offset of 16 bytes, and AMX products of 64-128 rows ran 5-25% slower
+// (docs/engine.md).
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(data_); }
+  uint32_t* hold(size_t bytes) {
+    if (bytes > bytes_) {
+      constexpr size_t kHuge = size_t{2} << 20;
+      std::free(data_);
+      bytes_ = (bytes + kHuge - 1) / kHuge * kHuge;
+      data_ = static_cast<uint32_t*>(std::aligned_alloc(kHuge, bytes_));
+      if (data_ == nullptr) {
+        bytes_ = 0;
+        throw std::bad_alloc();
+      }
+#if defined(MADV_HUGEPAGE)
+      madvise(data_, bytes_, MADV_HUGEPAGE);
+#endif
+    }
+    return data_;
+  }
+
+ private:
+  uint32_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
 
 // A tile's k steps: one k of fp32 panels (X = float), or one pair of k of bf16 panels (X = a
 // uint32_t holding the pair of x values). W is the panel element type; kPer weights per lane per step.
@@ -205,23 +241,36 @@ using pipeserve::amx::granted;
 // (the panels' 32 k). Two of each: a tile is not renamed, so a load into the tile the previous
 // product still reads would wait for it.
 
-// C tiles (RB row blocks x PB panels) = a's 16 RB rows (bf16 pairs, row stride `pairs` uint32) times
-// PB panels from `panel` (stride panel_stride), over `chunks` chunks of 32 k. The intrinsics paste
+// Whether the C tiles of a pass are all rows and columns of y (else the pass's rows or the last
+// panel's columns end inside them).
+template <int RB, int PB>
+inline bool whole(int64_t rows, int64_t cols) { return rows == 16 * RB && cols >= kLanes * PB; }
+
+// C tiles (RB row blocks x PB panels) = bias (when given: every row of the tiles starts as it) plus a's
+// 16 RB rows (bf16 pairs, row stride a_stride uint32) times PB panels from `panel` (stride
+// panel_stride), over `chunks` chunks of 32 k. The intrinsics paste
 // tile numbers into the instruction text: literals only. stream: the panels come from memory (the
 // first pass over them): each one's lines kAhead chunks on are requested meanwhile (the hardware
 // prefetcher alone left the stream at 3/4 of the AVX-512 loop's speed; a prefetch past the last
 // panel is harmless: prefetches never fault).
 constexpr int64_t kAhead = 2;
 template <int RB, int PB>
-inline void block(const uint32_t* a, int64_t pairs, const uint16_t* panel, int64_t panel_stride, int64_t chunks,
-                  bool stream) {
-  const int64_t a_bytes = pairs * 4;
-  const uint32_t* a1 = a + 16 * pairs;
+inline void block(const uint32_t* a, int64_t a_stride, const uint16_t* panel, int64_t panel_stride, int64_t chunks,
+                  bool stream, const float* bias) {
+  const int64_t a_bytes = a_stride * 4;
+  const uint32_t* a1 = a + 16 * a_stride;
   const uint16_t* p1 = panel + panel_stride;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if (bias) {  // row stride 0: every row of the C tile starts as the panel's 16 biases
+    _tile_loadd(0, bias, 0);
+    if constexpr (PB > 1) _tile_loadd(1, bias + kLanes, 0);
+    if constexpr (RB > 1) _tile_loadd(2, bias, 0);
+    if constexpr (RB > 1 && PB > 1) _tile_loadd(3, bias + kLanes, 0);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t c = 0; c < chunks; ++c) {
     if (stream)
       for (int64_t line = 0; line < 1024; line += 64) {
@@ -240,9 +289,18 @@ inline void block(const uint32_t* a, int64_t pairs, const uint16_t* panel, int64
 }
 
 // Rows [0, rows) of the C tiles into y (row stride y_stride; cols valid columns from the first
-// panel's start), bias added.
+// panel's start). Whole tiles go straight to y, their bias already in them (block); a partial one
+// through a buffer, bias added here.
 template <int RB, int PB>
 inline void drain(float* y, int64_t y_stride, int64_t rows, int64_t cols, const float* bias) {
+  if (whole<RB, PB>(rows, cols)) {
+    const int64_t bytes = y_stride * 4;
+    _tile_stored(0, y, bytes);
+    if constexpr (PB > 1) _tile_stored(1, y + kLanes, bytes);
+    if constexpr (RB > 1) _tile_stored(2, y + 16 * y_stride, bytes);
+    if constexpr (RB > 1 && PB > 1) _tile_stored(3, y + 16 * y_stride + kLanes, bytes);
+    return;
+  }
   alignas(64) float c[2][32][16];  // [panel][row][lane]
   _tile_stored(0, c[0][0], 64);
   if constexpr (PB > 1) _tile_stored(1, c[1][0], 64);
@@ -260,26 +318,30 @@ inline void drain(float* y, int64_t y_stride, int64_t rows, int64_t cols, const 
 
 // Every row of x against PB panels, 32 rows a pass.
 template <int PB>
-inline void panels_rows(const uint32_t* a, int64_t pairs, const uint16_t* panel, int64_t panel_stride,
+inline void panels_rows(const uint32_t* a, int64_t a_stride, const uint16_t* panel, int64_t panel_stride,
                         int64_t chunks, float* y, int64_t n, int64_t m_rows, int64_t cols, const float* bias) {
   for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
     const int64_t rows = std::min<int64_t>(32, m_rows - m0);
-    const uint32_t* am = a + m0 * pairs;
+    const uint32_t* am = a + m0 * a_stride;
     if (rows > 16) {
-      block<2, PB>(am, pairs, panel, panel_stride, chunks, m0 == 0);
-      drain<2, PB>(y + m0 * n, n, rows, cols, bias);
+      const bool w = whole<2, PB>(rows, cols);
+      block<2, PB>(am, a_stride, panel, panel_stride, chunks, m0 == 0, w ? bias : nullptr);
+      drain<2, PB>(y + m0 * n, n, rows, cols, w ? nullptr : bias);
     } else {
-      block<1, PB>(am, pairs, panel, panel_stride, chunks, m0 == 0);
-      drain<1, PB>(y + m0 * n, n, rows, cols, bias);
+      const bool w = whole<1, PB>(rows, cols);
+      block<1, PB>(am, a_stride, panel, panel_stride, chunks, m0 == 0, w ? bias : nullptr);
+      drain<1, PB>(y + m0 * n, n, rows, cols, w ? nullptr : bias);
     }
   }
 }
 
-// y [m_rows, n] = a (bf16 pairs [m_rows rounded up to 16, pairs], zero past m_rows; pairs a
-// multiple of 16) x the packed panels. Each pair of panels is read from memory once: its passes of
-// 32 rows after the first find it in cache.
-void linear(const uint32_t* a, int64_t pairs, const uint16_t* packed, const float* bias, float* y, int64_t m_rows,
-            int64_t n, int threads) {
+// y [m_rows, n] = a (bf16 pairs [m_rows rounded up to 16, pairs] at row stride a_stride, zero past
+// m_rows; pairs a multiple of 16) x the packed panels. Each pair of panels is read from memory once:
+// its passes of 32 rows after the first find it in cache. The tiles are left configured, not
+// released: a release costs more than a 64-row product's drain (docs/engine.md), and every tile
+// user here and in oneDNN loads its own configuration first.
+void linear(const uint32_t* a, int64_t a_stride, int64_t pairs, const uint16_t* packed, const float* bias, float* y,
+            int64_t m_rows, int64_t n, int threads) {
   const int64_t panels = (n + kLanes - 1) / kLanes, panel_stride = pairs * kLanes * 2, chunks = pairs / 16;
   const int64_t pairs_of_panels = (panels + 1) / 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -292,16 +354,33 @@ void linear(const uint32_t* a, int64_t pairs, const uint16_t* packed, const floa
       const float* b = bias ? bias + p * kLanes : nullptr;
       const int64_t cols = n - p * kLanes;
       if (p + 1 < panels)
-        panels_rows<2>(a, pairs, panel, panel_stride, chunks, y + p * kLanes, n, m_rows, cols, b);
+        panels_rows<2>(a, a_stride, panel, panel_stride, chunks, y + p * kLanes, n, m_rows, cols, b);
       else
-        panels_rows<1>(a, pairs, panel, panel_stride, chunks, y + p * kLanes, n, m_rows, cols, b);
+        panels_rows<1>(a, a_stride, panel, panel_stride, chunks, y + p * kLanes, n, m_rows, cols, b);
     }
-    _tile_release();
   }
 }
 
 }  // namespace amx
 #endif
+
+// A row of x as bf16 pairs (a pair is two consecutive bf16, so this is the row in bf16; the last
+// pair of an odd k_len has a zero high half). AVX512-BF16 rounds 32 values an instruction, to the
+// same bits as float_to_bf16 except denormal inputs, which it flushes to zero: the same products,
+// as the dot-product instructions that read these pairs (vdpbf16ps, tdpbf16ps) take denormal bf16
+// as zero.
+inline void to_pairs(const float* x, int64_t k_len, uint32_t* out) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(PIPESERVE_AVX512)
+  for (; i + 32 <= k_len; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(out + i / 2, reinterpret_cast<const __m512i&>(v));
+  }
+#endif
+  for (; i + 2 <= k_len; i += 2)
+    out[i / 2] = float_to_bf16(x[i]) | static_cast<uint32_t>(float_to_bf16(x[i + 1])) << 16;
+  if (i < k_len) out[i / 2] = float_to_bf16(x[i]);
+}
 
 }  // namespace
 
@@ -361,26 +440,23 @@ extern "C" void pipeserve_packed_linear_bf16(const float* x, int64_t x_stride, c
 #else
   constexpr bool tiles = false;
 #endif
-  // AMX reads x in whole tiles of 16 rows: the rows past m_rows are zeros.
-  const int64_t rows_held = tiles ? (m_rows + 15) / 16 * 16 : m_rows;
-  // Grows to the largest call seen and is reused (each calling thread its own).
-  static thread_local std::vector<uint32_t> xb;
-  if (static_cast<int64_t>(xb.size()) < rows_held * pairs) xb.resize(rows_held * pairs);
+  // AMX reads x in whole tiles of 16 rows: the rows past m_rows are zeros. A row is one cache line
+  // longer than its pairs: at k_len a multiple of 2048 a tile's 16 rows would otherwise share one L1
+  // set.
+  const int64_t rows_held = tiles ? (m_rows + 15) / 16 * 16 : m_rows, stride = pairs + 16;
+  static thread_local Scratch scratch;
+  uint32_t* xb = scratch.hold(rows_held * stride * sizeof(uint32_t));
   for (int64_t r = 0; r < m_rows; ++r) {
-    const float* row = x + r * x_stride;
-    uint32_t* out = xb.data() + r * pairs;
-#pragma omp simd
-    for (int64_t kp = 0; kp < k_len / 2; ++kp)
-      out[kp] = float_to_bf16(row[2 * kp]) | static_cast<uint32_t>(float_to_bf16(row[2 * kp + 1])) << 16;
-    if (k_len % 2) out[k_len / 2] = float_to_bf16(row[k_len - 1]);
+    uint32_t* out = xb + r * stride;
+    to_pairs(x + r * x_stride, k_len, out);
     std::fill(out + (k_len + 1) / 2, out + pairs, 0u);
   }
 #if defined(PIPESERVE_AMX)
   if (tiles) {
-    std::fill(xb.data() + m_rows * pairs, xb.data() + rows_held * pairs, 0u);
-    amx::linear(xb.data(), pairs, packed, bias, y, m_rows, n, threads);
+    std::fill(xb + m_rows * stride, xb + rows_held * stride, 0u);
+    amx::linear(xb, stride, pairs, packed, bias, y, m_rows, n, threads);
     return;
   }
 #endif
-  linear(xb.data(), pairs, packed, bias, y, m_rows, n, pairs, threads);
+  linear(xb, stride, packed, bias, y, m_rows, n, pairs, threads);
 }
