@@ -31,7 +31,7 @@ from pipeserve.engine.host_memory import keep_freed_memory
 # The [N, K] weights of the ~76M Llama (hidden 768, 12 heads / 4 KV heads of 64, intermediate 2048:
 # qkv, o, gate_up, down) and of the ~18M one (hidden 512, 8 / 4 heads of 64, intermediate 1408).
 SHAPES = "1280x768,768x768,4096x768,768x2048,1024x512,512x512,2816x512,512x1408"
-ROWS = "1,2,4,8,16,32,48,64,96,128,192,256,512"
+ROWS = "1,2,4,8,16,32,48,64,96,128,192,256,512,1024,2048"  # up to the default step budget (2048 tokens)
 SQUARE = 2048  # torch.matmul's large-shape rate: [SQUARE, SQUARE] x [SQUARE, SQUARE]
 
 

@@ -50,8 +50,8 @@ constexpr int64_t bf16_pairs(int64_t k_len) { return (k_len + 31) / 32 * 16; }
 
 // Per-call scratch that grows to the largest call seen and is reused (each calling thread its own):
 // 64-byte aligned on transparent huge pages, as the packed weights are. In a buffer of its own from
-// malloc, x's rows sat at an offset of 16 bytes, and AMX products of 64-128 rows ran 5-25% slower
-// (docs/engine.md).
+// malloc, x's rows sat 16 bytes past a page boundary, each tile row across two cache lines, and AMX
+// products of 64-128 rows ran slower (docs/engine.md).
 class Scratch {
  public:
   Scratch() = default;
