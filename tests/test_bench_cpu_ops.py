@@ -14,6 +14,7 @@ from pipeserve.bench import cpu_ops
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler")
+@pytest.mark.slow  # times every op: ~2 s
 def test_bench_cpu_ops_writes_both_tables(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     cpu_ops.add_arguments(parser)

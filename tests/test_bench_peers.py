@@ -207,6 +207,7 @@ def test_bench_step_runs_the_peer_alternated_and_reports_ratios(stub_venv, tiny_
     assert "pipeserve_speedup" not in row["pipeserve eager"]  # ratios are against the default engine only
 
 
+@pytest.mark.slow  # ~6 s; test_bench_step_runs_the_peer_alternated_and_reports_ratios stays fast
 def test_bench_step_skips_a_peer_that_cannot_start(stub_venv, tmp_path, tiny_model) -> None:
     unsupported = tmp_path / "unsupported"
     unsupported.mkdir()

@@ -8,6 +8,8 @@ import argparse
 import json
 import os
 
+import pytest
+
 from pipeserve.bench import step
 from tests.conftest import png_panels
 
@@ -35,6 +37,7 @@ def test_gemv_probe_reports_the_matrix_bytes_over_the_best_repeat(monkeypatch) -
     assert next(ticks, None) is None  # one clock reading before and after each repeat, no more
 
 
+@pytest.mark.slow  # the profiler and the plot: ~12 s
 def test_bench_step_writes_figures_for_each_system_and_batch(tiny_model, tmp_path) -> None:
     parser = argparse.ArgumentParser()
     step.add_arguments(parser)

@@ -206,6 +206,7 @@ def test_per_token_and_per_channel_scales_beat_per_tensor_under_activation_outli
     assert fp8 < 0.25 * err[False]
 
 
+@pytest.mark.slow  # a benchmark run on stories260K: ~2 s
 def test_bench_quant_writes_json_and_markdown(stories_dir, tmp_path):
     from pipeserve.cli import main
 

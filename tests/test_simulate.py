@@ -114,6 +114,7 @@ def test_capacity_search_brackets_the_knee():
     assert find_capacity(lambda r: run(1e9), start=2.0, target=0.9)[0] is None
 
 
+@pytest.mark.slow  # the whole trace through the CLI: ~4 s
 def test_cli_on_the_mixed_azure_trace(traces_dir, tmp_path, capsys):
     out = tmp_path / "sim.json"
     code = cli.main(["simulate", "--gpu", "H100-SXM", "--kv-gib", "2", "--context", "4096",
