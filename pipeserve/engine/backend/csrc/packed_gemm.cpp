@@ -256,9 +256,8 @@ inline bool whole(int64_t rows, int64_t cols) { return rows == 16 * RB && cols >
 constexpr int64_t kAhead = 2;
 
 // The next pair of panels, requested into L2 a few lines a chunk over the current pair's passes after
-// the first, so that its first pass finds it there. Only from three passes (65 rows) on: with one
-// later pass the requests crowded that pass (0.94-0.96x at 64 rows); at 128-256 rows 1.03-1.10x on
-// K = 768 weights, level at K = 2048 (docs/engine.md).
+// the first, so that its first pass finds it there. Only from three passes (65 rows) on: with a
+// single later pass the requests crowded it and the product ran slower (docs/engine.md).
 struct NextPanels {
   const char* at;
   const char* end;
