@@ -309,7 +309,7 @@ inline void block(const uint32_t* a, int64_t a_stride, const uint16_t* panel, in
 }
 
 // Rows [0, rows) of the C tiles into y (row stride y_stride; cols valid columns from the first
-// panel's start). Whole tiles go straight to y, their bias already in them (block); a partial one
+// panel's start). Whole tiles go straight to y, their bias already in them (pass); partial ones
 // through a buffer, bias added here.
 template <int RB, int PB>
 inline void drain(float* y, int64_t y_stride, int64_t rows, int64_t cols, const float* bias) {
@@ -336,6 +336,15 @@ inline void drain(float* y, int64_t y_stride, int64_t rows, int64_t cols, const 
   }
 }
 
+// One pass: `rows` rows of x (from a) against PB panels into y. Whole tiles start from the bias;
+// drain adds it to partial ones.
+template <int RB, int PB>
+inline void pass(const uint32_t* a, int64_t a_stride, const uint16_t* panel, int64_t panel_stride, int64_t chunks,
+                 bool stream, float* y, int64_t n, int64_t rows, int64_t cols, const float* bias, NextPanels& next) {
+  block<RB, PB>(a, a_stride, panel, panel_stride, chunks, stream, whole<RB, PB>(rows, cols) ? bias : nullptr, next);
+  drain<RB, PB>(y, n, rows, cols, bias);
+}
+
 // Every row of x against PB panels, 32 rows a pass.
 template <int PB>
 inline void panels_rows(const uint32_t* a, int64_t a_stride, const uint16_t* panel, int64_t panel_stride,
@@ -343,16 +352,12 @@ inline void panels_rows(const uint32_t* a, int64_t a_stride, const uint16_t* pan
                         NextPanels next) {
   for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
     const int64_t rows = std::min<int64_t>(32, m_rows - m0);
-    const uint32_t* am = a + m0 * a_stride;
-    if (rows > 16) {
-      const bool w = whole<2, PB>(rows, cols);
-      block<2, PB>(am, a_stride, panel, panel_stride, chunks, m0 == 0, w ? bias : nullptr, next);
-      drain<2, PB>(y + m0 * n, n, rows, cols, w ? nullptr : bias);
-    } else {
-      const bool w = whole<1, PB>(rows, cols);
-      block<1, PB>(am, a_stride, panel, panel_stride, chunks, m0 == 0, w ? bias : nullptr, next);
-      drain<1, PB>(y + m0 * n, n, rows, cols, w ? nullptr : bias);
-    }
+    if (rows > 16)
+      pass<2, PB>(a + m0 * a_stride, a_stride, panel, panel_stride, chunks, m0 == 0, y + m0 * n, n, rows, cols, bias,
+                  next);
+    else
+      pass<1, PB>(a + m0 * a_stride, a_stride, panel, panel_stride, chunks, m0 == 0, y + m0 * n, n, rows, cols, bias,
+                  next);
   }
 }
 
