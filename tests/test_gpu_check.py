@@ -33,6 +33,7 @@ def good_section(ctx: Context) -> None:
 
 def slow_section(ctx: Context) -> None:
     ctx.row(SpeedRow("before the hang", 1.0, "s"))
+    print("slow section: hanging", flush=True)  # the test's cue (stdout is the parent's)
     time.sleep(60)
 
 
@@ -274,6 +275,7 @@ def test_sections_option_selects_in_order():
 
 
 @pytest.mark.slow  # a process per section
+@pytest.mark.timeout(120)
 def test_sigterm_ends_the_run_and_keeps_the_report(tmp_path):
     # `timeout` around gpu-check: the section in flight is killed and reported, later ones are not
     # run, and the rows measured so far are written.
@@ -290,7 +292,11 @@ def test_sigterm_ends_the_run_and_keeps_the_report(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("gpu-check: good ok")
-    time.sleep(3)  # inside the slow section
+    # Inside the slow section, its row written: wait for its cue rather than a fixed time, since
+    # starting the section's process can take seconds on a loaded machine.
+    while (line := proc.stdout.readline()) and not line.startswith("slow section: hanging"):
+        pass
+    assert line, "the slow section never started"
     proc.terminate()
     assert proc.wait(timeout=30) == 0
     doc = json.loads((tmp_path / "gpu-check.json").read_text())
