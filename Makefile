@@ -60,20 +60,24 @@ bench: $(BENCH_STAMP)
 wheelhouse:
 	$(PY) tools/install.py wheelhouse $(WHEELHOUSE) --python-version $(PYTHON_VERSION) $(if $(EXTRAS),--extras $(EXTRAS))
 
-# The whole suite, after ruff and the type checker (CI runs this target).
+# The whole suite, after ruff and the type checker (CI runs this target): the fast tests spread over
+# the cores, then the slow ones in turn.
 test: lint
 	# Docker (Debian packages) for the compose tests: they validate compose.yaml and run the deployment
 	# (tests/docker_env.py starts dockerd). Best effort: without root they skip and say why.
 	command -v docker-compose >/dev/null 2>&1 && command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || \
 	  (apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1 || \
 	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1) || true)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(FAST_TESTS)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end), one
-# pytest-xdist worker per core, each test file on one worker (its module fixtures built once).
+# pytest-xdist worker per core, each test file on one worker (its module fixtures built once). `test`
+# runs these the same way, then the slow ones one at a time: they start processes and time things.
 TEST_WORKERS ?= auto
+FAST_TESTS = $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(FAST_TESTS)
 
 # On a CUDA host: the tests that make sense on a GPU (marked `device`: kernels, Triton engine runs) on
 # the GPU, Triton compiled; PYTEST_ARGS adds -k, -x, ...

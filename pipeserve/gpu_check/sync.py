@@ -42,11 +42,12 @@ def one_sync_row(counts: list[int], proposer: str = "ngram") -> CorrectnessRow:
 
 
 def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object]], int] = count_syncs,
-               dtype: str = "bfloat16", counted: int = COUNTED_STEPS, proposer: str = "ngram") -> list[int]:
+               dtype: str = "bfloat16", counted: int = COUNTED_STEPS, proposer: str = "ngram",
+               warm: int = WARM_STEPS) -> list[int]:
     """`count` of each steady-state step of 8 requests with every per-step host need switched on:
     half of them with logprobs and penalties (they decode one token a step), half speculating
     (greedy and seeded sampling, verified by matching and by rejection sampling). proposer: ngram,
-    or draft (the model as its own draft)."""
+    or draft (the model as its own draft). warm: the steps run first, not counted."""
     from pipeserve.engine import LLM, SamplingParams
 
     executor = "compiled" if device == "cuda" else "eager"  # CUDA graphs; the interpreter runs eager
@@ -60,13 +61,13 @@ def step_syncs(model_dir: str, device: str, count: Callable[[Callable[[], object
     for i in range(8):
         phrase = torch.randint(3, vocab, (5,), generator=g).tolist()
         # Enough tokens that every request runs through the counted steps, even accepting every proposal.
-        params = SamplingParams(max_tokens=(WARM_STEPS + counted) * 5, min_tokens=WARM_STEPS + counted,
+        params = SamplingParams(max_tokens=(warm + counted) * 5, min_tokens=warm + counted,
                                 ignore_eos=True, temperature=0.0 if i % 4 == 1 else 0.8, seed=i)
         if i % 2 == 0:
             params = replace(params, logprobs=5, repetition_penalty=1.1, presence_penalty=0.3,
                              frequency_penalty=0.2)
         engine.add(f"sync-{i}", phrase * (2 + i), params)
-    for _ in range(WARM_STEPS):
+    for _ in range(warm):
         engine.step()
     return [count(engine.step) for _ in range(counted)]
 
