@@ -285,7 +285,8 @@ def test_triton_backend_adapters_over_quantized_weights(stories_dir: str, adapte
     llm = LLM(stories_dir, device=TEST_DEVICE, backend="triton", dtype="float32", quantization=method,
               enable_lora=True, max_loras=2, max_lora_rank=16, num_pages=32)
     if method in W8A8_DTYPES:  # greedy tokens are not a W8A8 property: log-probs, as above
-        _check_mixed_step_logprobs(llm, adapters, PROMPTS[:2], 4, f"triton {method}")
+        # Two new tokens (the interpreter's steps are slow): the scored step still mixes every row.
+        _check_mixed_step_logprobs(llm, adapters, PROMPTS[:2], 2, f"triton {method}")
         return
     prompts, loras, expected = [], [], []
     for j, (i, lora) in enumerate([(0, adapters[0][0]), (1, adapters[1][0]), (0, None)]):
