@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "scratch.h"
 #include "vec_math.h"
 
 extern "C" void pipeserve_packed_linear(const float* x, int64_t x_stride, const float* packed, const float* bias,
@@ -290,12 +291,12 @@ extern "C" void pipeserve_decode_step(const int64_t* dims, float eps, float scal
   const int rot_dim = static_cast<int>(dims[kRotDim]), page_size = static_cast<int>(dims[kPageSize]);
   const bool bf16 = dims[kWeightDtype] == 1, bf16_cache = dims[kCacheDtype] == 1;
 
-  // Scratch grows to the largest step seen and is reused after (one engine thread calls this).
-  static thread_local std::vector<float> scratch;
+  // The step's activations, one after another: each starts on a cache line where the row sizes are
+  // multiples of 16 floats (one engine thread calls this).
+  static thread_local pipeserve::Scratch scratch;
   // (+ kv_size: a row's K and V in bf16 for a bf16 cache, two to a float)
   const int64_t per_row = hidden * 3 + qkv_size + q_size + 2 * inter + inter + kv_size;
-  if (static_cast<int64_t>(scratch.size()) < per_row * rows) scratch.resize(per_row * rows);
-  float* resid = scratch.data();          // [rows, hidden] the residual stream
+  float* resid = scratch.hold<float>(per_row * rows);  // [rows, hidden] the residual stream
   float* normed = resid + rows * hidden;  // [rows, hidden] its norm: a sublayer's input
   float* sub = normed + rows * hidden;    // [rows, hidden] a sublayer's output
   float* qkv = sub + rows * hidden;       // [rows, qkv_size]

@@ -16,15 +16,11 @@
 // host allows. pipeserve_isa() says which, so the loader can log it.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 #include <type_traits>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "amx.h"
+#include "scratch.h"
 #include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -47,38 +43,6 @@ constexpr int64_t kAmxRows = 2;
 // Pairs of k per row of a packed bf16 panel: K rounded up to 32 (zeros past it), so an AMX tile of
 // 32 k never runs past a panel.
 constexpr int64_t bf16_pairs(int64_t k_len) { return (k_len + 31) / 32 * 16; }
-
-// Per-call scratch that grows to the largest call seen and is reused (each calling thread its own):
-// 64-byte aligned on transparent huge pages, as the packed weights are. In a buffer of its own from
-// malloc, x's rows sat 16 bytes past a page boundary, each tile row across two cache lines, and AMX
-// products of 64-128 rows ran slower (docs/engine.md).
-class Scratch {
- public:
-  Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() { std::free(data_); }
-  uint32_t* hold(size_t bytes) {
-    if (bytes > bytes_) {
-      constexpr size_t kHuge = size_t{2} << 20;
-      std::free(data_);
-      bytes_ = (bytes + kHuge - 1) / kHuge * kHuge;
-      data_ = static_cast<uint32_t*>(std::aligned_alloc(kHuge, bytes_));
-      if (data_ == nullptr) {
-        bytes_ = 0;
-        throw std::bad_alloc();
-      }
-#if defined(MADV_HUGEPAGE)
-      madvise(data_, bytes_, MADV_HUGEPAGE);
-#endif
-    }
-    return data_;
-  }
-
- private:
-  uint32_t* data_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // A tile's k steps: one k of fp32 panels (X = float), or one pair of k of bf16 panels (X = a
 // uint32_t holding the pair of x values). W is the panel element type; kPer weights per lane per step.
@@ -472,8 +436,8 @@ extern "C" void pipeserve_packed_linear_bf16(const float* x, int64_t x_stride, c
   // longer than its pairs: at k_len a multiple of 2048 a tile's 16 rows would otherwise share one L1
   // set.
   const int64_t rows_held = tiles ? (m_rows + 15) / 16 * 16 : m_rows, stride = pairs + 16;
-  static thread_local Scratch scratch;
-  uint32_t* xb = scratch.hold(rows_held * stride * sizeof(uint32_t));
+  static thread_local pipeserve::Scratch scratch;
+  uint32_t* xb = scratch.hold<uint32_t>(rows_held * stride);
   for (int64_t r = 0; r < m_rows; ++r) {
     uint32_t* out = xb + r * stride;
     to_pairs(x + r * x_stride, k_len, out);
