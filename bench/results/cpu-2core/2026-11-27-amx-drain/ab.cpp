@@ -1,10 +1,12 @@
-// ab LIB_A LIB_B ROWS: cold products of the model's four shapes, the two libraries alternated per round
+// ab LIB_A LIB_B ROWS [hot|distinct]: cold products of the model's four shapes (hot: one copy; distinct:
+// each copy packed from its own random weight), the two libraries alternated per round; y 64-byte aligned
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 #include <cstring>
 #include <algorithm>
@@ -16,7 +18,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 2; ++i) { void* h = dlopen(argv[1 + i], RTLD_NOW | RTLD_LOCAL); if (!h) { puts(dlerror()); return 1; }
     lin[i] = (Lin)dlsym(h, "pipeserve_packed_linear_bf16"); if (!pack) pack = (Pack)dlsym(h, "pipeserve_pack_weight_bf16"); }
   const int64_t m = atoi(argv[3]);
-  const bool hot = argc > 4;
+  const bool hot = argc > 4 && std::string(argv[4]) == "hot", distinct = argc > 4 && std::string(argv[4]) == "distinct";
   const char* shapes[] = {"1280x768", "768x768", "4096x768", "768x2048"};
   for (const char* s : shapes) {
     int64_t n, k; sscanf(s, "%ldx%ld", &n, &k);
@@ -26,7 +28,10 @@ int main(int argc, char** argv) {
     char* al = (char*)(((uintptr_t)base + (2 << 20) - 1) & ~uintptr_t((2 << 20) - 1));
     madvise(al, copies * wbytes, MADV_HUGEPAGE);
     std::vector<uint16_t> w(n * k); for (auto& v : w) v = (rand() & 1 ? 0xbc00 : 0x3c00) + (rand() & 0x3ff);
-    for (int64_t c = 0; c < copies; ++c) pack(w.data(), n, k, (uint16_t*)(al + c * wbytes));
+    for (int64_t c = 0; c < copies; ++c) {
+      if (distinct && c > 0) for (auto& v : w) v = (rand() & 1 ? 0xbc00 : 0x3c00) + (rand() & 0x3ff);
+      pack(w.data(), n, k, (uint16_t*)(al + c * wbytes));
+    }
     std::vector<float> x(m * k); for (auto& v : x) v = rand() / float(RAND_MAX) - 0.5f;
     std::vector<float> y_(m * n + 16), y2_(m * n + 16);
     float* yp = (float*)(((uintptr_t)y_.data() + 63) & ~uintptr_t(63)); float* y2p = (float*)(((uintptr_t)y2_.data() + 63) & ~uintptr_t(63));
