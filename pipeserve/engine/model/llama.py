@@ -212,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backend = backend  # quantize_model builds the quantized layers on the same one
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The loader builds the model on the meta device and fills it: no random init (nn.Embedding's
+        # own would import torch._dynamo, seconds of every engine start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (

@@ -210,7 +210,9 @@ class _Materializer:
 
     def _allocate(self, unit: str) -> None:
         module = self.units[unit]
-        module.to_empty(device=self.device)
+        # Module.to_empty's empty_like of a meta tensor imports sympy (~1 s of every engine start):
+        # the same allocation by shape.
+        module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))  # type: ignore[no-untyped-call]
         prefix = unit + "."
         for name, param in module.named_parameters(prefix=unit):
             assert name.startswith(prefix)

@@ -130,7 +130,7 @@ class VocabParallelEmbedding(nn.Embedding):
     sums the one rank's row that holds it."""
 
     def __init__(self, num_rows: int, hidden: int, group: TPGroup) -> None:
-        super().__init__(num_rows, hidden)
+        super().__init__(num_rows, hidden, _weight=torch.empty(num_rows, hidden))  # filled by the loader
         self.start, self.num_rows, self.group = group.rank * num_rows, num_rows, group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
