@@ -158,3 +158,17 @@ def test_preflight_accepts_a_config_only_dir_for_dummy(config_only_dir: str) -> 
 def test_load_format_is_checked(stories_dir: str) -> None:
     with pytest.raises(ValueError, match="load_format"):
         load_model(stories_dir, BACKEND, CPU, torch.float32, 256, load_format="pt")
+
+
+def test_loading_leaves_the_compiler_stack_unimported(tiny_model) -> None:
+    """An eager engine's start does not pay for torch._dynamo or sympy (seconds of every start): the
+    model is built on the meta device without random init and materialized by shape."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom pipeserve.engine import LLM\n"
+              f"LLM({tiny_model('llama')!r}, device='cpu', dtype='float32', backend='reference')\n"
+              "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
