@@ -110,6 +110,12 @@ class EngineConfig:
                              "graphs; native: the native CPU step; eager: the model's ops one by one",
                              choices=STEP_EXECUTORS)
     compile: bool = opt(True, "false: every step eager (the same as --step-executor eager)")
+    overlap_steps: str = opt("auto", "overlapped decode steps: the host schedules and launches the next "
+                             "decode step while the device runs this one, and reads this one's tokens "
+                             "after (a request that stops runs one wasted row); auto: on CUDA, off on the "
+                             "CPU (where the device is the host); never with speculative decoding or "
+                             "tensor parallelism, whose next step needs the tokens",
+                             choices=("auto", "on", "off"))
     max_cuda_graph_batch: int = opt(256, "CUDA graphs: the largest batch (decode and verification rows) "
                                     "captured; larger steps run eager")
     generation_config: str = opt("auto", "auto: the checkpoint's generation_config.json sampling defaults "
@@ -162,6 +168,10 @@ class EngineConfig:
             if self.step_executor not in ("auto", "eager"):
                 raise ValueError(f"--no-compile contradicts --step-executor {self.step_executor}")
             self.step_executor = "eager"
+        needs_tokens = self.speculative_method != "none" or self.tensor_parallel_size > 1
+        if self.overlap_steps == "on" and needs_tokens:
+            raise ValueError("--overlap-steps on contradicts speculative decoding and tensor parallelism: "
+                             "their next step needs this one's tokens")
         if self.max_cuda_graph_batch < 1:
             raise ValueError(f"max_cuda_graph_batch must be >= 1, got {self.max_cuda_graph_batch}")
         if self.page_size < 1:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,9 +37,9 @@ from pipeserve.engine.parallel.step_plan import StepSender
 from pipeserve.engine.pooling import Pooler
 from pipeserve.engine.prompt_logprobs import PromptLogprobs
 from pipeserve.engine.quantization.model import weight_bytes
-from pipeserve.engine.runner import ForwardRunner, ModelRunner, StepResult
+from pipeserve.engine.runner import ForwardRunner, LaunchedStep, ModelRunner, StepResult
 from pipeserve.engine.sampler import Sampler
-from pipeserve.engine.scheduler import Scheduler
+from pipeserve.engine.scheduler import ScheduledBatch, Scheduler
 from pipeserve.engine.sequence import Sequence, Status, StepUpdate, TokenLogprobs
 from pipeserve.engine.shard import build_pool, load_shard, resolve_device
 from pipeserve.engine.spec.draft import DraftModel
@@ -53,6 +54,14 @@ from pipeserve.startup import phase
 log = logging.getLogger(__name__)
 
 GRAMMAR_WAIT = 0.005  # seconds a step with nothing to run waits for a grammar to compile
+
+
+@dataclass
+class InFlight:
+    """An overlapped step launched and not read yet (see Engine.step)."""
+
+    sampled: list[Sequence]  # its sampling requests, in row order (each holds a PENDING token)
+    launched: LaunchedStep
 
 
 class Engine:
@@ -168,6 +177,8 @@ class Engine:
         log.info("scheduling policy: %s", config.scheduling_policy)
         self.requests: dict[str, Sequence] = {}
         self._ended: list[Sequence] = []  # finished outside a step (abort), reported by the next step
+        self.overlap = self._choose_overlap(config)
+        self._in_flight: InFlight | None = None  # the overlapped step launched by the last call
         self.step_count = 0
         self._rng = np.random.default_rng(config.seed)
         self._refused: dict[str, str] = {}  # rid -> why, until take_refused()
@@ -177,6 +188,21 @@ class Engine:
                     compiler.result()
                 except Exception as exc:  # noqa: BLE001 - constrained requests will say why; serve the rest
                     log.warning("the grammar compiler could not be built: %s", exc)
+
+    def _choose_overlap(self, config: EngineConfig) -> bool:
+        """Overlapped decode steps (EngineConfig.overlap_steps), chosen once and logged."""
+        if self.speculator is not None or self.tp is not None:
+            why = "off: the next step needs the tokens (speculative decoding or tensor parallelism)"
+            on = False
+        elif config.overlap_steps == "auto":
+            on = self.device.type == "cuda"
+            why = ("on: the host prepares the next step while the GPU runs this one" if on
+                   else f"off: on {self.device.type} the device is the host")
+        else:
+            on = config.overlap_steps == "on"
+            why = "requested"
+        log.info("overlapped decode steps: %s (--overlap-steps %s)", why, config.overlap_steps)
+        return on
 
     # -- requests -------------------------------------------------------------------------------
     @property
@@ -322,42 +348,93 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ended) or bool(self.structured.waiting)
+        return (self.scheduler.has_work() or bool(self._ended) or bool(self.structured.waiting)
+                or self._in_flight is not None)
 
     def step(self) -> list[StepUpdate]:
         """Run one step; one update per request it touched: those that sampled a token, in batch
-        row order, then those that ended between steps (no token)."""
+        row order, then those that ended between steps (no token). With overlapped steps a decode
+        step's tokens are read, and reported, by the next call: each call launches its step, then
+        lands the one in flight while the device runs the new one."""
+        updates: list[StepUpdate] = []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and (self.scheduler.waiting or self.structured.waiting):
+            updates += self._land(in_flight)  # admissions and grammars need every token read
+            in_flight = None
         step_start = time.perf_counter()
         if self.structured.waiting:
             self._take_compiled()
         proposals, drafts = self.speculator.propose(self.scheduler.running) if self.speculator else ({}, None)
         batch = self.scheduler.schedule(proposals)
+        overlaps = self._overlaps(batch)
         start = time.perf_counter()
-        result = self.runner.run(batch, drafts) if batch.num_tokens else StepResult([])
-        if self.speculator is not None:
-            self.speculator.observe(batch, result.accepted, time.perf_counter() - start)
+        launched = (self.runner.launch(batch, drafts, None if in_flight is None else in_flight.launched)
+                    if batch.num_tokens else LaunchedStep.done(StepResult([])))
+        if in_flight is not None:
+            updates += self._land(in_flight)
         sampled = batch.sampling()
-        before = [seq.num_tokens for seq in sampled]
-        finished = self.scheduler.postprocess(batch, sampled, result.tokens, result.accepted)
-        self.step_count += 1
-        updates = [self._update(seq, seq.token_ids[n:]) for seq, n in zip(sampled, before, strict=True)]
-        if result.logprobs is not None:
-            lps, top_ids, top_lps = result.logprobs, result.top_ids, result.top_logprobs
-            assert top_ids is not None and top_lps is not None
-            for i, update in enumerate(updates):
-                k = update.seq.params.logprobs
-                if k is not None:
-                    update.logprobs = [TokenLogprobs(float(lps[i]), top_ids[i, :k], top_lps[i, :k])]
+        if in_flight is not None or overlaps:  # decode rows only: their tokens land as a deferred step's
+            assert not batch.prefill and not batch.verify
+            self.scheduler.defer(batch, sampled)
+            deferred = InFlight(sampled, launched)
+            if overlaps and any(seq.status is Status.RUNNING for seq in sampled):
+                self._in_flight = deferred
+            else:  # nothing to overlap with, or only rows of requests that just stopped
+                updates += self._land(deferred)
+        else:
+            result = launched.result()
+            if self.speculator is not None:
+                self.speculator.observe(batch, result.accepted, time.perf_counter() - start)
+            before = [seq.num_tokens for seq in sampled]
+            finished = self.scheduler.postprocess(batch, sampled, result.tokens, result.accepted)
+            self.step_count += 1
+            new = [seq.token_ids[n:] for seq, n in zip(sampled, before, strict=True)]
+            updates += self._report(sampled, new, range(len(sampled)), result)
+            self._retire(finished)
         updates += [self._update(seq, []) for seq in self._ended]
-        for seq in finished + self._ended:
-            del self.requests[seq.rid]
-            self.structured.finish(seq)
-            if self.lora is not None and seq.lora is not None:
-                self.lora.drop(seq.lora)
+        self._retire(self._ended)
         self._ended = []
         if self.speculator is not None:
             self.speculator.finish(time.perf_counter() - step_start)
         return updates
+
+    def _overlaps(self, batch: ScheduledBatch) -> bool:
+        """Whether the step may stay in flight: overlapped steps are on, and the next step needs none of
+        its tokens on the host (every running request a decode row, none waiting to be admitted, no
+        grammar). The next step is then decode rows only, of these requests."""
+        return (self.overlap and bool(batch.decode) and not batch.prefill and not batch.verify
+                and len(batch.decode) == len(self.scheduler.running) and not self.scheduler.waiting
+                and not self.structured.waiting and not self.structured.matchers)
+
+    def _land(self, in_flight: InFlight) -> list[StepUpdate]:
+        """Read the step in flight's tokens (the step's one readback) and report them."""
+        result = in_flight.launched.result()
+        landed, rows, finished = self.scheduler.land(in_flight.sampled, result.tokens)
+        self.step_count += 1
+        updates = self._report(landed, [[seq.token_ids[-1]] for seq in landed], rows, result)
+        self._retire(finished)
+        return updates
+
+    def _report(self, seqs: list[Sequence], tokens: list[list[int]], rows: Iterable[int],
+                result: StepResult) -> list[StepUpdate]:
+        """The updates of requests that got tokens; rows: each one's row in the step's results."""
+        updates = [self._update(seq, toks) for seq, toks in zip(seqs, tokens, strict=True)]
+        if result.logprobs is not None:
+            lps, top_ids, top_lps = result.logprobs, result.top_ids, result.top_logprobs
+            assert top_ids is not None and top_lps is not None
+            for i, update in zip(rows, updates, strict=True):
+                k = update.seq.params.logprobs
+                if k is not None:
+                    update.logprobs = [TokenLogprobs(float(lps[i]), top_ids[i, :k], top_lps[i, :k])]
+        return updates
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        """Forget requests that finished (their last update is made)."""
+        for seq in finished:
+            del self.requests[seq.rid]
+            self.structured.finish(seq)
+            if self.lora is not None and seq.lora is not None:
+                self.lora.drop(seq.lora)
 
     def take_refused(self) -> dict[str, str]:
         """rid -> why of the requests refused since the last call: their constraint did not compile.

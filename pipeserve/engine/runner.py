@@ -13,6 +13,7 @@ verification, prompt logprobs and structured outputs (the target model's).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,7 +38,7 @@ from pipeserve.engine.pooling import EmbedRows, Pooler
 from pipeserve.engine.prompt_logprobs import PromptRows, PromptScores, prompt_rows, read_out
 from pipeserve.engine.sampler import SampleOutput, Sampler
 from pipeserve.engine.scheduler import ScheduledBatch
-from pipeserve.engine.sequence import Sequence
+from pipeserve.engine.sequence import PENDING, Sequence
 from pipeserve.engine.spec.verifier import DraftProposals, Verifier
 from pipeserve.engine.structured import StructuredOutputs
 
@@ -49,6 +50,28 @@ class StepResult:
     top_ids: np.ndarray | None = None  # [B, K]
     top_logprobs: np.ndarray | None = None
     accepted: list[list[int]] | None = None  # per sampled request: kept proposals, before its token
+
+
+class LaunchedStep:
+    """A step on the device; `result()` reads what it sampled (the step's one readback) the first time."""
+
+    def __init__(self, finish: Callable[[], StepResult], tokens: torch.Tensor | None = None,
+                 slots: np.ndarray | None = None) -> None:
+        """tokens: the sampled token of each sample row, on the device, and slots their requests'
+        slots (None: the step read back as it ran)."""
+        self.tokens, self.slots = tokens, slots
+        self._finish: Callable[[], StepResult] | None = finish
+        self._result: StepResult | None = None
+
+    @classmethod
+    def done(cls, result: StepResult) -> LaunchedStep:
+        return cls(lambda: result)
+
+    def result(self) -> StepResult:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        assert self._result is not None
+        return self._result
 
 
 _NO_ROWS = np.zeros(0, np.int64)  # read only
@@ -86,6 +109,7 @@ class ForwardRunner:
             "sample_seq_lens": (i32, (max_tokens,)),
             "sample_offsets": (i64, (max_tokens,)),
             "patch_rows": (i64, (max_tokens,)),  # rows whose input ids are on the device (proposals)
+            "patch_src": (i64, (max_tokens,)),  # where in the step in flight's tokens (overlapped steps)
             **(buffer_shapes(max_tokens, max_num_seqs, lora.table.num_slots) if lora else {}),
         })
         self.lora = lora
@@ -242,7 +266,18 @@ class ModelRunner(ForwardRunner):
     def run(self, batch: ScheduledBatch, drafts: DraftProposals | None = None) -> StepResult:
         """drafts: the draft model's distributions behind batch.proposals (sampled proposals are
         verified by rejection sampling; without them, proposals are kept while they match)."""
+        return self.launch(batch, drafts).result()
+
+    def launch(self, batch: ScheduledBatch, drafts: DraftProposals | None = None,
+               after: LaunchedStep | None = None) -> LaunchedStep:
+        """Start the step; its results come with `result()` on the returned step. A step that samples
+        without verifying leaves its one readback for then, so the host may schedule and launch the
+        next step first; the others read back here. after: the step still in flight, whose tokens
+        are the input ids of the decode rows holding a PENDING token."""
         flat = self.build(batch, drafts)
+        if after is not None:
+            assert flat.device_ids is None, "decode rows from the device beside a draft's proposals"
+            flat = replace(flat, device_ids=self._continuing(flat, after))
         self.structured.begin(flat.sample_slots)  # bitmask rows fill while the model runs
         # The chunks are the verification rows, then the prefills: skip the former's offsets.
         extra = (prompt_rows(batch.prefill, flat.num_decode, flat.prefill_cu_q_lens[len(batch.verify):])
@@ -259,7 +294,7 @@ class ModelRunner(ForwardRunner):
         if logits is None:
             if scores is not None:  # prompt chunks only: the scores are the step's one readback
                 scores.store(self.buffers.read(*scores.tensors))
-            return StepResult([])
+            return LaunchedStep.done(StepResult([]))
         scored = () if scores is None else scores.tensors
         # The sampler runs eager: on the CPU it reads the host array as it is.
         slots_t = self.buffers.host_or_stage("sample_slots", flat.sample_slots)
@@ -268,27 +303,58 @@ class ModelRunner(ForwardRunner):
             out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask)
             logprobs = self._logprobs(out)
             # The step's one readback: tokens, their logprobs, the prompt rows' scores, the vectors.
-            tokens, *host = self.buffers.read(out.tokens, *logprobs, *scored, *pooled)
-            host, host_pooled = host[: len(host) - len(pooled)], host[len(host) - len(pooled):]
-            host_logprobs, host_scores = host[: len(logprobs)], host[len(logprobs):]
-            row_tokens = tokens.tolist()
-            result = StepResult(row_tokens)
-        else:
-            offsets = (flat.sample_offsets, self.buffers.stage("sample_offsets", flat.sample_offsets))
-            out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask, offsets)
-            logprobs = self._logprobs(out)
-            proposed = None if flat.device_ids is None else flat.device_ids.values
-            verified, host = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits,
-                                                  out.tokens, offsets, drafts, self.buffers.read,
-                                                  logprobs + scored + pooled, proposed)
-            host, host_pooled = host[: len(host) - len(pooled)], host[len(host) - len(pooled):]
-            row_tokens = verified.row_tokens
-            result = StepResult(verified.tokens, accepted=verified.accepted)
-            self.sampler.advance(verified.slots, upload(verified.slots, self.device),
-                                 upload(verified.emitted, self.device))
-            # Requests with logprobs never verify (one row each): their rows, in request order.
-            host_logprobs = [a[verified.seq_rows] for a in host[: len(logprobs)]]
-            host_scores = host[len(logprobs):]
+            pending = self.buffers.read_later(out.tokens, *logprobs, *scored, *pooled)
+            def finish() -> StepResult:
+                return self._sampled(pending.wait(), len(logprobs), len(pooled), scores, embeds)
+
+            return LaunchedStep(finish, out.tokens, flat.sample_slots)
+        offsets = (flat.sample_offsets, self.buffers.stage("sample_offsets", flat.sample_offsets))
+        out = self.sampler.sample(logits, flat.sample_slots, slots_t, mask, offsets)
+        logprobs = self._logprobs(out)
+        proposed = None if flat.device_ids is None else flat.device_ids.values
+        verified, host = self.verifier.verify(batch, flat.num_decode, flat.sample_slots, logits,
+                                              out.tokens, offsets, drafts, self.buffers.read,
+                                              logprobs + scored + pooled, proposed)
+        host, host_pooled = host[: len(host) - len(pooled)], host[len(host) - len(pooled):]
+        result = StepResult(verified.tokens, accepted=verified.accepted)
+        self.sampler.advance(verified.slots, upload(verified.slots, self.device),
+                             upload(verified.emitted, self.device))
+        # Requests with logprobs never verify (one row each): their rows, in request order.
+        host_logprobs = [a[verified.seq_rows] for a in host[: len(logprobs)]]
+        self._store(result, verified.row_tokens, host_logprobs, host[len(logprobs):], host_pooled, scores,
+                    embeds)
+        return LaunchedStep.done(result)
+
+    def _continuing(self, flat: FlatBatch, after: LaunchedStep) -> DeviceIds | None:
+        """The decode rows whose input id is a PENDING token: the token `after` sampled for the same
+        request slot (on the device; nothing waits)."""
+        rows = np.flatnonzero(flat.input_ids[: flat.num_decode] == PENDING)
+        if not rows.size:
+            return None
+        assert after.tokens is not None and after.slots is not None, "a PENDING token from a step read back"
+        slots = flat.decode_slots[rows]
+        if rows.size == after.slots.size and np.array_equal(slots, after.slots):  # the same rows: most steps
+            return DeviceIds(rows, after.tokens)
+        order = np.argsort(after.slots)
+        src = order[np.searchsorted(after.slots, slots, sorter=order)]
+        assert np.array_equal(after.slots[src], slots), "a PENDING token with no row in the step in flight"
+        return DeviceIds(rows, after.tokens.index_select(0, self.buffers.host_or_stage("patch_src", src)))
+
+    def _sampled(self, host: list[np.ndarray], num_logprobs: int, num_pooled: int,
+                 scores: PromptScores | None, embeds: EmbedRows | None) -> StepResult:
+        """A sampling step's result from its readback: [tokens, *logprobs, *scores, *pooled]."""
+        tokens, rest = host[0], host[1:]
+        rest, host_pooled = rest[: len(rest) - num_pooled], rest[len(rest) - num_pooled:]
+        row_tokens = tokens.tolist()
+        result = StepResult(row_tokens)
+        self._store(result, row_tokens, rest[:num_logprobs], rest[num_logprobs:], host_pooled, scores, embeds)
+        return result
+
+    def _store(self, result: StepResult, row_tokens: list[int], host_logprobs: list[np.ndarray],
+               host_scores: list[np.ndarray], host_pooled: list[np.ndarray], scores: PromptScores | None,
+               embeds: EmbedRows | None) -> None:
+        """Hand the readback's parts to their owners: prompt scores, pooled vectors, the grammars
+        (each constrained row's token), the result's logprobs."""
         if scores is not None:
             scores.store(host_scores)
         if host_pooled:
@@ -297,7 +363,6 @@ class ModelRunner(ForwardRunner):
         self.structured.advance(row_tokens)
         if host_logprobs:
             result.logprobs, result.top_ids, result.top_logprobs = host_logprobs
-        return result
 
     @staticmethod
     def _logprobs(out: SampleOutput) -> tuple[torch.Tensor, ...]:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from pipeserve.engine.kv.policy import AdmissionPolicy
 from pipeserve.engine.kv.pool import KVPool
-from pipeserve.engine.sequence import Sequence, Status
+from pipeserve.engine.sequence import PENDING, Sequence, Status
 from pipeserve.lora import LoRARequest
 
 
@@ -237,10 +237,7 @@ class Scheduler:
         accepted: per sampled request, the proposals verification kept, emitted before its sampled
         token (a stop or max_tokens inside them ends the request there). Returns the requests that
         finished."""
-        for seq in batch.decode:
-            seq.num_computed += 1
-        for seq, n in zip(batch.prefill, batch.prefill_lens, strict=True):
-            seq.num_computed += n
+        self.advance(batch)
         finished = []
         verifying = set(batch.verify)
         for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
@@ -262,6 +259,44 @@ class Scheduler:
                     finished.append(seq)
                     break
         return finished
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step's rows are in the cache: advance the requests' computed counts."""
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, n in zip(batch.prefill, batch.prefill_lens, strict=True):
+            seq.num_computed += n
+
+    def defer(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """An overlapped step is launched and its tokens are not read yet: advance the computed counts
+        and give each sampling request a PENDING token, so that the next step schedules its row (whose
+        input id is taken from the device) before `land` writes the token in."""
+        self.advance(batch)
+        for seq in sampled:
+            if seq.status is Status.RUNNING:
+                seq.token_ids.append(PENDING)
+
+    def land(self, sampled: list[Sequence],
+             tokens: list[int]) -> tuple[list[Sequence], list[int], list[Sequence]]:
+        """The tokens of a deferred step, read back: each request's PENDING token takes its value and
+        the request stops there if it must. A request that ended meanwhile (aborted) drops its row.
+        Returns the requests that got their token, with their rows in the step, and those that
+        finished."""
+        landed, rows, finished = [], [], []
+        for row, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
+            if not seq.token_ids or seq.token_ids[-1] != PENDING:  # no token was deferred for it
+                continue
+            if seq.status is Status.FINISHED:
+                seq.token_ids.pop()
+                continue
+            seq.token_ids[-1] = token  # running, or preempted by the step scheduled meanwhile
+            landed.append(seq)
+            rows.append(row)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return landed, rows, finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str:
         if token in seq.stop_ids and seq.num_output > seq.params.min_tokens:  # sampler masks them before

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from pipeserve.engine.prompt_logprobs import PromptLogprobs
 
 
+# The token id a request holds for a token sampled on the device and not read yet (overlapped steps:
+# its next decode row takes the token from the device).
+PENDING = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -4,8 +4,8 @@ Buffers are allocated once at their largest and refilled in place every step (a 
 reads them at fixed addresses). On CUDA, host arrays go through pinned staging with non-blocking
 copies, two sets used in turns (pipeserve/engine/staging.py: a step never rewrites host memory that
 the last step's copies may still be reading); on the CPU they are written in place. Results reach
-the host only through `read`, which counts its blocking readbacks: the steady-state step makes one
-(tests assert it on the CPU too).
+the host only through `read` (or `read_later`, which lets the host go on until it waits), which counts
+its blocking readbacks: the steady-state step makes one (tests assert it on the CPU too).
 """
 
 from __future__ import annotations
@@ -67,16 +67,36 @@ class StepBuffers:
         return torch.from_numpy(array) if self.device.type == "cpu" else self.stage(name, array)
 
     def read(self, *tensors: torch.Tensor) -> list[np.ndarray]:
-        """The tensors on the host, with one blocking wait for them all: on CUDA each is copied
-        non-blocking (into pinned memory), then the stream is waited on once."""
-        self.readbacks += 1
-        if self.device.type == "cpu":
-            return [t.detach().numpy() for t in tensors]
+        """The tensors on the host, with one blocking wait for them all."""
+        return self.read_later(*tensors).wait()
+
+    def read_later(self, *tensors: torch.Tensor) -> PendingRead:
+        """Start bringing the tensors to the host without waiting: on CUDA each is copied non-blocking
+        into pinned memory and an event marks the copies' end; `wait()` on the result is the blocking
+        readback (counted then). On the CPU the values are there already."""
+        if self.device.type == "cpu":  # copies: a later step may reuse a tensor's memory before the wait
+            return PendingRead(self, [t.detach().numpy().copy() for t in tensors], None)
         if self.device.type != "cuda":
-            return [t.detach().cpu().numpy() for t in tensors]
+            return PendingRead(self, [t.detach().cpu().numpy() for t in tensors], None)
         host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
-        torch.cuda.current_stream(self.device).synchronize()
-        return [h.numpy() for h in host]
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        return PendingRead(self, [h.numpy() for h in host], done)
+
+
+class PendingRead:
+    """Values on their way to the host: readable once `wait()` returns."""
+
+    def __init__(self, buffers: StepBuffers, arrays: list[np.ndarray], done: torch.cuda.Event | None) -> None:
+        self.buffers, self.arrays, self.done = buffers, arrays, done
+
+    def wait(self) -> list[np.ndarray]:
+        """The step's blocking readback: waits for the copies (on CUDA, the stream up to them)."""
+        self.buffers.readbacks += 1
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.arrays
 
 
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from pipeserve.engine.host_memory import huge_page_tensors
 from pipeserve.engine.quantization.kv_cache import K_SMOOTHED, KV_QUANT_DTYPES, scale_group
-from pipeserve.engine.sequence import Sequence
+from pipeserve.engine.sequence import PENDING, Sequence
 from pipeserve.model_config import ModelConfig
 
 from .prefix import page_hash, root_hash
@@ -219,6 +219,8 @@ class KVPool:
         """Make findable the pages `seq` fills up to `num_computed` tokens (when scheduling the step
         that writes them). A page whose hash another page already holds stays private."""
         size = self.page_size
+        if seq.token_ids and seq.token_ids[-1] == PENDING:  # hashed once its token is read (next step)
+            num_computed = min(num_computed, seq.num_tokens - 1)
         for i in range(len(seq.page_hashes), num_computed // size):
             parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
             h = page_hash(parent, seq.token_ids[i * size : (i + 1) * size])
