@@ -87,6 +87,12 @@ def _on_test_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         yield
     finally:
         torch.set_default_device(None)
+        # Hand the test's cached blocks back to the GPU, which the other workers' engines share: a
+        # worker holding what its last test freed left the others out of memory.
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def png_panels(path: pathlib.Path) -> int:

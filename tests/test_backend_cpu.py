@@ -199,3 +199,22 @@ def test_pointwise_ops_match_the_reference(dtype):
     A.apply_rope(qkv[:, :4], qkv[:, 4:], positions, cos_sin)
     reference.apply_rope(want[:, :4], want[:, 4:], positions, cos_sin)
     torch.testing.assert_close(qkv, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+def test_aligned_operands_keep_the_int8_and_fp8_products():
+    """CUDA's int8 / fp8 GEMMs take only sizes in multiples of 8 / 16: the torch path pads K and N with
+    zeros (through uint8, fp8 having no pad kernel) and cuts the padded columns off; the products equal
+    the unpadded ones."""
+    from pipeserve.engine.backend.cpu import _aligned
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (5, 43), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (21, 43), generator=g, dtype=torch.int8)
+    pa, pw = _aligned(a, 1, 8), _aligned(w, 8, 8)
+    assert pa.shape == (5, 48) and pw.shape == (24, 48) and not pw[21:].any() and not pa[:, 43:].any()
+    assert torch.equal(torch._int_mm(pa, pw.t())[:, :21], torch._int_mm(a, w.t()))
+    f8 = torch.randn(7, 43, generator=g).to(torch.float8_e4m3fn)
+    p8 = _aligned(f8, 16, 16)
+    assert p8.dtype == torch.float8_e4m3fn and p8.shape == (16, 48)
+    assert torch.equal(p8[:7, :43].float(), f8.float()) and not p8.float()[7:].any()
+    assert _aligned(pw, 8, 8) is pw  # already aligned: no copy

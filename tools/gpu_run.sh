@@ -12,7 +12,8 @@
 #    sync), and the test files marked `device` on CUDA (pytest-xdist);
 # 3. then alone, so nothing else runs on the GPU while it times: the speed sections in one gpu-check
 #    (default ceilings,speed), stopped (SIGTERM: it writes what it measured) when the whole run
-#    reaches its budget (default 540 s). "none" skips a part.
+#    reaches its budget (default 540 s; under 300 s, the correctness parts are stopped 20 s before
+#    it, the tests 60 s). "none" skips a part.
 # --shared DIR: the test assets (models/stories260K, data/traces) for the tests that use them, e.g. a
 # git-ignored copy carried with the checkout (they skip without it).
 set -u
@@ -56,18 +57,19 @@ torch.version.cuda, triton.__version__, transformers.__version__)'; $PY -m pip l
   >"$W/host.txt" 2>&1
 stamp "host: $(grep -m1 -o 'NVIDIA [A-Z0-9]* [^|]*' "$W/host.txt" | head -1)"
 
-# 2. correctness, side by side.
+# 2. correctness, side by side, each part stopped within the budget.
 pids=()
+limit=$(( BUDGET < 300 ? BUDGET - 20 : 280 ))
 if [ "$CORRECTNESS" != none ]; then
   for section in ${CORRECTNESS//,/ }; do
-    timeout -k 5 280 $PY -m pipeserve.cli gpu-check --sections "$section" --out "$W/$section" \
+    timeout -k 5 "$limit" $PY -m pipeserve.cli gpu-check --sections "$section" --out "$W/$section" \
       >"$W/$section.log" 2>&1 &
     pids+=($!)
   done
 fi
 if [ "$TESTS" != none ]; then
   # shellcheck disable=SC2086
-  PIPESERVE_TEST_DEVICE=cuda timeout -k 5 240 $PY -m pytest -m device -n 6 --dist loadfile -q -p no:cacheprovider \
+  PIPESERVE_TEST_DEVICE=cuda timeout -k 5 $(( limit - 40 )) $PY -m pytest -m device -n 6 --dist loadfile -v -p no:cacheprovider \
     --timeout 150 --junitxml "$W/device-tests.xml" $TESTS >"$W/device-tests.log" 2>&1 &
   pids+=($!)
 fi

@@ -340,26 +340,51 @@ def silu_and_mul_quant(x: torch.Tensor, quant_dtype: torch.dtype = torch.int8) -
     return reference.per_token_quant(silu_and_mul(x), quant_dtype)
 
 
-def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] x int8 [K, N] -> int32. CUDA's kernel wants M > 16: pad decode-sized batches."""
-    m = a.shape[0]
-    if a.is_cuda and m <= 16:
-        return torch._int_mm(F.pad(a, (0, 0, 0, 17 - m)), b)[:m]
-    return torch._int_mm(a, b)
+def _aligned(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t [R, C] zero-padded up to multiples of rows and cols. CUDA's int8 and fp8 GEMMs take only
+    aligned sizes; zero columns add nothing to a dot product and padded rows are cut from the output.
+    Through uint8, as fp8 has no pad kernel (its zero is the zero byte)."""
+    pad_r, pad_c = -t.shape[0] % rows, -t.shape[1] % cols
+    if not (pad_r or pad_c):
+        return t
+    return F.pad(t.view(torch.uint8), (0, pad_c, 0, pad_r)).view(t.dtype)
+
+
+def _int_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """int8 a [M, K] x w [N, K]^T -> int32 [M, N]. CUDA's kernel wants M > 16 (decode-sized batches
+    are padded) and K, N multiples of 8."""
+    m, n = a.shape[0], w.shape[0]
+    if not a.is_cuda:
+        return torch._int_mm(a, w.t())
+    a, w = _aligned(a, 1, 8), _aligned(w, 8, 8)
+    if m <= 16:
+        a = F.pad(a, (0, 0, 0, 17 - m))
+    return torch._int_mm(a, w.t())[:m, :n]
 
 
 def int8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    c = _int_mm(a, w.t()).float() * a_scale * w_scale
+    c = _int_mm(a, w).float() * a_scale * w_scale
     return (c if bias is None else c + bias.float()).to(out_dtype)
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    # Row-wise scaled fp8 on CUDA only writes bf16; the CPU kernel writes fp32 as well.
-    acc_dtype = torch.float32 if a.device.type == "cpu" else torch.bfloat16
-    c = torch._scaled_mm(a, w.t(), scale_a=a_scale.float(), scale_b=w_scale.float().view(1, -1),
-                         out_dtype=acc_dtype)
+    # Row-wise scaled fp8 on CUDA only writes bf16, with K and N multiples of 16; the CPU kernel
+    # writes fp32 as well, at any size.
+    n = w.shape[0]
+    w_scale = w_scale.float().view(1, -1)
+    if a.device.type != "cpu" and out_dtype == torch.float32:
+        # An fp32 model's products in fp32 (each fp8 product is exact there, as in the fp8 kernels'
+        # fp32 accumulators), where the scaled product would round them to bf16.
+        c = torch.mm(a.float(), w.float().t()) * a_scale.float() * w_scale
+        return c if bias is None else c + bias.float()
+    acc_dtype = torch.float32
+    if a.device.type != "cpu":
+        acc_dtype = torch.bfloat16
+        a, w = _aligned(a, 1, 16), _aligned(w, 16, 16)
+        w_scale = F.pad(w_scale, (0, w.shape[0] - n), value=1.0)
+    c = torch._scaled_mm(a, w.t(), scale_a=a_scale.float(), scale_b=w_scale, out_dtype=acc_dtype)[:, :n]
     return (c if bias is None else c + bias.to(acc_dtype)).to(out_dtype)
 
 
