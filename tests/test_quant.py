@@ -241,4 +241,5 @@ def test_bench_quant_gpu_section_dry_run_on_the_cpu(stories_dir):
                                                         ("w8a8-int8", 2)]
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and 0 < r["roofline_pct"] for r in rows)
     assert rows[0]["vs_bf16"] == 1.0
-    assert rows[2]["floor_ms"] < rows[0]["floor_ms"]  # int8 weights: half the bytes
+    # int8 weights: half the bytes, and no slower a floor (a CPU without AMX may be compute-bound).
+    assert rows[2]["floor_mb"] < rows[0]["floor_mb"] and rows[2]["floor_ms"] <= rows[0]["floor_ms"]

@@ -211,10 +211,12 @@ def gpu_section(args: argparse.Namespace, device: str = "cuda", backend: str = "
         for batch in args.gpu_batch:
             _, step_s = decode_tokens_per_s(llm, batch, prompt, args.gpu_output_len, repeats=1)
             context = args.gpu_input_len + args.gpu_output_len // 2
-            floor_s = cost.decode(batch, context).t
+            floor = cost.decode(batch, context)
+            floor_s = floor.t
             base.setdefault(batch, step_s)
             rows.append({"setup": name, "batch": batch, "context": context, "step_ms": step_s * 1e3,
                          "vs_bf16": base[batch] / step_s, "floor_ms": floor_s * 1e3,
+                         "floor_mb": floor.bytes / 1e6, "floor_bound": floor.bound,
                          "roofline_pct": 100 * floor_s / step_s})  # fmt: skip
             print(f"{name} batch {batch}: {step_s * 1e3:.3f} ms/step", flush=True)
         del llm

@@ -41,10 +41,13 @@ def cpu_class(flags: str | None = None) -> str:
     return "avx512" if "avx512f" in words else "other"
 
 
-def available() -> bool:
-    """Whether this torch has oneDNN's linear ops on the CPU."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(  # type: ignore[no-untyped-call]
-        torch.ops.mkldnn, "_linear_pointwise")
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has oneDNN's linear ops on the CPU, for weights of dtype: bf16 also needs
+    the CPU's support (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has none)."""
+    if not (torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
@@ -96,7 +99,7 @@ class Table:
         """From which row count a [n, k] weight of this dtype takes the GEMM (None: never), from the
         entry of the nearest measured shape (by the logs of n and k)."""
         name = next((key for key, value in DTYPES.items() if value == dtype), None)
-        candidates = [e for e in self.entries if e.dtype == name]
+        candidates = [e for e in self.entries if e.dtype == name] if available(dtype) else []
         if not candidates:
             return None
         best = min(candidates, key=lambda e: abs(math.log(e.n / n)) + abs(math.log(e.k / k)))
