@@ -99,7 +99,7 @@ class Table:
         """From which row count a [n, k] weight of this dtype takes the GEMM (None: never), from the
         entry of the nearest measured shape (by the logs of n and k)."""
         name = next((key for key, value in DTYPES.items() if value == dtype), None)
-        candidates = [e for e in self.entries if e.dtype == name] if available(dtype) else []
+        candidates = [e for e in self.entries if e.dtype == name]
         if not candidates:
             return None
         best = min(candidates, key=lambda e: abs(math.log(e.n / n)) + abs(math.log(e.k / k)))

@@ -79,7 +79,8 @@ def use_cpu_linears(model: nn.Module) -> int:
     packed = native.pack_weights([m.weight for _, m in targets])
     for (name, module), weight in zip(targets, packed, strict=True):
         parent_name, _, attr = name.rpartition(".")
-        gemm_from = table.gemm_from(module.out_features, module.in_features, module.weight.dtype)
+        gemm_from = (table.gemm_from(module.out_features, module.in_features, module.weight.dtype)
+                     if cpu_gemm.available(module.weight.dtype) else None)
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, CpuLinear(module, gemm_from, weight))
     return len(targets)

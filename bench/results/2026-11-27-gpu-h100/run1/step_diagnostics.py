@@ -1,0 +1,35 @@
+"""Run-1 diagnostics (not part of the project): where a batch-1 decode step's time goes on the GPU."""
+import cProfile, gc, io, pstats, sys, tempfile, time
+import torch
+from pipeserve.gpu_check.models import write_shape_config
+from pipeserve.gpu_check.speed import engine, steady_decode, step_seconds, drain
+
+out = sys.argv[1]
+log = open(f"{out}/extra.txt", "w")
+def p(*a):
+    print(*a, file=log, flush=True); print(*a, flush=True)
+
+tmp = tempfile.mkdtemp()
+for shape in ("llama1b", "llama8b"):
+    eng = engine(write_shape_config(f"{tmp}/{shape}", shape), True, 1, kv_cache_gb=4.0)
+    sync = steady_decode(eng, 1, 32, 8, 400)
+    wall = step_seconds(eng, 50, sync)
+    ex = eng.runner.executor
+    g = ex._graphs[1][0]
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(100): g.replay()
+    torch.cuda.synchronize(); rep = (time.perf_counter() - t) / 100
+    p(f"== {shape}: step {wall*1e3:.3f} ms; graph replay alone {rep*1e3:.3f} ms; rest {1e3*(wall-rep):.3f} ms")
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(100): eng.step()
+    pr.disable(); torch.cuda.synchronize()
+    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45); p(s.getvalue())
+    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45); p(s.getvalue())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20): eng.step()
+        torch.cuda.synchronize()
+    p(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=110))
+    p(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80))
+    prof.export_chrome_trace(f"{out}/trace-{shape}.json")
+    drain(eng)
+    del eng, ex, g; gc.collect(); torch.cuda.empty_cache()
