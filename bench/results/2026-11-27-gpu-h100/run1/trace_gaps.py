@@ -13,7 +13,8 @@ for shape in ("llama1b", "llama8b"):
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
                                                                                 "gpu_memset")),
                  key=lambda e: e["ts"])
-    gaps = [(b["ts"] - a["ts"] - a["dur"], a["name"][:40], b["name"][:40]) for a, b in zip(gpu, gpu[1:])]
+    pairs = zip(gpu, gpu[1:], strict=False)
+    gaps = [(b["ts"] - a["ts"] - a["dur"], a["name"][:40], b["name"][:40]) for a, b in pairs]
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     busy = sum(e["dur"] for e in gpu)
     print(f"== {shape}: per step {span / STEPS:.0f} us, GPU busy {busy / STEPS:.0f} us, "
