@@ -121,3 +121,42 @@ def test_overlap_choice(stories_dir):
         EngineConfig(overlap_steps="on", speculative_method="ngram")
     with pytest.raises(ValueError, match="overlap-steps on"):
         EngineConfig(overlap_steps="on", tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_server_with_overlapped_steps_streams_the_offline_text(stories_dir, tmp_path):
+    """`pipeserve up --overlap-steps on`: concurrent gRPC streams and an HTTP completion give the text
+    of the synchronous offline engine, tokens reported a step late through the whole pipeline."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from pipeserve.gateway.client import AsyncClient
+    from pipeserve.local_cluster import LocalCluster
+
+    prompts = ["Once upon a time", "The little dog", "Lily went to the park and", "Tom had a red ball"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    want = [o.text for o in LLM(stories_dir, device=TEST_DEVICE, dtype="float32",
+                                overlap_steps="off").generate(prompts, greedy)]
+
+    async def streams(target: str) -> list[str]:
+        async with AsyncClient(target) as client:
+            async def one(prompt: str) -> str:
+                chunks = [c.text async for c in client.stream(prompt=prompt, max_tokens=24, temperature=0.0)]
+                return "".join(chunks)
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def http(url: str, prompt: str) -> str:
+        body = {"model": "stories", "prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+        request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return str(json.loads(response.read())["choices"][0]["text"])
+
+    flags = ("--overlap-steps", "on", "--dtype", "float32", "--served-model-name", "stories")
+    with LocalCluster(tmp_path / "up.log", stories_dir, *flags, workers=1, device=TEST_DEVICE,
+                      startup=120) as cluster:
+        assert asyncio.run(streams(cluster.target)) == want
+        assert http(cluster.http_url, prompts[2]) == want[2]
+        assert "overlapped decode steps: requested" in (tmp_path / "up.log").read_text()
