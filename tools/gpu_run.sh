@@ -6,7 +6,7 @@
 #                        [--budget SECONDS] [--shared DIR]
 #
 # 1. the wheels in DIR (Python 3.12, manylinux x86-64; default .whl) installed into a private folder:
-#    the runtime dependencies the host lacks;
+#    the runtime dependencies the host lacks (tools/gpu_wheels.py fetches them);
 # 2. at once, side by side (correctness only, so they may share the GPU): each gpu-check correctness
 #    section in its own `pipeserve gpu-check --sections` (default environment,kernels,parity,serving,
 #    sync), and the test files marked `device` on CUDA (pytest-xdist);
