@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pipeserve import cli
 from pipeserve.engine.backend import cpu_gemm, native
@@ -15,6 +16,8 @@ pytestmark = pytest.mark.skipif(not native.available() or not cpu_gemm.available
 
 
 @pytest.mark.slow  # torch.matmul's large product in every round
+@pytest.mark.skipif(not cpu_gemm.available(torch.bfloat16),
+                    reason="oneDNN has no bf16 GEMM on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
 def test_bench_gemm_writes_the_table_and_recomputes_it(tmp_path, monkeypatch) -> None:
     table = tmp_path / "cpu_gemm_table.json"
     table.write_text(json.dumps({"other-class": {"commands": {}, "entries": []}}))
@@ -46,3 +49,10 @@ def test_bench_gemm_writes_the_table_and_recomputes_it(tmp_path, monkeypatch) ->
     table.write_text("{}")
     assert cli.main(["bench", "gemm", "--from-json", str(out), "--write-table"]) == 0
     assert json.loads(table.read_text())[cpu_gemm.cpu_class()]["entries"] == mine["entries"]
+
+
+@pytest.mark.skipif(cpu_gemm.available(torch.bfloat16), reason="this CPU has oneDNN's bf16 GEMM")
+def test_bench_gemm_refuses_bf16_where_onednn_has_none(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="no bf16 GEMM on this CPU"):
+        cli.main(["bench", "gemm", "--shapes", "512x256", "--rows", "1", "--dtypes", "bfloat16",
+                  "--json", str(tmp_path / "out.json")])

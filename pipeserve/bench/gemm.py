@@ -152,6 +152,10 @@ def main(args: argparse.Namespace) -> int:
         shapes = [(int(a), int(b)) for a, b in (s.split("x") for s in args.shapes.split(","))]
         rows = [int(r) for r in args.rows.split(",")]
         dtypes = [cpu_gemm.DTYPES[d] for d in args.dtypes.split(",")]
+        if not all(cpu_gemm.available(d) for d in dtypes):
+            raise SystemExit("bench gemm: oneDNN has no bf16 GEMM on this CPU (it needs AVX-512 BW/VL/DQ or "
+                             "AVX-NE-CONVERT): the packed product serves bf16 at every row count here; "
+                             "measure --dtypes float32")
         command = "pipeserve bench gemm " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("shapes", args.shapes), ("rows", args.rows),
                                                         ("dtypes", args.dtypes), ("repeats", args.repeats),
