@@ -103,8 +103,7 @@ def test_pages_are_hashed_only_over_tokens_read(stories_dir):
     for mode in ("off", "on"):
         eng = engine(stories_dir, mode)
         eng.add("a", [1, 403, 407, 261], SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True))
-        for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting):
-            a = seq
+        a = eng.requests["a"]
         drain(eng)
         assert PENDING not in a.token_ids
         before = eng.scheduler.prefix_cache_hits

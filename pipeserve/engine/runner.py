@@ -304,6 +304,7 @@ class ModelRunner(ForwardRunner):
             logprobs = self._logprobs(out)
             # The step's one readback: tokens, their logprobs, the prompt rows' scores, the vectors.
             pending = self.buffers.read_later(out.tokens, *logprobs, *scored, *pooled)
+
             def finish() -> StepResult:
                 return self._sampled(pending.wait(), len(logprobs), len(pooled), scores, embeds)
 
