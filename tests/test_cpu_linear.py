@@ -2,11 +2,12 @@
 behind them: which layers are swapped (and that only the packed weight is kept), its numbers against
 F.linear (row counts, tails of K and N, bias, strided rows, one and two threads, in and out of the
 compiler), the bf16 packed product, the oneDNN GEMM the measured table hands many rows to, the
-portable builds (no AVX-512; AVX-512 without bf16 dot products), and an engine's greedy tokens with
+portable builds (no AVX2; AVX2 without AVX-512; AVX-512 without bf16 dot products), and an engine's greedy tokens with
 the native kernels on and off."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 
@@ -210,7 +211,8 @@ def test_table_lookup_by_cpu_class_dtype_and_nearest_shape():
     assert cpu_gemm.parse(data, "avx512").entries == ()  # another CPU class: nothing measured
     assert cpu_gemm.cpu_class("fpu avx512f avx512_bf16 amx_bf16 amx_tile") == "amx"
     assert cpu_gemm.cpu_class("fpu avx512f avx512_bf16") == "avx512_bf16"
-    assert cpu_gemm.cpu_class("fpu avx2 fma") == "other"
+    assert cpu_gemm.cpu_class("fpu avx2 fma") == "avx2"
+    assert cpu_gemm.cpu_class("fpu sse4_2") == "other"
 
 
 def test_the_committed_table_parses_for_every_cpu_class():
@@ -233,21 +235,24 @@ def test_gemm_rows_follow_most_of_the_weight():
 
 
 @pytest.mark.slow  # two library builds
-@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
-def test_portable_builds_compute_the_same_products(march, tmp_path, monkeypatch):
-    """The library built for a CPU without AVX-512 (portable loops throughout) and for one with
-    AVX-512F but no bf16 dot products (portable bf16 loops): both products as on this host."""
+@pytest.mark.parametrize(("march", "isa"), [("x86-64-v2", 0), ("x86-64-v3", 8), ("skylake-avx512", 1)])
+def test_portable_builds_compute_the_same_products(march, isa, tmp_path, monkeypatch):
+    """The library built for a CPU without AVX2 (portable loops throughout), for one with AVX2 and
+    FMA but no AVX-512 (8-lane tiles, bf16 widened), and for one with AVX-512F but no bf16 dot
+    products (portable bf16 loops): every product as on this host, at row counts on both sides of
+    the tiles' sizes and of the bf16 widening threshold."""
     import ctypes
 
-    if march == "skylake-avx512" and "avx512f" not in native._host().split():
-        pytest.skip("this CPU has no AVX-512: a library built for one cannot run here")
+    needs = {"x86-64-v3": {"avx2", "fma"}, "skylake-avx512": {"avx512f"}}.get(march, set())
+    if not needs <= set(native._host().split()):
+        pytest.skip(f"this CPU lacks {', '.join(sorted(needs))}: a library built for {march} cannot run here")
     monkeypatch.setattr("pipeserve.engine.backend.native.cache_dir", lambda: str(tmp_path))
     flags = tuple(f for f in native.FLAGS if f != "-march=native") + (f"-march={march}",)
     lib = native._declare(ctypes.CDLL(str(native._build(native.compiler() or "g++", flags))))
-    assert lib.pipeserve_isa() == (1 if march == "skylake-avx512" else 0)
+    assert lib.pipeserve_isa() == isa
     gen = torch.Generator().manual_seed(7)
-    for dtype in (torch.float32, torch.bfloat16):
-        rows, n, k = 13, 70, 517
+    for dtype, rows in itertools.product((torch.float32, torch.bfloat16), (1, 5, 13, 200)):
+        n, k = 70, 517
         x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
         w = torch.randn(n, k, generator=gen).to(dtype)
         packed = native.pack_weight(w)

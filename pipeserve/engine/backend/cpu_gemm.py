@@ -32,13 +32,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def cpu_class(flags: str | None = None) -> str:
     """The CPU's class for the table, from its flags: amx (AMX bf16 tiles), avx512_bf16, avx512,
-    or other."""
+    avx2 (with FMA), or other."""
     words = set((flags if flags is not None else native._host()).split())
     if "amx_bf16" in words:
         return "amx"
     if "avx512_bf16" in words:
         return "avx512_bf16"
-    return "avx512" if "avx512f" in words else "other"
+    if "avx512f" in words:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= words else "other"
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:

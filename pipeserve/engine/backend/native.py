@@ -154,8 +154,9 @@ def isa() -> str:
     if lib is None:
         return "not built"
     bits = lib.pipeserve_isa()
-    fp32 = "AVX-512F" if bits & 1 else "portable loops"
-    bf16 = "AVX512-BF16 dot products" if bits & 2 else "portable loops"
+    fp32 = "AVX-512F" if bits & 1 else "AVX2 FMA" if bits & 8 else "portable loops"
+    bf16 = ("AVX512-BF16 dot products" if bits & 2 else "AVX2 FMA (widened to fp32)" if bits & 8
+            else "portable loops")
     if bits & 4:
         bf16 += " (one row), AMX tiles (more)"
     return f"fp32 products on {fp32}, bf16 products on {bf16}"

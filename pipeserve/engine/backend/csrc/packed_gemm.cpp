@@ -22,8 +22,13 @@
 #include "amx.h"
 #include "scratch.h"
 #include "vec_math.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+// AVX2 with FMA (x86-64-v3: every x86 server CPU since Haswell and Zen) and no AVX-512: tiles of
+// 256-bit registers.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PIPESERVE_AVX2 1
 #endif
 
 namespace {
@@ -32,8 +37,20 @@ using pipeserve::bf16_to_float;
 using pipeserve::float_to_bf16;
 
 constexpr int kLanes = 16;        // output columns per panel
+#if defined(PIPESERVE_AVX2)
+// 16 registers of 8 lanes: a panel's 16 columns take two, so 6 rows x 1 panel is 12 accumulators,
+// beside the panel's two vectors and a broadcast row value.
+template <typename W>
+constexpr int kRows = 6;
+constexpr int kPanels = 1;
+// bf16 products of this many rows or more widen each panel to fp32 once and run the fp32 tiles on
+// it: widening in registers on every pass left the tiles at two thirds of the fp32 rate.
+constexpr int64_t kWidenRows = 8;
+#else
+template <typename W>
 constexpr int kRows = 8;          // rows of x per tile: kRows x kPanels accumulators in registers
 constexpr int kPanels = 3;
+#endif
 constexpr int kOneRowPanels = 4;  // one row: four panel streams in flight (faster than three: docs/engine.md)
 constexpr int64_t kBlockRows = 192;  // rows of x per block: they stay in L2 while the panels stream
 // bf16 products of this many rows or more take AMX tiles, where built: at one row the AVX-512 loop
@@ -103,6 +120,89 @@ inline void tile(const X* __restrict x, int64_t x_stride, const W* __restrict pa
     }
     return;
   }
+#elif defined(PIPESERVE_AVX2)
+// A bf16 pair's two values as fp32 (bf16 is fp32's top half): the low one, then the high one.
+inline __m256 low_half(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 high_half(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The AVX-512 tile's steps on 8-lane registers, two per panel: lo holds a panel's columns 0-7, hi
+// 8-15. bf16 panels are widened to fp32 in registers (no bf16 dot product here): each 32-bit lane's
+// pair becomes two fp32 vectors, one per k. Every loop over rows and panels is unrolled in full
+// (the pragmas): else GCC kept the accumulators on the stack, at a third of the FMA rate.
+template <int MR, int NP, typename W, typename X>
+inline void tile(const X* __restrict x, int64_t x_stride, const W* __restrict panels, int64_t steps,
+                 float* __restrict y, int64_t y_stride, const float* bias, int64_t cols, const W* pf) {
+  constexpr int per = kPer<W>;
+  const int64_t panel_stride = steps * kLanes * per;
+  __m256 lo[MR][NP], hi[MR][NP];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 32
+    for (int j = 0; j < NP; ++j) {
+      lo[i][j] = _mm256_setzero_ps();
+      hi[i][j] = _mm256_setzero_ps();
+    }
+  for (int64_t k = 0; k < steps; ++k) {
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * kLanes * per), _MM_HINT_T1);
+    if constexpr (MR == 1) {
+#pragma GCC unroll 32
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(panels + j * panel_stride + (k + 32) * kLanes * per),
+                     _MM_HINT_T0);
+    }
+#pragma GCC unroll 32
+    for (int j = 0; j < NP; ++j) {
+      const W* p = panels + j * panel_stride + k * kLanes * per;
+      if constexpr (std::is_same_v<W, float>) {
+        const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
+#pragma GCC unroll 32
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + k);
+          lo[i][j] = _mm256_fmadd_ps(xv, w0, lo[i][j]);
+          hi[i][j] = _mm256_fmadd_ps(xv, w1, hi[i][j]);
+        }
+      } else {  // x: the rows rounded to bf16, as fp32 (X = float): a pair of k is x[2k], x[2k + 1]
+        // One half of the panel at a time: 12 accumulators, the half's two widened vectors and a
+        // row's two values fit the 16 registers.
+        const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m256 w0a = low_half(p0), w0b = high_half(p0);
+#pragma GCC unroll 32
+        for (int i = 0; i < MR; ++i) {
+          const float* xi = x + i * x_stride + 2 * k;
+          lo[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), w0b,
+                                     _mm256_fmadd_ps(_mm256_broadcast_ss(xi), w0a, lo[i][j]));
+        }
+        const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+        const __m256 w1a = low_half(p1), w1b = high_half(p1);
+#pragma GCC unroll 32
+        for (int i = 0; i < MR; ++i) {
+          const float* xi = x + i * x_stride + 2 * k;
+          hi[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), w1b,
+                                     _mm256_fmadd_ps(_mm256_broadcast_ss(xi), w1a, hi[i][j]));
+        }
+      }
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 32
+  for (int j = 0; j < NP; ++j) {
+    // No early exit past the last column (it would keep GCC from unrolling this loop, and so from
+    // keeping lo and hi in registers): an empty mask stores nothing.
+    const int64_t col = j * kLanes, left = std::max<int64_t>(cols - col, 0);
+    const int low = static_cast<int>(std::min<int64_t>(left, 8)), high = static_cast<int>(std::min<int64_t>(left, 16)) - low;
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(low), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(high), lane);
+    const __m256 b0 = bias ? _mm256_maskload_ps(bias + col, m0) : _mm256_setzero_ps();
+    const __m256 b1 = bias ? _mm256_maskload_ps(bias + col + 8, m1) : _mm256_setzero_ps();
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) {
+      _mm256_maskstore_ps(y + i * y_stride + col, m0, _mm256_add_ps(lo[i][j], b0));
+      _mm256_maskstore_ps(y + i * y_stride + col + 8, m1, _mm256_add_ps(hi[i][j], b1));
+    }
+  }
+}
 #else
 template <int MR, int NP, typename W, typename X>
 inline void tile(const X* __restrict x, int64_t x_stride, const W* __restrict panels, int64_t steps,
@@ -110,6 +210,7 @@ inline void tile(const X* __restrict x, int64_t x_stride, const W* __restrict pa
   constexpr int per = kPer<W>;
   const int64_t panel_stride = steps * kLanes * per;
 #endif
+#if !defined(PIPESERVE_AVX2)
   // Portable: the same tile in plain loops (hosts without AVX-512; bf16 without AVX512-BF16).
   float acc[MR][NP][kLanes] = {};
   for (int64_t k = 0; k < steps; ++k)
@@ -133,19 +234,38 @@ inline void tile(const X* __restrict x, int64_t x_stride, const W* __restrict pa
     }
   store<MR, NP>(acc, y, y_stride, bias, cols);
 }
+#endif
 
 // Every row of a block against NP panels: full tiles, then the rows left over.
 template <int NP, typename W, typename X>
 void rows(const X* x, int64_t x_stride, const W* panels, int64_t steps, float* y, int64_t y_stride,
           const float* bias, int64_t cols, int64_t m_rows) {
+#if defined(PIPESERVE_AVX2)
+  if constexpr (std::is_same_v<W, uint16_t>)
+    if (m_rows >= kWidenRows) {
+      static thread_local pipeserve::Scratch scratch;
+      float* wide = scratch.hold<float>(NP * steps * 2 * kLanes);
+      for (int64_t j = 0; j < NP; ++j)
+        for (int64_t k = 0; k < steps; ++k)
+          for (int h = 0; h < 2; ++h) {  // a bf16 panel's step: 16 pairs; the fp32 panel's: two rows of 16
+            const __m256i pairs = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(panels + (j * steps + k) * kLanes * 2 + 16 * h));
+            float* out = wide + (j * 2 * steps + 2 * k) * kLanes + 8 * h;
+            _mm256_storeu_ps(out, low_half(pairs));
+            _mm256_storeu_ps(out + kLanes, high_half(pairs));
+          }
+      rows<NP>(x, x_stride, static_cast<const float*>(wide), 2 * steps, y, y_stride, bias, cols, m_rows);
+      return;
+    }
+#endif
   // The first tile streams its panels from memory; each of the next kPanels tiles, working from L2,
   // pulls one panel of the next group in behind it.
   const int64_t panel_stride = steps * kLanes * kPer<W>;
   const W* next = panels + NP * panel_stride;
   int64_t i = 0;
-  for (int t = 0; i + kRows <= m_rows; i += kRows, ++t) {
+  for (int t = 0; i + kRows<W> <= m_rows; i += kRows<W>, ++t) {
     const W* pf = t >= 1 && t <= kPanels ? next + (t - 1) * panel_stride : nullptr;
-    tile<kRows, NP>(x + i * x_stride, x_stride, panels, steps, y + i * y_stride, y_stride, bias, cols, pf);
+    tile<kRows<W>, NP>(x + i * x_stride, x_stride, panels, steps, y + i * y_stride, y_stride, bias, cols, pf);
   }
   const X* xi = x + i * x_stride;
   float* yi = y + i * y_stride;
@@ -377,7 +497,8 @@ inline void to_pairs(const float* x, int64_t k_len, uint32_t* out) {
 }  // namespace
 
 // Bit 0: AVX-512F tiles; bit 1: AVX512-BF16 dot products for bf16 weights (else portable loops);
-// bit 2: AMX tiles for bf16 products of kAmxRows rows or more (built, and granted by the kernel).
+// bit 2: AMX tiles for bf16 products of kAmxRows rows or more (built, and granted by the kernel);
+// bit 3: AVX2 tiles for both dtypes (no AVX-512).
 extern "C" int pipeserve_isa() {
   int isa = 0;
 #if defined(__AVX512F__)
@@ -385,6 +506,9 @@ extern "C" int pipeserve_isa() {
 #if defined(__AVX512BF16__)
   isa |= 2;
 #endif
+#endif
+#if defined(PIPESERVE_AVX2)
+  isa |= 8;
 #endif
 #if defined(PIPESERVE_AMX)
   if (amx::granted()) isa |= 4;
@@ -427,6 +551,17 @@ extern "C" void pipeserve_packed_linear_bf16(const float* x, int64_t x_stride, c
                                              const float* bias, float* y, int64_t m_rows, int64_t n, int64_t k_len,
                                              int threads) {
   const int64_t pairs = bf16_pairs(k_len);
+#if defined(PIPESERVE_AVX2)
+  // The AVX2 tiles broadcast each x value from memory: the rows rounded to bf16, held as fp32, zero
+  // past k_len (a row one cache line longer than its pairs' values, as below).
+  const int64_t width = 2 * pairs + 16;
+  static thread_local pipeserve::Scratch scratch;
+  float* xf = scratch.hold<float>(m_rows * width);
+  for (int64_t r = 0; r < m_rows; ++r)
+    for (int64_t i = 0; i < 2 * pairs; ++i)
+      xf[r * width + i] = i < k_len ? bf16_to_float(float_to_bf16(x[r * x_stride + i])) : 0.0f;
+  linear(xf, width, packed, bias, y, m_rows, n, pairs, threads);
+#else
 #if defined(PIPESERVE_AMX)
   const bool tiles = m_rows >= kAmxRows && amx::granted();
 #else
@@ -451,4 +586,5 @@ extern "C" void pipeserve_packed_linear_bf16(const float* x, int64_t x_stride, c
   }
 #endif
   linear(xb, stride, packed, bias, y, m_rows, n, pairs, threads);
+#endif
 }
