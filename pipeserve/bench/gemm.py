@@ -33,6 +33,9 @@ from pipeserve.engine.host_memory import keep_freed_memory
 SHAPES = "1280x768,768x768,4096x768,768x2048,1024x512,512x512,2816x512,512x1408"
 ROWS = "1,2,4,8,16,32,48,64,96,128,192,256,512,1024,2048"  # up to the default step budget (2048 tokens)
 SQUARE = 2048  # torch.matmul's large-shape rate: [SQUARE, SQUARE] x [SQUARE, SQUARE]
+# Without oneDNN's bf16 GEMM (an AVX2 CPU) torch.matmul runs bf16 in a plain loop at well under a
+# GFLOP/s: its rate is read on a smaller square, which takes seconds instead of minutes.
+SQUARE_PLAIN = 512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +73,18 @@ def _alternate(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def square(dtype: torch.dtype) -> int:
+    from pipeserve.engine.backend import cpu_gemm
+
+    return SQUARE if cpu_gemm.available(dtype) else SQUARE_PLAIN
+
+
 def matmul_rate(dtype: torch.dtype, repeats: int) -> float:
     """GFLOP/s of torch.matmul on a large square product."""
-    a, b = torch.randn(SQUARE, SQUARE, dtype=dtype), torch.randn(SQUARE, SQUARE, dtype=dtype)
+    side = square(dtype)
+    a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
     (t,) = _alternate([lambda: torch.matmul(a, b)], repeats)
-    return 2 * SQUARE**3 / t / 1e9
+    return 2 * side**3 / t / 1e9
 
 
 def measure(dtype: torch.dtype, n: int, k: int, rows: list[int], repeats: int,
@@ -84,12 +94,16 @@ def measure(dtype: torch.dtype, n: int, k: int, rows: list[int], repeats: int,
     # Copies totalling 64 MB: a model's weights are not in the core's caches when its step reaches them.
     weights = [torch.randn(n, k).to(dtype) for _ in range(max(1, (64 << 20) // (n * k * dtype.itemsize)))]
     packed = native.pack_weights(weights)
-    packed_us, gemm_us, ceiling = [], [], []
-    a, b = torch.randn(SQUARE, SQUARE, dtype=dtype), torch.randn(SQUARE, SQUARE, dtype=dtype)
+    packed_us: list[float] = []
+    gemm_us: list[float | None] = []  # None: no oneDNN GEMM for this dtype on this CPU
+    ceiling: list[float] = []
+    side = square(dtype)
+    a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
+    has_gemm = cpu_gemm.available(dtype)
     for m in rows:
         x = torch.randn(m, k)
         xd = x.to(dtype)
-        reordered = [cpu_gemm.reorder(w, m) for w in weights]
+        reordered = [cpu_gemm.reorder(w, m) for w in weights] if has_gemm else []
 
         out = torch.empty(m, n)
 
@@ -101,21 +115,30 @@ def measure(dtype: torch.dtype, n: int, k: int, rows: list[int], repeats: int,
             for w in ws:
                 cpu_gemm.linear(x, w, None)
 
-        fns: list[Callable[[], Any]] = [packed_product, gemm]
+        fns: list[Callable[[], Any]] = [packed_product, *([gemm] if has_gemm else [])]
         if with_matmul:
             fns.append(lambda: torch.matmul(a, b))
         times = _alternate(fns, repeats)
         packed_us.append(times[0] / len(weights) * 1e6)
-        gemm_us.append(times[1] / len(weights) * 1e6)
+        gemm_us.append(times[1] / len(weights) * 1e6 if has_gemm else None)
         if with_matmul:  # the ceiling in the same rounds: a shared machine's speed moves between runs
-            ceiling.append(2 * SQUARE**3 / times[2] / 1e9)
+            ceiling.append(2 * side**3 / times[-1] / 1e9)
     name = str(dtype).removeprefix("torch.")
     flops = [2 * m * n * k for m in rows]
     return {"dtype": name, "n": n, "k": k, "rows": rows, "packed_us": packed_us, "gemm_us": gemm_us,
             "packed_GFLOPs": [f / t / 1e3 for f, t in zip(flops, packed_us, strict=True)],
-            "gemm_GFLOPs": [f / t / 1e3 for f, t in zip(flops, gemm_us, strict=True)],
-            "gemm_from": cpu_gemm.crossover(rows, packed_us, gemm_us),
+            "gemm_GFLOPs": [None if t is None else f / t / 1e3 for f, t in zip(flops, gemm_us, strict=True)],
+            "gemm_from": crossover(rows, packed_us, gemm_us),
             **({"matmul_GFLOPs": ceiling} if with_matmul else {})}
+
+
+def crossover(rows: list[int], packed_us: list[float], gemm_us: list[float | None]) -> int | None:
+    """cpu_gemm.crossover, or None where the GEMM was not measured (no oneDNN GEMM for the dtype)."""
+    from pipeserve.engine.backend import cpu_gemm
+
+    if any(g is None for g in gemm_us):
+        return None
+    return cpu_gemm.crossover(rows, packed_us, [g for g in gemm_us if g is not None])
 
 
 def write_table(entries: list[dict[str, Any]], machine: dict[str, Any], command: str, cpu: str) -> str:
@@ -144,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
         with open(args.from_json) as f:
             results: dict[str, Any] = json.load(f)
         for e in results["shapes"]:
-            e["gemm_from"] = cpu_gemm.crossover(e["rows"], e["packed_us"], e["gemm_us"])
+            e["gemm_from"] = crossover(e["rows"], e["packed_us"], e["gemm_us"])
         rows = results["shapes"][0]["rows"]
         machine = results["machine"]
         command = results["command"]
@@ -152,10 +175,11 @@ def main(args: argparse.Namespace) -> int:
         shapes = [(int(a), int(b)) for a, b in (s.split("x") for s in args.shapes.split(","))]
         rows = [int(r) for r in args.rows.split(",")]
         dtypes = [cpu_gemm.DTYPES[d] for d in args.dtypes.split(",")]
-        if not all(cpu_gemm.available(d) for d in dtypes):
-            raise SystemExit("bench gemm: oneDNN has no bf16 GEMM on this CPU (it needs AVX-512 BW/VL/DQ or "
-                             "AVX-NE-CONVERT): the packed product serves bf16 at every row count here; "
-                             "measure --dtypes float32")
+        for d in dtypes:
+            if not cpu_gemm.available(d):
+                print(f"bench gemm: oneDNN has no {d} GEMM on this CPU (it needs AVX-512 BW/VL/DQ or "
+                      f"AVX-NE-CONVERT): the packed product alone, which serves it at every row count here; "
+                      f"torch.matmul's rate read on {SQUARE_PLAIN}^3")
         command = "pipeserve bench gemm " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in (("shapes", args.shapes), ("rows", args.rows),
                                                         ("dtypes", args.dtypes), ("repeats", args.repeats),
@@ -174,14 +198,14 @@ def main(args: argparse.Namespace) -> int:
                     "repeats": args.repeats, "threads": args.threads}
     for entry in results["shapes"]:
         ceiling = entry.get("matmul_GFLOPs") or [results["matmul_GFLOPs"][entry["dtype"]]] * len(rows)
-        best = [max(p, g) for p, g in zip(entry["packed_GFLOPs"], entry["gemm_GFLOPs"], strict=True)]
+        best = [max(p, g or 0.0) for p, g in zip(entry["packed_GFLOPs"], entry["gemm_GFLOPs"], strict=True)]
         entry["best_over_matmul"] = [b / c for b, c in zip(best, ceiling, strict=True)]
     for name in results["matmul_GFLOPs"]:
-        print_table(f"{name}: packed / oneDNN GFLOP/s by rows ({results['threads']} thread(s); torch.matmul "
-                    f"{SQUARE}^3: {results['matmul_GFLOPs'][name]:.0f} GFLOP/s)",
+        print_table(f"{name}: packed / oneDNN GFLOP/s by rows ({results['threads']} thread(s); torch.matmul: "
+                    f"{results['matmul_GFLOPs'][name]:.1f} GFLOP/s)",
                     ["weight", "from", *map(str, rows)],
                     [[f"{e['n']}x{e['k']}", str(e["gemm_from"]),
-                      *(f"{p:.0f}/{g:.0f}"
+                      *(f"{p:.0f}/{'-' if g is None else f'{g:.0f}'}"
                         for p, g in zip(e["packed_GFLOPs"], e["gemm_GFLOPs"], strict=True))]
                      for e in results["shapes"] if e["dtype"] == name])
     print_table("the faster product's rate / torch.matmul's in the same rounds (--with-matmul) or run",
