@@ -2,8 +2,8 @@
 behind them: which layers are swapped (and that only the packed weight is kept), its numbers against
 F.linear (row counts, tails of K and N, bias, strided rows, one and two threads, in and out of the
 compiler), the bf16 packed product, the oneDNN GEMM the measured table hands many rows to, the
-portable builds (no AVX2; AVX2 without AVX-512; AVX-512 without bf16 dot products), and an engine's greedy tokens with
-the native kernels on and off."""
+portable builds (no AVX2; AVX2 without AVX-512; AVX-512 without bf16 dot products), and an
+engine's greedy tokens with the native kernels on and off."""
 
 from __future__ import annotations
 
