@@ -127,6 +127,22 @@ inline __m256 high_half(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// acc[i][j] += the MR rows' pair k (x: the rows rounded to bf16, held as fp32) times the 8 pairs of
+// bf16 weights at p, widened. One half of a panel at a time: 12 accumulators, the half's two
+// widened vectors and a row's two values fit the 16 registers.
+template <int MR, int NP>
+inline void widened_fma(const float* x, int64_t x_stride, int64_t k, const uint16_t* p, __m256 (&acc)[MR][NP],
+                        int j) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256 wa = low_half(pairs), wb = high_half(pairs);
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i) {
+    const float* xi = x + i * x_stride + 2 * k;
+    acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), wb,
+                                _mm256_fmadd_ps(_mm256_broadcast_ss(xi), wa, acc[i][j]));
+  }
+}
+
 // The AVX-512 tile's steps on 8-lane registers, two per panel: lo holds a panel's columns 0-7, hi
 // 8-15. bf16 panels are widened to fp32 in registers (no bf16 dot product here): each 32-bit lane's
 // pair becomes two fp32 vectors, one per k. Every loop over rows and panels is unrolled in full
@@ -164,24 +180,8 @@ inline void tile(const X* __restrict x, int64_t x_stride, const W* __restrict pa
           hi[i][j] = _mm256_fmadd_ps(xv, w1, hi[i][j]);
         }
       } else {  // x: the rows rounded to bf16, as fp32 (X = float): a pair of k is x[2k], x[2k + 1]
-        // One half of the panel at a time: 12 accumulators, the half's two widened vectors and a
-        // row's two values fit the 16 registers.
-        const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        const __m256 w0a = low_half(p0), w0b = high_half(p0);
-#pragma GCC unroll 32
-        for (int i = 0; i < MR; ++i) {
-          const float* xi = x + i * x_stride + 2 * k;
-          lo[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), w0b,
-                                     _mm256_fmadd_ps(_mm256_broadcast_ss(xi), w0a, lo[i][j]));
-        }
-        const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-        const __m256 w1a = low_half(p1), w1b = high_half(p1);
-#pragma GCC unroll 32
-        for (int i = 0; i < MR; ++i) {
-          const float* xi = x + i * x_stride + 2 * k;
-          hi[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), w1b,
-                                     _mm256_fmadd_ps(_mm256_broadcast_ss(xi), w1a, hi[i][j]));
-        }
+        widened_fma<MR, NP>(x, x_stride, k, p, lo, j);
+        widened_fma<MR, NP>(x, x_stride, k, p + 16, hi, j);
       }
     }
   }
