@@ -40,14 +40,12 @@ constexpr int kLanes = 16;        // output columns per panel
 #if defined(PIPESERVE_AVX2)
 // 16 registers of 8 lanes: a panel's 16 columns take two, so 6 rows x 1 panel is 12 accumulators,
 // beside the panel's two vectors and a broadcast row value.
-template <typename W>
 constexpr int kRows = 6;
 constexpr int kPanels = 1;
 // bf16 products of this many rows or more widen each panel to fp32 once and run the fp32 tiles on
 // it: widening in registers on every pass left the tiles at two thirds of the fp32 rate.
 constexpr int64_t kWidenRows = 8;
 #else
-template <typename W>
 constexpr int kRows = 8;          // rows of x per tile: kRows x kPanels accumulators in registers
 constexpr int kPanels = 3;
 #endif
@@ -263,9 +261,9 @@ void rows(const X* x, int64_t x_stride, const W* panels, int64_t steps, float* y
   const int64_t panel_stride = steps * kLanes * kPer<W>;
   const W* next = panels + NP * panel_stride;
   int64_t i = 0;
-  for (int t = 0; i + kRows<W> <= m_rows; i += kRows<W>, ++t) {
+  for (int t = 0; i + kRows <= m_rows; i += kRows, ++t) {
     const W* pf = t >= 1 && t <= kPanels ? next + (t - 1) * panel_stride : nullptr;
-    tile<kRows<W>, NP>(x + i * x_stride, x_stride, panels, steps, y + i * y_stride, y_stride, bias, cols, pf);
+    tile<kRows, NP>(x + i * x_stride, x_stride, panels, steps, y + i * y_stride, y_stride, bias, cols, pf);
   }
   const X* xi = x + i * x_stride;
   float* yi = y + i * y_stride;
