@@ -4,12 +4,14 @@ sets to $PIPESERVE_TEST_DEVICE; generators follow it here."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from pipeserve.engine.backend import reference
+from pipeserve.engine.backend import native, reference
 from pipeserve.gpu_check.kernels import INT8_POISON, poison_
 from tests.conftest import TEST_DEVICE
 
@@ -18,6 +20,23 @@ DEVICE = torch.device(TEST_DEVICE)
 # Bound on max|out - ref| / max|ref| per output dtype. bf16 is loose: the interpreter truncates
 # fp32 -> bf16 instead of rounding, so one bf16 step (2**-7 relative) can separate out from ref.
 REL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+# The native library's x86 tiers, as -march targets, and the CPU flags a build for each needs to run:
+# portable loops throughout, 8-lane AVX2 kernels, AVX-512 without bf16 dot products.
+MARCH_NEEDS = {"x86-64-v2": set(), "x86-64-v3": {"avx2", "fma"}, "skylake-avx512": {"avx512f"}}
+
+
+def native_library(march: str) -> ctypes.CDLL:
+    """The native CPU library built for -march=march (cached beside the engine's own build), declared;
+    skips where this host is not x86 or its CPU lacks what that target needs."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"-march={march} is an x86 target")
+    needs = MARCH_NEEDS[march]
+    if not needs <= set(native._host().split()):
+        pytest.skip(f"this CPU lacks {', '.join(sorted(needs))}: a library built for {march} cannot run here")
+    flags = tuple(f for f in native.FLAGS if f != "-march=native") + (f"-march={march}",)
+    return native._declare(ctypes.CDLL(str(native._build(native.compiler() or "g++", flags))))
 
 
 @pytest.fixture

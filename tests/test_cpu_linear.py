@@ -19,6 +19,7 @@ from torch import nn
 from pipeserve.engine import LLM, SamplingParams
 from pipeserve.engine.backend import cpu_gemm, native
 from pipeserve.engine.backend import cpu_linear as C
+from tests.kernel_utils import native_library
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -236,19 +237,12 @@ def test_gemm_rows_follow_most_of_the_weight():
 
 @pytest.mark.slow  # two library builds
 @pytest.mark.parametrize(("march", "isa"), [("x86-64-v2", 0), ("x86-64-v3", 8), ("skylake-avx512", 1)])
-def test_portable_builds_compute_the_same_products(march, isa, tmp_path, monkeypatch):
+def test_portable_builds_compute_the_same_products(march, isa):
     """The library built for a CPU without AVX2 (portable loops throughout), for one with AVX2 and
     FMA but no AVX-512 (8-lane tiles, bf16 widened), and for one with AVX-512F but no bf16 dot
     products (portable bf16 loops): every product as on this host, at row counts on both sides of
     the tiles' sizes and of the bf16 widening threshold."""
-    import ctypes
-
-    needs = {"x86-64-v3": {"avx2", "fma"}, "skylake-avx512": {"avx512f"}}.get(march, set())
-    if not needs <= set(native._host().split()):
-        pytest.skip(f"this CPU lacks {', '.join(sorted(needs))}: a library built for {march} cannot run here")
-    monkeypatch.setattr("pipeserve.engine.backend.native.cache_dir", lambda: str(tmp_path))
-    flags = tuple(f for f in native.FLAGS if f != "-march=native") + (f"-march={march}",)
-    lib = native._declare(ctypes.CDLL(str(native._build(native.compiler() or "g++", flags))))
+    lib = native_library(march)
     assert lib.pipeserve_isa() == isa
     gen = torch.Generator().manual_seed(7)
     for dtype, rows in itertools.product((torch.float32, torch.bfloat16), (1, 5, 13, 200)):

@@ -2,14 +2,12 @@
 backend: decode attention over every cache dtype, head size (the small-head and generic paths),
 query-head grouping, sliding windows and page boundaries, strided query rows, one and two threads;
 the KV store; the torch path they replace; the compiled step's view of them as opaque ops; and the
-build: cached by source hash, and a host without a compiler falls back to torch; and the portable
-loops a host without AVX-512 runs."""
+build: cached by source hash, and a host without a compiler falls back to torch; and the builds for
+CPUs without AVX-512 (AVX2 kernels) or without AVX2 (portable loops)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 import shutil
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 import torch
 
 from pipeserve.engine.backend import cpu, native, reference
-from tests.kernel_utils import paged_kv, seeded
+from tests.kernel_utils import native_library, paged_kv, seeded
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -209,17 +207,14 @@ def test_bf16_prefill_chunks_take_the_prompt_kernel(monkeypatch):
         torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture(scope="module")
-def portable_lib():
-    """The kernels built without AVX-512: the portable loops a host without it (or not x86) runs."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("-mno-avx512f is an x86 flag (other hosts run the portable loops anyway)")
-    compiler = native.compiler()
-    assert compiler is not None
-    return native._declare(ctypes.CDLL(str(native._build(compiler, (*native.FLAGS, "-mno-avx512f")))))
+@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
+def portable_lib(request):
+    """The kernels built for a CPU without AVX2 (the portable loops) and for one with AVX2 and FMA but
+    no AVX-512 (8-lane kernels), where this CPU can run them."""
+    return native_library(request.param)
 
 
-@pytest.mark.slow  # builds a second library
+@pytest.mark.slow  # builds other libraries
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_kernels_match_the_reference(portable_lib, monkeypatch, dtype):
     monkeypatch.setattr(native, "_lib", portable_lib)
@@ -227,7 +222,9 @@ def test_portable_kernels_match_the_reference(portable_lib, monkeypatch, dtype):
     assert not native.supports_prompt_attention(q, k, v)  # AMX only: prompts keep SDPA there
     gen = seeded(5)
     lens = [1, 17, 150]
-    for hkv, group, dim in ((2, 2, 8), (1, 2, 80)):
+    # Head sizes of one to sixteen 8-lane vectors, with full and partial passes of query heads.
+    cases = ((2, 2, 8), (1, 13, 8), (1, 4, 16), (1, 9, 32), (2, 3, 64), (1, 2, 80), (1, 2, 128))
+    for hkv, group, dim in cases:
         kv = paged_kv(lens, 16, hkv, dim, dtype, None, gen).clean()
         q = torch.randn(len(lens), hkv * group, dim, generator=gen).to(dtype)
         got = native.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.3, 7)

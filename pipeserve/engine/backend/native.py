@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "decode_step.cpp",
                                           "rowwise.cpp", "prompt_attention.cpp"))
-HEADERS = (CSRC / "vec_math.h", CSRC / "amx.h", CSRC / "scratch.h")
+HEADERS = (CSRC / "vec_math.h", CSRC / "simd.h", CSRC / "amx.h", CSRC / "scratch.h")
 PANEL = 16  # output columns per panel of a packed weight (packed_gemm.cpp's kLanes)
 # The reductions (dot products, softmax sums) vectorize only when they may be reordered. Not
 # -ffast-math: a library linked with it switches the whole process to flush denormals to zero.

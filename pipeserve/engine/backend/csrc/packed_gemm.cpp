@@ -25,11 +25,6 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-// AVX2 with FMA (x86-64-v3: every x86 server CPU since Haswell and Zen) and no AVX-512: tiles of
-// 256-bit registers.
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define PIPESERVE_AVX2 1
-#endif
 
 namespace {
 

@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "vec_math.h"
+#include "simd.h"
 
 namespace {
 
@@ -211,9 +211,15 @@ void decode_head_small_avx512(const float* __restrict qh, const float* __restric
     for (int d = 0; d < D; ++d) oh[g * D + d] = _mm512_reduce_add_ps(acc[g][d]) * inv[g];
 }
 
-// 16 cache values as fp32: an fp32 cache's as they are, a bf16 cache's widened.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) { return pipeserve::load_bf16x16(reinterpret_cast<const uint16_t*>(p)); }
+#endif
+
+#if defined(PIPESERVE_SIMD)
+namespace simd = pipeserve::simd;
+using simd::vec;
+
+// kWidth cache values as fp32: an fp32 cache's as they are, a bf16 cache's widened.
+inline vec load_row(const float* p) { return simd::load(p); }
+inline vec load_row(const bf16* p) { return simd::load(reinterpret_cast<const uint16_t*>(p)); }
 
 // One head's row of a cache (D values) requested into L2: a row of the next page, read after this one.
 template <typename T, int D>
@@ -222,58 +228,37 @@ inline void prefetch_row(const T* row) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T1);
 }
 
-// Lane j of the result = the sum of v[j]'s 16 lanes: 16 dot products finished by one
-// transpose-and-add tree (15 adds, 30 shuffles) instead of 16 horizontal reductions, whose dependent
-// shuffle chains bound the key loop.
-inline __m512 sum_pairs(__m512 a, __m512 b) {  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
-  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-inline __m512 sum_quads(__m512 a, __m512 b) {  // per 128-bit lane: the 4 vectors' partial sums
-  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-}
-inline __m512 sum_lanes(__m512 a, __m512 b) {  // adjacent 128-bit lanes added: a's two pairs, then b's
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-inline __m512 reduce16(const __m512* v) {
-  __m512 w[4];
-  for (int i = 0; i < 4; ++i)
-    w[i] = sum_quads(sum_pairs(v[4 * i], v[4 * i + 1]), sum_pairs(v[4 * i + 2], v[4 * i + 3]));
-  return sum_lanes(sum_lanes(w[0], w[1]), sum_lanes(w[2], w[3]));
-}
-
 // The scores of G query heads (registers for the block) against `count` keys of one page, rows
-// `token_stride` apart from k, 16 keys at a time: each key row is loaded once for the G heads, each
-// head's 16 dot products finished together. sc: head 0's scores (heads n apart); mx: each head's
-// running maximum. pf: the same rows of the next page (nullptr: none), requested meanwhile.
+// `token_stride` apart from k, kWidth keys at a time: each key row is loaded once for the G heads,
+// each head's kWidth dot products finished together. sc: head 0's scores (heads n apart); mx: each
+// head's running maximum. pf: the same rows of the next page (nullptr: none), requested meanwhile.
 template <typename T, int D, int G>
-void scores_avx512(const float* __restrict qh, const T* __restrict k, int64_t token_stride, int count, float scale,
-                   float* __restrict sc, int n, float* __restrict mx, const T* pf) {
-  constexpr int C = D / 16;  // 16-float chunks per head
-  __m512 qv[G][C];
+void page_scores(const float* __restrict qh, const T* __restrict k, int64_t token_stride, int count, float scale,
+                 float* __restrict sc, int n, float* __restrict mx, const T* pf) {
+  constexpr int W = simd::kWidth, C = D / W;  // C: vectors per head
+  vec qv[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + c * 16), _mm512_set1_ps(scale));
-  alignas(64) __m512 part[G][16];
-  for (int j0 = 0; j0 < count; j0 += 16) {
-    const int block = std::min(16, count - j0);
+    for (int c = 0; c < C; ++c) qv[g][c] = simd::mul(simd::load(qh + g * D + c * W), simd::set1(scale));
+  alignas(64) vec part[G][W];
+  for (int j0 = 0; j0 < count; j0 += W) {
+    const int block = std::min(W, count - j0);
     for (int j = 0; j < block; ++j) {
       const T* row = k + (j0 + j) * token_stride;
       if (pf != nullptr) prefetch_row<T, D>(pf + (j0 + j) * token_stride);
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(row + c * 16);
+      vec kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load_row(row + c * W);
       for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        vec acc = simd::mul(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) acc = simd::fmadd(qv[g][c], kv[c], acc);
         part[g][j] = acc;
       }
     }
-    for (int j = block; j < 16; ++j)
-      for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
-    const __mmask16 mask = pipeserve::lanes(block);
+    for (int j = block; j < W; ++j)
+      for (int g = 0; g < G; ++g) part[g][j] = simd::zero();
     for (int g = 0; g < G; ++g) {
-      const __m512 s = reduce16(part[g]);
-      mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(mask, s));
-      _mm512_mask_storeu_ps(sc + static_cast<size_t>(g) * n + j0, mask, s);
+      const vec s = simd::sum_each(part[g]);
+      mx[g] = std::max(mx[g], simd::max_first(s, block));
+      simd::store_first(sc + static_cast<size_t>(g) * n + j0, s, block);
     }
   }
 }
@@ -282,24 +267,24 @@ void scores_avx512(const float* __restrict qh, const T* __restrict k, int64_t to
 // G heads: each value row loaded once for the G heads, the accumulators (fp32, in memory between
 // pages) in registers for the page. p: head 0's weights (heads n apart).
 template <typename T, int D, int G>
-void values_avx512(const float* __restrict p, int n, const T* __restrict v, int64_t token_stride, int count,
-                   float* __restrict acc_out, const T* pf) {
-  constexpr int C = D / 16;
-  __m512 acc[G][C];
+void page_values(const float* __restrict p, int n, const T* __restrict v, int64_t token_stride, int count,
+                 float* __restrict acc_out, const T* pf) {
+  constexpr int W = simd::kWidth, C = D / W;
+  vec acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(acc_out + g * D + c * 16);
+    for (int c = 0; c < C; ++c) acc[g][c] = simd::load(acc_out + g * D + c * W);
   for (int j = 0; j < count; ++j) {
     const T* row = v + j * token_stride;
     if (pf != nullptr) prefetch_row<T, D>(pf + j * token_stride);
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(row + c * 16);
+    vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_row(row + c * W);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[static_cast<size_t>(g) * n + j]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      const vec w = simd::set1(p[static_cast<size_t>(g) * n + j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = simd::fmadd(w, vv[c], acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out + g * D + c * 16, acc[g][c]);
+    for (int c = 0; c < C; ++c) simd::store(acc_out + g * D + c * W, acc[g][c]);
 }
 
 // f(std::integral_constant<int, count>) for a runtime count in [1, H]: the head loops above get a
@@ -315,19 +300,26 @@ inline void with_heads(int count, F&& f) {
   f(std::integral_constant<int, H>{});
 }
 
-// Decode attention for an fp32 or bf16 cache with AVX-512 and head_dim a multiple of 16, for KV heads
-// [h0, h1) of one row (q, out: their query heads, group per KV head): page by page, each page's key
-// rows of every one of those heads are read in one visit, and the next page's requested meanwhile
+// Whether decode_heads serves this cache type and head size: fp32 or bf16 caches, head_dim a multiple
+// of the vector width. AVX-512 keeps heads under 32 channels on its gather kernel
+// (decode_head_small_avx512); AVX2 has none, so its row kernel takes every multiple of 8.
+template <typename T, int D>
+constexpr bool kRowKernel = (std::is_same_v<T, float> || std::is_same_v<T, bf16>) && D > 0 &&
+                            D % simd::kWidth == 0 && (simd::kWidth == 8 || D >= 32);
+
+// Decode attention for an fp32 or bf16 cache with head_dim a multiple of the vector width, for KV
+// heads [h0, h1) of one row (q, out: their query heads, group per KV head): page by page, each page's
+// key rows of every one of those heads are read in one visit, and the next page's requested meanwhile
 // (pages lie scattered, so the hardware's prefetcher restarts at each); then the same for the values.
 // A pass over the row's pages per KV head instead reads each page's rows with a stride of kv_heads
-// heads, which the memory streamed at about half its speed. Query heads go in passes of up to H (16
-// registers of queries or accumulators).
+// heads, which the memory streamed at about half its speed. Query heads go in passes of up to H (the
+// registers kept for queries or accumulators).
 template <typename T, int D>
-void decode_heads_avx512(const float* __restrict q, const T* __restrict k_cache, const T* __restrict v_cache,
-                         const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
-                         int group, int h0, int h1, int start, int len, float scale, float* __restrict out,
-                         std::vector<float>& scores) {
-  constexpr int H = D >= 256 ? 1 : 256 / D;
+void decode_heads(const float* __restrict q, const T* __restrict k_cache, const T* __restrict v_cache,
+                  const int32_t* __restrict table, int64_t page_stride, int64_t token_stride, int page_size,
+                  int group, int h0, int h1, int start, int len, float scale, float* __restrict out,
+                  std::vector<float>& scores) {
+  constexpr int H = std::max(1, simd::kAccumulators / (D / simd::kWidth));
   const int n = len - start, heads = (h1 - h0) * group;
   scores.resize(static_cast<size_t>(heads) * (n + 2));
   float* __restrict sc = scores.data();
@@ -351,9 +343,9 @@ void decode_heads_avx512(const float* __restrict q, const T* __restrict k_cache,
       for (int g0 = 0; g0 < group; g0 += H)
         with_heads<H>(std::min(H, group - g0), [&](auto g) {
           const int r = h * group + g0;
-          scores_avx512<T, D, decltype(g)::value>(q + static_cast<int64_t>(r) * D, rows + h * D, token_stride, count,
-                                                  scale, sc + static_cast<size_t>(r) * n + at, n, m + r,
-                                                  next == nullptr ? nullptr : next + h * D);
+          page_scores<T, D, decltype(g)::value>(q + static_cast<int64_t>(r) * D, rows + h * D, token_stride, count,
+                                                scale, sc + static_cast<size_t>(r) * n + at, n, m + r,
+                                                next == nullptr ? nullptr : next + h * D);
         });
   });
   softmax_rows(sc, heads, n, m, inv);
@@ -363,14 +355,14 @@ void decode_heads_avx512(const float* __restrict q, const T* __restrict k_cache,
       for (int g0 = 0; g0 < group; g0 += H)
         with_heads<H>(std::min(H, group - g0), [&](auto g) {
           const int r = h * group + g0;
-          values_avx512<T, D, decltype(g)::value>(sc + static_cast<size_t>(r) * n + at, n, rows + h * D, token_stride,
-                                                  count, out + static_cast<int64_t>(r) * D,
-                                                  next == nullptr ? nullptr : next + h * D);
+          page_values<T, D, decltype(g)::value>(sc + static_cast<size_t>(r) * n + at, n, rows + h * D, token_stride,
+                                                count, out + static_cast<int64_t>(r) * D,
+                                                next == nullptr ? nullptr : next + h * D);
         });
   });
   for (int r = 0; r < heads; ++r)
-    for (int c = 0; c < D; c += 16)
-      _mm512_storeu_ps(out + r * D + c, _mm512_mul_ps(_mm512_loadu_ps(out + r * D + c), _mm512_set1_ps(inv[r])));
+    for (int c = 0; c < D; c += simd::kWidth)
+      simd::store(out + r * D + c, simd::mul(simd::load(out + r * D + c), simd::set1(inv[r])));
 }
 #endif
 
@@ -399,11 +391,11 @@ void decode_rows(const float* q, int64_t q_row_stride, const T* k_cache, const T
                 0.0f);
       continue;
     }
-#if defined(PIPESERVE_AVX512)
-    if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, bf16>) && D >= 32 && D % 16 == 0) {
-      decode_heads_avx512<T, D>(qb + static_cast<int64_t>(h0) * group * head_dim, k_cache, v_cache,
-                                tables + b * table_stride, page_stride, token_stride, page_size, group, h0, h1,
-                                start, len, scale, ob + static_cast<int64_t>(h0) * group * head_dim, scores);
+#if defined(PIPESERVE_SIMD)
+    if constexpr (kRowKernel<T, D>) {
+      decode_heads<T, D>(qb + static_cast<int64_t>(h0) * group * head_dim, k_cache, v_cache, tables + b * table_stride,
+                         page_stride, token_stride, page_size, group, h0, h1, start, len, scale,
+                         ob + static_cast<int64_t>(h0) * group * head_dim, scores);
       continue;
     }
 #endif
