@@ -60,8 +60,9 @@ bench: $(BENCH_STAMP)
 wheelhouse:
 	$(PY) tools/install.py wheelhouse $(WHEELHOUSE) --python-version $(PYTHON_VERSION) $(if $(EXTRAS),--extras $(EXTRAS))
 
-# The whole suite, after ruff and the type checker (CI runs this target): the fast tests spread over
-# the cores, then the slow ones in turn.
+# The whole suite, after ruff and the type checker (CI runs this target): every test but those marked
+# serial spread over the cores, each test file on one worker, then the serial ones alone (they time
+# themselves, or share one server across files).
 test: lint
 	# Docker (Debian packages) for the compose tests: they validate compose.yaml and run the deployment
 	# (tests/docker_env.py starts dockerd). Best effort: without root they skip and say why.
@@ -69,12 +70,11 @@ test: lint
 	  (apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1 || \
 	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null 2>&1) || true)
 	# Exit status 5 is "no test selected": a PYTEST_ARGS filter (-k ...) may leave one half empty.
-	$(FAST_TESTS) || test $$? -eq 5
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS) || test $$? -eq 5
+	$(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || test $$? -eq 5
+	$(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || test $$? -eq 5
 
 # Everything but the tests marked slow (process pipelines, soak, faults, interpreter end to end), one
-# pytest-xdist worker per core, each test file on one worker (its module fixtures built once). `test`
-# runs these the same way, then the slow ones one at a time: they start processes and time things.
+# pytest-xdist worker per core, each test file on one worker (its module fixtures built once).
 TEST_WORKERS ?= auto
 FAST_TESTS = $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 test-fast: $(STAMP)

@@ -23,6 +23,8 @@ from pipeserve.gpu_check.runner import SECTIONS, Context, Section, run_sections
 from tests.conftest import REPO
 
 HERE = "tests.test_gpu_check"
+# serial: sections run under time limits and a time budget, which a second worker beside them would eat.
+pytestmark = pytest.mark.serial
 
 
 # Sections for the runner tests (imported by the runner's child processes).

@@ -39,7 +39,8 @@ OFFLINE = ("No matching distribution", "Could not find a version", "NewConnectio
            "Network is unreachable", "Temporary failure in name resolution", "Connection refused",
            "Max retries exceeded", "ProxyError", "Read timed out")
 
-pytestmark = pytest.mark.slow
+# serial: two compiler children take both cores of a small host
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def triton_at(version: str) -> Path:

@@ -10,7 +10,7 @@ import pytest
 
 from pipeserve.bench.reliability import PHASES, abort_storm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(150)]
 
 
 def test_abort_storm_leaves_no_state(pipeline):

@@ -9,7 +9,7 @@ import pytest
 
 from pipeserve.bench.reliability import run_bad_inputs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(120)]
 
 
 def test_bad_input_table(pipeline):

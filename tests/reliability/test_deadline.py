@@ -8,7 +8,7 @@ import pytest
 from pipeserve.gateway.client import Completion
 from tests.deadlines import mid_generation_deadline
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(60)]
 
 
 def test_deadline_aborts_in_the_engine_within_a_few_steps(pipeline):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pipeserve.messages import MESSAGE_TYPES, VERSION
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(120)]
 SOCKETS = ("requests", "control", "steps", "deltas", "errors", "status")
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
                     st.text(max_size=8), st.binary(max_size=16))

@@ -13,7 +13,7 @@ import pytest
 
 from pipeserve.bench import hostile_http
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a whole `pipeserve up`
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]  # a whole `pipeserve up`
 
 
 def test_hostile_http_leaves_no_traceback_and_no_state(pipeline: Any) -> None:

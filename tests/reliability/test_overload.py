@@ -11,7 +11,7 @@ import pytest
 from pipeserve.bench.reliability import overload
 from tests.reliability.conftest import start
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(150)]
 LIMIT = 4
 
 

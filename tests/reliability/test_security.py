@@ -26,7 +26,7 @@ from pipeserve.local_cluster import ROOT
 from tests.reliability.conftest import start
 from tests.test_gateway import FakePipeline
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(60)]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from pipeserve.bench.soak import SHORT_THRESHOLD_MB_PER_MIN, default_threshold, growth, print_soak, soak
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(150)]
 # The 60-s threshold, 3 MiB/min (SHORT_THRESHOLD_MB_PER_MIN). At the soak's 10 requests/s over 60 s,
 # the second-half slopes measured here (5 runs, load average 0.8-5) were: tokenizers 0.2-0.9 MiB/min
 # (their `tokenizers` BPE cache filling with distinct prompts, bounded at ~49 MiB), engine 0.1-0.6,

@@ -22,7 +22,7 @@ from pipeserve.messages import EngineRequest, WorkerReady, decode, encode, pack_
 from pipeserve.sampling_params import SamplingParams
 from tests.reliability.conftest import start
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from pipeserve.bench.reliability import FAULT_PROCESSES, fault_under_load
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("name", FAULT_PROCESSES)
