@@ -33,8 +33,9 @@ def threads(request):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# The AVX-512 path takes query heads in passes of 256 / dim: (2, 3, 64) is one partial pass, (1, 6, 64),
-# (1, 5, 128) and (1, 9, 32) a full pass and a partial one.
+# The row kernel takes query heads in passes of 256 / dim with AVX-512 and 96 / dim with AVX2. AVX-512:
+# (2, 3, 64) is one partial pass, (1, 6, 64), (1, 5, 128) and (1, 9, 32) a full pass and a partial one;
+# AVX2: (1, 4, 16) one partial pass, (1, 9, 32) three full ones, dim 64 and 128 one head a pass.
 @pytest.mark.parametrize(("hkv", "group", "dim"), [(2, 2, 8), (1, 4, 16), (2, 1, 64), (1, 2, 80), (2, 3, 64),
                                                    (1, 6, 64), (1, 5, 128), (1, 9, 32)])
 @pytest.mark.parametrize("window", [None, 7])

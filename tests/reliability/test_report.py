@@ -14,7 +14,7 @@ from pipeserve.bench.reliability import FaultResult, OverloadResult, StormResult
 from pipeserve.bench.report import write_json
 from pipeserve.bench.soak import SoakResult, growth
 
-pytestmark = [pytest.mark.serial, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 TIMES = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 
